@@ -1,0 +1,1 @@
+"""shardflow: parameter-server training, input pipelines and a cluster-wide profiler for PyTorch."""
