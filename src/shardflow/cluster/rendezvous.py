@@ -1,0 +1,55 @@
+"""The control plane: a `torch.distributed.TCPStore` hosted by the chief, with waits that say who they wait for."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+from torch.distributed import TCPStore
+
+
+class ControlPlaneError(RuntimeError):
+    """A control-plane wait expired or the chief's store could not be reached."""
+
+
+class ControlPlane:
+    """Small keys, counters and waits shared by every role of one job."""
+
+    def __init__(self, chief_address: str, *, is_chief: bool, timeout_s: float = 120.0) -> None:
+        host, _, port = chief_address.rpartition(":")
+        self.address = chief_address
+        self.timeout_s = timeout_s
+        try:
+            self.store = TCPStore(
+                host,
+                int(port),
+                is_master=is_chief,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=timeout_s),
+            )
+        except (RuntimeError, OSError) as error:
+            action = "host" if is_chief else "reach"
+            raise ControlPlaneError(
+                f"could not {action} the control plane of the chief at {chief_address} within {timeout_s:.0f}s: {error}"
+            ) from error
+
+    def set(self, key: str, value: str) -> None:
+        self.store.set(key, value)
+
+    def is_set(self, key: str) -> bool:
+        return bool(self.store.check([key]))
+
+    def get(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> str:
+        """Wait until `key` is set; on expiry the error names what was awaited."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        while not self.is_set(key):
+            if time.monotonic() > deadline:
+                raise ControlPlaneError(
+                    f"waited {timeout_s:.0f}s for {waiting_for} (key {key!r} on the control plane at {self.address})"
+                )
+            time.sleep(0.02)
+        return bytes(self.store.get(key)).decode()
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self.store.add(key, amount))

@@ -1,0 +1,5 @@
+"""`sf.optim.*`: optimizers that run on the parameter servers through `torch.optim`."""
+
+from shardflow.ps.optimizers import SGD, Adagrad, Adam, AdamW, OptimizerSpec, RMSprop
+
+__all__ = ["SGD", "Adagrad", "Adam", "AdamW", "OptimizerSpec", "RMSprop"]

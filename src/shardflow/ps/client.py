@@ -1,0 +1,202 @@
+"""The worker's and chief's side of the PS protocol: split gradients by placement, reassemble parameters."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shardflow.comm.client import Client
+from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.optimizers import OptimizerSpec
+from shardflow.ps.placement import Piece, Placement
+
+
+@dataclass(frozen=True)
+class StepReply:
+    """What the PS answered to one push or pull: the global step after it, and whether training is over."""
+
+    step: int
+    stop: bool
+
+
+class ParameterClient:
+    """Talks to every PS for one model replica: pushes its gradients and loads the parameters they send back."""
+
+    def __init__(
+        self,
+        client: Client,
+        ps_addresses: Sequence[str],
+        placement: Placement,
+        model: torch.nn.Module,
+        *,
+        timeout_s: float = 60.0,
+        worker_index: int = -1,
+    ) -> None:
+        if len(ps_addresses) != placement.num_ps:
+            raise ValueError(
+                f"placement is for {placement.num_ps} PS but {len(ps_addresses)} addresses were given"
+            )
+        self.client = client
+        self.placement = placement
+        self.timeout_s = timeout_s
+        self.worker_index = worker_index
+        self.peers = [f"ps:{k}" for k in range(placement.num_ps)]
+        for peer, address in zip(self.peers, ps_addresses, strict=True):
+            client.connect(peer, address)
+        named = dict(model.named_parameters())
+        missing = [p.name for p in placement.pieces if p.name not in named]
+        if missing:
+            raise ValueError(f"the placement names variables the model lacks: {missing[:5]}")
+        self.named = named
+        # Per PS: its dtype buffers in a fixed order, and the pieces packed into each, by offset.
+        self.dtypes: list[list[str]] = [
+            list(placement.buffer_sizes(k)) for k in range(placement.num_ps)
+        ]
+        self.pieces: list[dict[str, list[Piece]]] = []
+        for k in range(placement.num_ps):
+            by_dtype: dict[str, list[Piece]] = {d: [] for d in self.dtypes[k]}
+            for piece in placement.on_ps(k):
+                by_dtype[piece.dtype].append(piece)
+            for items in by_dtype.values():
+                items.sort(key=lambda p: p.offset)
+            self.pieces.append(by_dtype)
+        self._pending: dict[str, int] = {}
+        self._hooks: list[Any] = []
+        self._remaining: list[int] = []
+        self._push_header: dict[str, Any] = {}
+
+    # -- moving tensors ---------------------------------------------------------------------------
+
+    def _gather(self, ps: int, use_grads: bool) -> list[torch.Tensor]:
+        buffers = []
+        for dtype in self.dtypes[ps]:
+            parts = []
+            for piece in self.pieces[ps][dtype]:
+                param = self.named[piece.name]
+                source = param.grad if use_grads else param.detach()
+                if source is None:
+                    source = torch.zeros_like(param)
+                if piece.partitioned:
+                    source = source[piece.row_start : piece.row_end]
+                parts.append(source.reshape(-1))
+            buffers.append(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
+        return buffers
+
+    def _scatter(self, ps: int, buffers: Sequence[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for dtype, flat in zip(self.dtypes[ps], buffers, strict=True):
+                for piece in self.pieces[ps][dtype]:
+                    target = self.named[piece.name]
+                    if piece.partitioned:
+                        target = target[piece.row_start : piece.row_end]
+                    target.copy_(
+                        flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
+                    )
+
+    def _wait(self, peer_seqs: dict[str, int], load_params: bool) -> StepReply:
+        step, stop = 0, False
+        for peer, seq in peer_seqs.items():
+            header, tensors = self.client.recv(peer, seq, self.timeout_s)
+            if load_params and tensors:
+                self._scatter(int(peer.split(":")[1]), tensors)
+            if peer == "ps:0":
+                step = int(header["step"])
+            stop = stop or bool(header.get("stop"))
+        return StepReply(step, stop)
+
+    # -- chief ----------------------------------------------------------------------------------
+
+    def init_servers(self, optimizer: OptimizerSpec, apply: ApplyConfig, step: int = 0) -> None:
+        """Send each PS its initial shard values, optimizer and update rule."""
+        seqs = {}
+        for k, peer in enumerate(self.peers):
+            header = {
+                "op": "init",
+                "dtypes": self.dtypes[k],
+                "optimizer": optimizer.to_json(),
+                "apply": apply.to_json(),
+                "step": step,
+            }
+            seqs[peer] = self.client.send(peer, header, self._gather(k, use_grads=False))
+        self._wait(seqs, load_params=False)
+
+    def fetch_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Every variable reassembled from its pieces, plus the PS' counters; loads them into the model too."""
+        seqs = {peer: self.client.send(peer, {"op": "state"}) for peer in self.peers}
+        stats: dict[str, Any] = {}
+        for k, peer in enumerate(self.peers):
+            header, tensors = self.client.recv(peer, seqs[peer], self.timeout_s)
+            self._scatter(k, tensors[: len(self.dtypes[k])])
+            stats[peer] = {"step": header["step"], **header["stats"]}
+        return {name: p.detach().clone() for name, p in self.named.items()}, stats
+
+    def shutdown(self) -> None:
+        seqs = {peer: self.client.send(peer, {"op": "shutdown"}) for peer in self.peers}
+        self._wait(seqs, load_params=False)
+
+    # -- worker ---------------------------------------------------------------------------------
+
+    def global_step(self) -> int:
+        header, _ = self.client.request("ps:0", {"op": "step"}, timeout_s=self.timeout_s)
+        return int(header["step"])
+
+    def pull(self, min_step: int = 0) -> StepReply:
+        """Fetch every PS's shards in parallel and load them into the model."""
+        seqs = {
+            peer: self.client.send(peer, {"op": "pull", "min_step": min_step})
+            for peer in self.peers
+        }
+        return self._wait(seqs, load_params=True)
+
+    def begin_push(self, header: dict[str, Any]) -> None:
+        """Start a step: each PS's gradients are pushed as soon as backward has produced all of them."""
+        self._push_header = {"op": "push", "w": self.worker_index, **header}
+        self._pending = {}
+        if not self._hooks:
+            self._install_hooks()
+        self._remaining = [sum(len(v) for v in by_dtype.values()) for by_dtype in self.pieces]
+
+    def _install_hooks(self) -> None:
+        pieces_of: dict[str, list[int]] = {}
+        for piece in self.placement.pieces:
+            pieces_of.setdefault(piece.name, []).append(piece.ps)
+        for name, servers in pieces_of.items():
+
+            def ready(_param: torch.Tensor, servers: list[int] = servers) -> None:
+                for ps in servers:
+                    self._remaining[ps] -= 1
+                    if self._remaining[ps] == 0:
+                        self._send_push(ps)
+
+            self._hooks.append(self.named[name].register_post_accumulate_grad_hook(ready))
+
+    def _send_push(self, ps: int) -> None:
+        peer = self.peers[ps]
+        if peer not in self._pending:
+            self._pending[peer] = self.client.send(
+                peer, self._push_header, self._gather(ps, use_grads=True)
+            )
+
+    def end_push(self) -> dict[str, int]:
+        """Push what the hooks have not sent (variables without gradients push zeros); returns the requests."""
+        for ps in range(len(self.peers)):
+            self._send_push(ps)
+        return dict(self._pending)
+
+    def wait_push(self, requests: dict[str, int], load_params: bool = True) -> StepReply:
+        return self._wait(requests, load_params=load_params)
+
+    def done(self) -> None:
+        seqs = {
+            peer: self.client.send(peer, {"op": "done", "w": self.worker_index})
+            for peer in self.peers
+        }
+        self._wait(seqs, load_params=False)
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []

@@ -1,0 +1,253 @@
+"""The parameter server: holds this PS's shards in flat buffers, applies pushed gradients, counts the global step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shardflow.comm.server import Request, Server
+from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.optimizers import OptimizerSpec
+
+log = logging.getLogger(__name__)
+
+
+class ParameterServer:
+    """Serves one PS's variables. Single-threaded: requests are handled in arrival order, replies may be deferred."""
+
+    def __init__(self, server: Server, index: int) -> None:
+        self.server = server
+        self.index = index
+        self.config = ApplyConfig()
+        self.dtypes: list[str] = []
+        self.params: list[torch.nn.Parameter] = []
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.step = 0
+        self.initialized = False
+        self.active: set[int] = set()
+        self.clocks: dict[int, int] = {}
+        self.stats = {"applied": 0, "dropped_stale": 0, "dropped_after_max_steps": 0}
+        # sync: gradients of the current version, summed, and the pushes waiting for that version's update.
+        self._accumulated: list[torch.Tensor] = []
+        self._num_accumulated = 0
+        self._waiting_for_update: list[Request] = []
+        # ssp: pushes whose reply is held until the slowest worker catches up; (request, clock it needs).
+        self._held: list[tuple[Request, int]] = []
+        # sync: pulls waiting for a version that has not been applied yet; (request, min_step).
+        self._pulls: list[tuple[Request, int]] = []
+        self._snapshot: list[torch.Tensor] | None = None
+        self._shutdown = False
+        self._handlers: dict[str, Callable[[Request], None]] = {
+            "init": self._on_init,
+            "pull": self._on_pull,
+            "push": self._on_push,
+            "done": self._on_done,
+            "step": self._on_step,
+            "state": self._on_state,
+            "shutdown": self._on_shutdown,
+        }
+
+    # -- loop ---------------------------------------------------------------------------------
+
+    def serve(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5) -> None:
+        """Handle requests until a shutdown request arrives or `should_stop()` says the job is over."""
+        while not self._shutdown:
+            request = self.server.recv(timeout_s=poll_s)
+            if request is None:
+                if should_stop():
+                    return
+                continue
+            handler = self._handlers.get(request.op)
+            if handler is None:
+                self.server.reply_error(
+                    request, f"ps:{self.index} does not know the request {request.op!r}"
+                )
+                continue
+            if not self.initialized and request.op not in ("init", "step", "shutdown"):
+                self.server.reply_error(
+                    request, f"ps:{self.index} is not initialised yet; the chief sends 'init' first"
+                )
+                continue
+            try:
+                handler(request)
+            except (ValueError, KeyError, RuntimeError) as error:
+                log.exception("ps:%d failed on %r from %s", self.index, request.op, request.sender)
+                self.server.reply_error(
+                    request, f"ps:{self.index} failed on {request.op!r}: {error}"
+                )
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def finished(self) -> bool:
+        return self.config.max_steps is not None and self.step >= self.config.max_steps
+
+    def _header(self, **extra: Any) -> dict[str, Any]:
+        return {"step": self.step, "stop": self.finished, **extra}
+
+    def _params_snapshot(self) -> list[torch.Tensor]:
+        # Replies go out zero-copy while the next update changes the buffers in place, so they carry a copy,
+        # made once per version and shared by every reply of that version.
+        if self._snapshot is None:
+            self._snapshot = [p.detach().clone() for p in self.params]
+        return self._snapshot
+
+    def _reply_params(self, request: Request, **extra: Any) -> None:
+        self.server.reply(request, self._header(**extra), self._params_snapshot())
+
+    def _apply(self, grads: list[torch.Tensor]) -> None:
+        # A PS that holds no variables still counts steps, so every PS agrees on the global step.
+        if self.optimizer is not None:
+            for param, grad in zip(self.params, grads, strict=True):
+                param.grad = grad
+            self.optimizer.step()
+            for param in self.params:
+                param.grad = None
+        self.step += 1
+        self.stats["applied"] += 1
+        self._snapshot = None
+
+    # -- handlers -----------------------------------------------------------------------------
+
+    def _on_init(self, request: Request) -> None:
+        header = request.header
+        self.config = ApplyConfig.from_json(header["apply"])
+        self.dtypes = list(header["dtypes"])
+        if len(request.tensors) != len(self.dtypes):
+            raise ValueError(
+                f"init carries {len(request.tensors)} buffers for dtypes {self.dtypes}"
+            )
+        self.params = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in request.tensors]
+        self.optimizer = (
+            OptimizerSpec.from_json(header["optimizer"]).build(list(self.params))
+            if self.params
+            else None
+        )
+        self.step = int(header.get("step", 0))
+        self.active = set(range(self.config.num_workers))
+        self.clocks = dict.fromkeys(self.active, 0)
+        self._snapshot = None
+        self.initialized = True
+        self.server.reply(request, self._header())
+
+    def _on_pull(self, request: Request) -> None:
+        min_step = int(request.header.get("min_step", 0))
+        if self.step >= min_step or self.finished:
+            self._reply_params(request)
+        else:
+            self._pulls.append((request, min_step))
+
+    def _on_push(self, request: Request) -> None:
+        worker = int(request.header["w"])
+        if self.finished:
+            self.stats["dropped_after_max_steps"] += 1
+            self.server.reply(request, self._header(dropped=True))
+            return
+        grads = list(request.tensors)
+        if len(grads) != len(self.params):
+            raise ValueError(
+                f"push from worker:{worker} carries {len(grads)} buffers, ps:{self.index} holds {len(self.params)}"
+            )
+        mode = self.config.mode
+        if mode == "sync":
+            self._push_sync(request, grads)
+            return
+        self._apply(grads)
+        self.clocks[worker] = self.clocks.get(worker, 0) + 1
+        if mode == "ssp":
+            self._held.append((request, self.clocks[worker]))
+            self._release_held()
+        elif request.header.get("want_params", True):
+            self._reply_params(request)
+        else:
+            self.server.reply(request, self._header())
+        self._release_pulls()
+
+    def _push_sync(self, request: Request, grads: list[torch.Tensor]) -> None:
+        base_step = int(request.header["base_step"])
+        if base_step < self.step:
+            self.stats["dropped_stale"] += 1
+            self._reply_params(request, stale=True)
+            return
+        if base_step > self.step:
+            raise ValueError(
+                f"push for step {base_step} arrived before ps:{self.index} reached it (at {self.step})"
+            )
+        if self._num_accumulated == 0:
+            self._accumulated = [g.clone() for g in grads]
+        else:
+            for total, grad in zip(self._accumulated, grads, strict=True):
+                total.add_(grad)
+        self._num_accumulated += 1
+        self._waiting_for_update.append(request)
+        self._maybe_apply_sync()
+
+    def _maybe_apply_sync(self) -> None:
+        needed = min(self.config.replicas, max(len(self.active), 1))
+        if self._num_accumulated == 0 or self._num_accumulated < needed:
+            return
+        count = self._num_accumulated
+        self._apply([total.div_(count) for total in self._accumulated])
+        self._accumulated, self._num_accumulated = [], 0
+        waiting, self._waiting_for_update = self._waiting_for_update, []
+        for request in waiting:
+            self._reply_params(request)
+        self._release_pulls()
+
+    def _release_held(self) -> None:
+        if not self._held:
+            return
+        active_clocks = [self.clocks.get(w, 0) for w in self.active]
+        slowest = min(active_clocks) if active_clocks else None
+        still_held = []
+        for request, clock in self._held:
+            # The worker wants to start step `clock`; it may while it is at most max_staleness ahead.
+            if slowest is None or clock - slowest <= self.config.max_staleness or self.finished:
+                self._reply_params(request)
+            else:
+                still_held.append((request, clock))
+        self._held = still_held
+
+    def _release_pulls(self) -> None:
+        if not self._pulls:
+            return
+        ready = [(r, s) for r, s in self._pulls if self.step >= s or self.finished]
+        self._pulls = [(r, s) for r, s in self._pulls if not (self.step >= s or self.finished)]
+        for request, _ in ready:
+            self._reply_params(request)
+
+    def _on_done(self, request: Request) -> None:
+        self.active.discard(int(request.header["w"]))
+        self.server.reply(request, self._header())
+        if self.config.mode == "sync":
+            self._maybe_apply_sync()
+        self._release_held()
+
+    def _on_step(self, request: Request) -> None:
+        self.server.reply(request, self._header(initialized=self.initialized))
+
+    def _on_state(self, request: Request) -> None:
+        """Parameters and optimizer slots, for checkpoints: slot tensors follow the parameters."""
+        tensors: list[torch.Tensor] = [p.detach().clone() for p in self.params]
+        slots: list[dict[str, Any]] = []
+        for param in self.params:
+            entry: dict[str, Any] = {}
+            state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    entry[key] = {"tensor": len(tensors)}
+                    tensors.append(value.detach().clone())
+                else:
+                    entry[key] = {"value": float(value)}
+            slots.append(entry)
+        stats = {**self.stats, "duplicates": self.server.duplicates}
+        self.server.reply(
+            request, self._header(dtypes=self.dtypes, slots=slots, stats=stats), tensors
+        )
+
+    def _on_shutdown(self, request: Request) -> None:
+        self.server.reply(request, self._header())
+        self._shutdown = True

@@ -1,0 +1,82 @@
+"""The user's specs: what to train on, for how long, and what to evaluate."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any
+
+import torch
+
+InputFn = Callable[["InputContext"], Iterable[Any]]
+MetricFn = Callable[[torch.nn.Module, Any], Any]
+
+
+@dataclass(frozen=True)
+class InputContext:
+    """Which slice of the input this process reads: shard with `num_workers` and `worker_index`."""
+
+    num_workers: int = 1
+    worker_index: int = 0
+
+    @property
+    def num_input_pipelines(self) -> int:
+        return self.num_workers
+
+    @property
+    def input_pipeline_id(self) -> int:
+        return self.worker_index
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """Training length: `max_steps` global steps, or `epochs` passes over the data across the whole cluster."""
+
+    input_fn: InputFn
+    """Called once per epoch on every worker with its InputContext; returns an iterable of batches."""
+    _: KW_ONLY
+    max_steps: int | None = None
+    """Stop at this global step (exact: the PS apply no update beyond it)."""
+    epochs: int | None = None
+    """Every record is seen this many times across all workers, when input_fn shards by worker."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps is None and self.epochs is None:
+            raise ValueError(
+                "TrainSpec needs max_steps=... or epochs=... (or both; whichever ends first)"
+            )
+        if self.max_steps is not None and self.max_steps < 0:
+            raise ValueError(f"TrainSpec.max_steps must be >= 0, got {self.max_steps}")
+        if self.epochs is not None and self.epochs < 1:
+            raise ValueError(f"TrainSpec.epochs must be >= 1, got {self.epochs}")
+
+
+@dataclass(frozen=True)
+class EvalSpec:
+    """Evaluation on the chief after training: the mean of the loss and each metric over the eval batches."""
+
+    input_fn: InputFn
+    """Called with InputContext(1, 0); returns an iterable of batches."""
+    _: KW_ONLY
+    steps: int | None = None
+    """Evaluate at most this many batches; None means the whole input."""
+    metrics: Mapping[str, MetricFn] = field(default_factory=dict)
+    """name -> fn(model, batch) returning a number or scalar tensor, averaged over batches."""
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What `train_and_evaluate` and `Estimator.train` return in the chief."""
+
+    global_step: int
+    metrics: dict[str, float]
+    checkpoint: str | None
+    first_loss: float | None
+    final_loss: float | None
+    elapsed_s: float
+    worker_steps: dict[str, int]
+    ps_stats: dict[str, Any]
+
+    @property
+    def global_steps_per_s(self) -> float:
+        return self.global_step / self.elapsed_s if self.elapsed_s > 0 else 0.0

@@ -1,0 +1,140 @@
+"""A real ParameterServer on a loopback socket, driven through ParameterClient."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from shardflow.comm.client import Client
+from shardflow.comm.server import Server
+from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.client import ParameterClient
+from shardflow.ps.optimizers import SGD, Adam
+from shardflow.ps.placement import Partitioner, place
+from shardflow.ps.server import ParameterServer
+
+
+class Cluster:
+    """`num_ps` servers, each serving in its own thread."""
+
+    def __init__(self, num_ps: int) -> None:
+        self.servers = [Server("tcp://127.0.0.1:0") for _ in range(num_ps)]
+        self.ps = [ParameterServer(s, k) for k, s in enumerate(self.servers)]
+        self.threads = [threading.Thread(target=ps.serve, daemon=True) for ps in self.ps]
+        for t in self.threads:
+            t.start()
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    def client(self, model: torch.nn.Module, placement, worker_index: int = 0) -> ParameterClient:
+        return ParameterClient(Client(f"worker:{worker_index}"), self.addresses, placement, model,
+                               timeout_s=5, worker_index=worker_index)
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(3)
+    yield c
+    chief = Client("chief")
+    for k, address in enumerate(c.addresses):
+        chief.connect(f"ps:{k}", address)
+        chief.request(f"ps:{k}", {"op": "shutdown"}, timeout_s=5)
+    chief.close()
+    for t in c.threads:
+        t.join(timeout=5)
+    for s in c.servers:
+        s.close()
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(1)
+    return torch.nn.Sequential(torch.nn.Embedding(1000, 16), torch.nn.Flatten(), torch.nn.Linear(16 * 3, 5))
+
+
+def test_a_partitioned_tensor_round_trips_exactly(cluster):
+    model = _model()
+    placement = place(model.named_parameters(), 3, Partitioner(fixed_shards=3))
+    assert sum(p.name == "0.weight" and p.partitioned for p in placement.pieces) == 3
+    chief = cluster.client(model, placement)
+    chief.init_servers(SGD(lr=0.1), ApplyConfig(num_workers=1))
+
+    fresh = torch.nn.Sequential(torch.nn.Embedding(1000, 16), torch.nn.Flatten(), torch.nn.Linear(16 * 3, 5))
+    worker = cluster.client(fresh, placement)
+    worker.pull()
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+
+
+def test_async_push_applies_sgd_on_the_ps_and_counts_one_step(cluster):
+    model = _model()
+    placement = place(model.named_parameters(), 3, Partitioner(fixed_shards=2))
+    cluster.client(model, placement).init_servers(SGD(lr=0.5), ApplyConfig(num_workers=1))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    worker = cluster.client(model, placement)
+    worker.begin_push({"base_step": 0})
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    reply = worker.wait_push(worker.end_push())
+    assert reply.step == 1
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), before[name] - 0.5 * grads[name], rtol=0, atol=1e-6)
+    assert worker.global_step() == 1
+
+
+def test_adam_slots_live_on_the_ps_and_come_back_in_the_state(cluster):
+    model = _model()
+    placement = place(model.named_parameters(), 3)
+    chief = cluster.client(model, placement)
+    chief.init_servers(Adam(lr=1e-2), ApplyConfig(num_workers=1))
+    worker = cluster.client(model, placement)
+    worker.begin_push({"base_step": 0})
+    model(torch.tensor([[4, 5, 6]])).sum().backward()
+    worker.wait_push(worker.end_push())
+    _, stats = chief.fetch_state()
+    assert all(s["applied"] == 1 for s in stats.values() if s["step"])
+
+
+def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    placement = place(model.named_parameters(), 3)
+    cluster.client(model, placement).init_servers(
+        SGD(lr=1.0), ApplyConfig(mode="sync", num_workers=3, replicas_to_aggregate=2)
+    )
+    workers = [cluster.client(torch.nn.Linear(2, 1, bias=False), placement, worker_index=i) for i in range(3)]
+    requests = []
+    for i, w in enumerate(workers):
+        w.pull()
+        w.begin_push({"base_step": 0})
+        param = dict(w.named)["weight"]
+        param.grad = torch.full_like(param, float(i + 1))
+        requests.append(w.end_push())
+    replies = [w.wait_push(r) for w, r in zip(workers, requests, strict=True)]
+    # Workers 0 and 1 were aggregated: weight = 0 - mean(1, 2) = -1.5; worker 2 arrived late.
+    assert [r.step for r in replies] == [1, 1, 1]
+    for w in workers:
+        assert torch.equal(dict(w.named)["weight"].detach(), torch.full((1, 2), -1.5))
+    _, stats = workers[0].fetch_state()
+    owner = next(s for s in stats.values() if s["applied"])
+    assert owner["dropped_stale"] == 1
+
+
+def test_pushes_after_max_steps_are_dropped_and_counted(cluster):
+    model = torch.nn.Linear(2, 2)
+    placement = place(model.named_parameters(), 3)
+    cluster.client(model, placement).init_servers(SGD(lr=0.1), ApplyConfig(num_workers=1, max_steps=2))
+    worker = cluster.client(model, placement)
+    replies = []
+    for _ in range(3):
+        worker.begin_push({"base_step": 0})
+        model(torch.ones(1, 2)).sum().backward()
+        replies.append(worker.wait_push(worker.end_push()))
+    assert [(r.step, r.stop) for r in replies] == [(1, False), (2, True), (2, True)]
+    _, stats = worker.fetch_state()
+    assert stats["ps:0"]["dropped_after_max_steps"] == 1
