@@ -1,0 +1,302 @@
+"""Runs one local process per task of a ClusterSpec, prefixes their output, stops them together."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass
+from types import FrameType, TracebackType
+from typing import IO, Any, TextIO
+
+from shardflow.cluster.spec import CLUSTER_ENV, ClusterSpec, TaskSpec
+
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class RoleExit:
+    """How one task's process ended."""
+
+    task: TaskSpec
+    pid: int
+    returncode: int
+
+    def describe(self) -> str:
+        text = f"{self.task.name} (pid {self.pid}) exited with code {self.returncode}"
+        if self.returncode < 0:
+            with contextlib.suppress(ValueError):  # not every negative code names a signal
+                text += f" ({signal.Signals(-self.returncode).name})"
+        return text
+
+
+class LocalLauncher:
+    """Starts one process per task of a ClusterSpec, all running one command, and watches them."""
+
+    def __init__(
+        self,
+        spec: ClusterSpec,
+        command: Sequence[str],
+        *,
+        skip: Collection[TaskSpec] = (),
+        env: Mapping[str, str] | None = None,
+        prefix_output: bool = True,
+        output: TextIO | None = None,
+    ) -> None:
+        if not command or isinstance(command, str):
+            raise ValueError(
+                f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], "
+                f"got {command!r}"
+            )
+        for task in skip:
+            spec.validate_task(task)
+        self._tasks = [task for task in spec.tasks() if task not in skip]
+        self._spec = spec
+        self._command = list(command)
+        self._env = dict(env or {})
+        self._prefix_output = prefix_output
+        self._output = output if output is not None else sys.stdout
+        self._write_lock = threading.Lock()
+        self._state = threading.Condition()
+        self._processes: dict[TaskSpec, subprocess.Popen[bytes]] = {}
+        self._exits: list[RoleExit] = []
+        self._first_failure: RoleExit | None = None
+        self._readers: list[threading.Thread] = []
+        self._started = False
+        self._stopping = False
+        self._stopped = False
+
+    def start(self) -> None:
+        """Starts every task not skipped. Call it from a thread that outlives the children.
+
+        Linux delivers the parent-death signal when the *thread* that forked a child exits.
+        """
+        if self._started:
+            raise RuntimeError("LocalLauncher.start() was already called")
+        self._started = True
+        die_with_parent = _die_with_parent()
+        try:
+            for task in self._tasks:
+                self._processes[task] = subprocess.Popen(
+                    self._command,
+                    env=self._child_env(task),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                    preexec_fn=die_with_parent,
+                )
+        except BaseException:
+            self._follow_processes()
+            self.stop(grace_s=0)
+            raise
+        self._follow_processes()
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {task.name: process.pid for task, process in self._processes.items()}
+
+    def wait(self, timeout_s: float | None = None) -> RoleExit | None:
+        """Waits until all tasks exited (None if all exited 0) or one failed (returns that one).
+
+        Exits caused by stop() are not failures.
+        """
+        self._require_started()
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._state:
+            while self._first_failure is None and len(self._exits) < len(self._processes):
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"tasks still running after {timeout_s} s: {', '.join(self._running())}"
+                    )
+                self._state.wait(remaining)
+            return self._first_failure
+
+    def watch(self, on_failure: Callable[[RoleExit], None]) -> None:
+        """Calls on_failure once, from a daemon thread, when a task fails."""
+        self._require_started()
+
+        def run() -> None:
+            with self._state:
+                self._state.wait_for(
+                    lambda: (
+                        self._first_failure is not None
+                        or self._stopping
+                        or len(self._exits) == len(self._processes)
+                    )
+                )
+                failure = self._first_failure
+            if failure is not None:
+                on_failure(failure)
+
+        self._start_thread(run)
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM to every task's process group, SIGKILL after grace_s in total, reap all."""
+        with self._state:
+            if self._stopped:
+                return
+            self._stopping = True
+        self._signal_groups(signal.SIGTERM)
+        with self._state:
+            self._state.wait_for(lambda: len(self._exits) == len(self._processes), grace_s)
+        # Also kills what the tasks left behind in their groups, e.g. a subprocess ignoring SIGTERM.
+        self._signal_groups(signal.SIGKILL)
+        with self._state:
+            self._state.wait_for(lambda: len(self._exits) == len(self._processes))
+            self._stopped = True
+        deadline = time.monotonic() + 1.0
+        for reader in self._readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+
+    def __enter__(self) -> LocalLauncher:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.stop()
+
+    def _child_env(self, task: TaskSpec) -> dict[str, str]:
+        env = {**os.environ, **self._env}
+        # Without TF_CONFIG no reader of the environment can take it for this task's role.
+        env.pop("TF_CONFIG", None)
+        env[CLUSTER_ENV] = self._spec.to_json(task)
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def _start_thread(self, target: Callable[..., None], *args: object) -> threading.Thread:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        return thread
+
+    def _follow_processes(self) -> None:
+        # Threads start only after every fork: preexec_fn runs between fork and exec.
+        for task, process in self._processes.items():
+            self._start_thread(self._wait_for, task, process)
+            assert process.stdout is not None
+            self._readers.append(self._start_thread(self._copy_output, task, process.stdout))
+
+    def _wait_for(self, task: TaskSpec, process: subprocess.Popen[bytes]) -> None:
+        returncode = process.wait()
+        with self._state:
+            role_exit = RoleExit(task, process.pid, returncode)
+            self._exits.append(role_exit)
+            if returncode != 0 and not self._stopping and self._first_failure is None:
+                self._first_failure = role_exit
+            self._state.notify_all()
+
+    def _copy_output(self, task: TaskSpec, stream: IO[bytes]) -> None:
+        prefix = f"[{task.name}] " if self._prefix_output else ""
+        writable = True
+        with stream:
+            for raw in iter(stream.readline, b""):
+                if not writable:
+                    continue  # keep draining, or the child blocks on a full pipe
+                line = raw.decode("utf-8", errors="replace")
+                if not line.endswith("\n"):
+                    line += "\n"
+                with self._write_lock:
+                    try:
+                        self._output.write(prefix + line)
+                        self._output.flush()
+                    except (OSError, ValueError):
+                        writable = False
+
+    def _signal_groups(self, signum: signal.Signals) -> None:
+        for process in self._processes.values():
+            # Each task leads its own session, so its group id is its pid even after it exited.
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signum)
+
+    def _running(self) -> list[str]:
+        exited = {role_exit.task for role_exit in self._exits}
+        return [task.name for task in self._processes if task not in exited]
+
+    def _require_started(self) -> None:
+        if not self._started:
+            raise RuntimeError("call LocalLauncher.start() first")
+
+
+def run_local(spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0) -> int:
+    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`)."""
+    launcher = LocalLauncher(spec, command)
+    previous = _install_interrupt_handlers()
+    try:
+        launcher.start()
+        failure = launcher.wait()
+        if failure is None:
+            return 0
+        print(
+            f"shardflow launch: {failure.describe()}; stopping the other roles",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
+    except _Interrupted:
+        print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
+        return 130
+    finally:
+        _ignore_interrupts(previous)
+        launcher.stop(grace_s)
+        _restore_handlers(previous)
+
+
+class _Interrupted(Exception):
+    """SIGINT or SIGTERM reached the launcher."""
+
+
+_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
+_Handlers = dict[signal.Signals, _Handler]
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise _Interrupted
+
+
+def _install_interrupt_handlers() -> _Handlers:
+    if threading.current_thread() is not threading.main_thread():
+        return {}  # only the main thread may set handlers; the caller handles its own signals
+    return {
+        signum: signal.signal(signum, _raise_interrupted)
+        for signum in (signal.SIGINT, signal.SIGTERM)
+    }
+
+
+def _ignore_interrupts(previous: _Handlers) -> None:
+    # A second Ctrl-C must not cut stop() short and leave tasks behind; stop() is bounded anyway.
+    for signum in previous:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def _restore_handlers(previous: _Handlers) -> None:
+    for signum, handler in previous.items():
+        # None means it was set outside Python and cannot be put back.
+        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+
+
+def _die_with_parent() -> Callable[[], None] | None:
+    """A preexec_fn that has Linux SIGKILL the child when the launcher dies; None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill)
+        # The launcher may have died before prctl ran; then no signal would ever come.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec

@@ -1,0 +1,185 @@
+"""LocalLauncher and run_local with real processes running small throwaway scripts."""
+
+import io
+import json
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from shardflow.cluster import ClusterSpec, LocalLauncher, RoleExit, TaskSpec, run_local
+
+# Prints its role, then sleeps or exits as the per-role table in argv[1] says ({"worker:1": 3}).
+ROLE_SCRIPT = """\
+import json, os, signal, sys, time
+task = json.loads(os.environ["SHARDFLOW_CLUSTER"])["task"]
+name = f"{task['type']}:{task['index']}"
+print(f"hello from {name}")
+print(f"pid {os.getpid()}", file=sys.stderr)
+action = json.loads(sys.argv[1]).get(name, 0)
+if action == "ignore-sigterm":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("ignoring SIGTERM", flush=True)
+    time.sleep(60)
+elif action == "sleep":
+    time.sleep(60)
+sys.exit(action)
+"""
+
+
+@pytest.fixture
+def role_command(tmp_path):
+    script = tmp_path / "role.py"
+    script.write_text(ROLE_SCRIPT)
+
+    def command(actions=None):
+        return [sys.executable, str(script), json.dumps(actions or {})]
+
+    return command
+
+
+@pytest.fixture
+def spec():
+    return ClusterSpec.local(num_workers=2, num_ps=1)
+
+
+def assert_gone(pids):
+    # A reaped or zombie process is gone; psutil also guards against a reused pid.
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_output_lines_are_prefixed_with_the_role(spec, role_command):
+    output = io.StringIO()
+    with LocalLauncher(spec, role_command(), output=output) as launcher:
+        launcher.start()
+        assert launcher.wait(timeout_s=20) is None
+
+    lines = output.getvalue().splitlines()
+    for name, index in [("chief", "chief:0"), ("ps:0", "ps:0"), ("worker:1", "worker:1")]:
+        assert f"[{name}] hello from {index}" in lines
+    assert sum(line.startswith("[worker:0] pid ") for line in lines) == 1  # stderr merged
+
+
+def test_each_task_gets_its_own_cluster_json_and_no_tf_config(spec, tmp_path):
+    script = tmp_path / "env.py"
+    script.write_text(
+        "from os import environ\n"
+        "print(environ['SHARDFLOW_CLUSTER'], environ.get('TF_CONFIG'), environ['EXTRA'], sep='|')"
+    )
+    output = io.StringIO()
+    environment = {"TF_CONFIG": '{"cluster": {}}', "EXTRA": "1"}
+    with LocalLauncher(
+        spec, [sys.executable, str(script)], env=environment, output=output
+    ) as launcher:
+        launcher.start()
+        assert launcher.wait(timeout_s=20) is None
+
+    seen = {}
+    for line in output.getvalue().splitlines():
+        name, _, rest = line.partition(" ")
+        cluster_json, tf_config, extra = rest.split("|")
+        assert (tf_config, extra) == ("None", "1")
+        seen[name] = ClusterSpec.from_tf_config(cluster_json)
+    assert seen == {f"[{task.name}]": (spec, task) for task in spec.tasks()}
+
+
+def test_skipped_tasks_are_not_started(spec, role_command):
+    with LocalLauncher(
+        spec, role_command(), skip=[TaskSpec("chief", 0)], output=io.StringIO()
+    ) as launcher:
+        launcher.start()
+        assert sorted(launcher.pids) == ["ps:0", "worker:0", "worker:1"]
+        assert launcher.wait(timeout_s=20) is None
+
+
+def test_wait_returns_the_first_failure_without_waiting_for_the_others(spec, role_command):
+    actions = {"chief:0": "sleep", "ps:0": "sleep", "worker:0": "sleep", "worker:1": 3}
+    with LocalLauncher(spec, role_command(actions), output=io.StringIO()) as launcher:
+        launcher.start()
+        failure = launcher.wait(timeout_s=20)
+
+        assert failure == RoleExit(TaskSpec("worker", 1), launcher.pids["worker:1"], 3)
+        assert all(
+            psutil.pid_exists(pid) for name, pid in launcher.pids.items() if name != "worker:1"
+        )
+
+
+def test_wait_timeout_names_the_tasks_still_running(spec, role_command):
+    actions = {"worker:1": "sleep"}
+    with LocalLauncher(spec, role_command(actions), output=io.StringIO()) as launcher:
+        launcher.start()
+        with pytest.raises(TimeoutError, match=r"still running after 1 s: worker:1$"):
+            launcher.wait(timeout_s=1)
+
+
+def test_watch_reports_a_failure_from_another_thread(spec, role_command):
+    reported = []
+    done = threading.Event()
+
+    def on_failure(role_exit):
+        reported.append((role_exit, threading.current_thread() is threading.main_thread()))
+        done.set()
+
+    actions = {"chief:0": "sleep", "ps:0": 7}
+    with LocalLauncher(spec, role_command(actions), output=io.StringIO()) as launcher:
+        launcher.start()
+        launcher.watch(on_failure)
+        assert done.wait(20)
+
+    [(role_exit, in_main_thread)] = reported
+    assert (role_exit.task.name, role_exit.returncode, in_main_thread) == ("ps:0", 7, False)
+
+
+def test_stop_kills_a_task_that_ignores_sigterm_after_the_grace_period(spec, role_command):
+    output = io.StringIO()
+    launcher = LocalLauncher(spec, role_command({"ps:0": "ignore-sigterm"}), output=output)
+    try:
+        launcher.start()
+        while "[ps:0] ignoring SIGTERM" not in output.getvalue():
+            time.sleep(0.05)
+        started = time.monotonic()
+        launcher.stop(grace_s=1.0)
+        assert time.monotonic() - started < 5
+    finally:
+        launcher.stop()
+    assert_gone(launcher.pids.values())
+
+
+def test_start_with_a_missing_program_raises(spec, tmp_path):
+    launcher = LocalLauncher(spec, [str(tmp_path / "missing")], output=io.StringIO())
+
+    with pytest.raises(FileNotFoundError):
+        launcher.start()
+    assert launcher.pids == {}
+
+
+def test_run_local_returns_zero_when_every_role_exits_zero(spec, role_command, capsys):
+    assert run_local(spec, role_command()) == 0
+    assert "[worker:1] hello from worker:1" in capsys.readouterr().out
+
+
+def test_run_local_stops_the_others_when_a_role_exits_with_code_3(spec, role_command, capsys):
+    actions = {"chief:0": "sleep", "ps:0": "sleep", "worker:0": "sleep", "worker:1": 3}
+    started = time.monotonic()
+
+    assert run_local(spec, role_command(actions)) == 1
+
+    assert time.monotonic() - started < 10
+    captured = capsys.readouterr()
+    assert "shardflow launch: worker:1 (pid " in captured.err
+    assert "exited with code 3; stopping the other roles" in captured.err
+    pids = [int(line.rsplit(" ", 1)[1]) for line in captured.out.splitlines() if " pid " in line]
+    assert len(pids) == 4
+    assert_gone(pids)
+
+
+def test_role_exit_describes_signal_and_code():
+    task = TaskSpec("worker", 1)
+
+    assert (
+        RoleExit(task, 1234, -9).describe() == "worker:1 (pid 1234) exited with code -9 (SIGKILL)"
+    )
+    assert RoleExit(task, 1234, 3).describe() == "worker:1 (pid 1234) exited with code 3"
