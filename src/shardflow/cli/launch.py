@@ -1,0 +1,65 @@
+"""Start a local cluster: one process per role, all running the same training script."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+
+from shardflow.cluster.launcher import run_local
+from shardflow.cluster.spec import ClusterSpec
+
+EPILOG = """\
+example:
+  shardflow launch --workers 4 --ps 2 train.py --lr 0.1
+
+Every role runs `python train.py --lr 0.1`; the environment variable SHARDFLOW_CLUSTER tells
+each process its role. Output lines are prefixed with the role, e.g. "[worker:0] ...".
+If one role fails, the others are stopped and the exit code is 1; Ctrl-C stops all roles.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument(
+        "--workers", type=_count(minimum=1), default=1, metavar="N", help="number of workers (1)"
+    )
+    parser.add_argument(
+        "--ps", type=_count(minimum=0), default=1, metavar="M", help="number of PS (1)"
+    )
+    parser.add_argument("--evaluator", action="store_true", help="also start an evaluator")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how long roles get to exit after SIGTERM before SIGKILL (5)",
+    )
+    parser.add_argument("script", help="the Python training script every role runs")
+    parser.add_argument(
+        "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    if not os.path.exists(args.script):
+        print(
+            f"shardflow launch: error: script {args.script!r} does not exist "
+            f"(looked in {os.getcwd()})",
+            file=sys.stderr,
+        )
+        return 2
+    spec = ClusterSpec.local(args.workers, args.ps, evaluator=args.evaluator)
+    return run_local(spec, [sys.executable, args.script, *args.script_args], grace_s=args.grace)
+
+
+def _count(minimum: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+        return value
+
+    parse.__name__ = "integer"  # argparse names the type in its "invalid ... value" message
+    return parse

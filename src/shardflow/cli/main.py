@@ -1,0 +1,35 @@
+"""Entry point of the `shardflow` command: dispatches to the subcommand modules in COMMANDS."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from types import ModuleType
+
+from shardflow.cli import launch
+
+# Each module has add_arguments(parser) and run(args) -> int, and imports heavy dependencies
+# inside run() so that `shardflow --help` stays fast.
+COMMANDS: dict[str, ModuleType] = {
+    "launch": launch,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="shardflow",
+        description="Parameter-server training, input pipelines and profiling for PyTorch.",
+    )
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, module in COMMANDS.items():
+        summary = (module.__doc__ or "").strip().splitlines()[0]
+        subparser = subparsers.add_parser(
+            name,
+            help=summary,
+            description=summary,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        module.add_arguments(subparser)
+    args = parser.parse_args(argv)
+    code: int = COMMANDS[args.command].run(args)
+    return code
