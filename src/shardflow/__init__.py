@@ -1,19 +1,37 @@
 """shardflow: parameter-server training, input pipelines and a cluster-wide profiler for PyTorch."""
 
-from shardflow import optim
-from shardflow.train.estimator import Estimator, RoleFailedError, train_and_evaluate
-from shardflow.train.specs import EvalSpec, InputContext, TrainResult, TrainSpec
-from shardflow.train.strategy import ParameterServerStrategy
+from __future__ import annotations
 
-__all__ = [
-    "EvalSpec",
-    "Estimator",
-    "InputContext",
-    "ParameterServerStrategy",
-    "RoleFailedError",
-    "TrainResult",
-    "TrainSpec",
-    "optim",
-    "train_and_evaluate",
-]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardflow import optim
+    from shardflow.train.estimator import Estimator, RoleFailedError, train_and_evaluate
+    from shardflow.train.specs import EvalSpec, InputContext, TrainResult, TrainSpec
+    from shardflow.train.strategy import ParameterServerStrategy
+
+# Imported on first use, so that the command-line tool and `shardflow.data` start without torch's import cost.
+_LAZY = {
+    "optim": "shardflow.optim",
+    "Estimator": "shardflow.train.estimator",
+    "RoleFailedError": "shardflow.train.estimator",
+    "train_and_evaluate": "shardflow.train.estimator",
+    "EvalSpec": "shardflow.train.specs",
+    "InputContext": "shardflow.train.specs",
+    "TrainResult": "shardflow.train.specs",
+    "TrainSpec": "shardflow.train.specs",
+    "ParameterServerStrategy": "shardflow.train.strategy",
+}
+
+__all__ = sorted(_LAZY)
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardflow' has no attribute {name!r}")
+    module = importlib.import_module(_LAZY[name])
+    value = module if name == "optim" else getattr(module, name)
+    globals()[name] = value
+    return value

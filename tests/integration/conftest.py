@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import subprocess
 import sys
 from pathlib import Path
@@ -56,3 +57,71 @@ def _kill_tree(pid: int) -> None:
 @pytest.fixture
 def run_job(tmp_path: Path) -> JobRun:
     return JobRun(tmp_path)
+
+
+class BackgroundJob:
+    """A job started without waiting, so a test can act on its role processes while it runs."""
+
+    def __init__(self, tmp_path: Path, job: str, **config: Any) -> None:
+        config.setdefault("model_dir", str(tmp_path / "model"))
+        config.setdefault("result", str(tmp_path / "result.json"))
+        config_path = tmp_path / "config.json"
+        config_path.write_text(json.dumps(config))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(JOBS / job), str(config_path)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.seen: set[int] = {self.proc.pid}
+
+    def roles(self) -> dict[str, psutil.Process]:
+        """Role name -> process, read from each child's SHARDFLOW_CLUSTER."""
+        found = {}
+        for child in psutil.Process(self.proc.pid).children(recursive=True):
+            try:
+                task = json.loads(child.environ().get("SHARDFLOW_CLUSTER", "{}")).get("task")
+            except (psutil.Error, ValueError):
+                continue
+            self.seen.add(child.pid)
+            if task:
+                name = task["type"] if task["type"] in ("chief", "evaluator") else f"{task['type']}:{task['index']}"
+                found[name] = child
+        return found
+
+    def wait_for_file(self, path: Path, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not path.exists():
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                pytest.fail(f"{path} never appeared:\n{self.finish(5)[1]}")
+            time.sleep(0.1)
+
+    def finish(self, timeout_s: float) -> tuple[int, str]:
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(self.proc.pid)
+            out, _ = self.proc.communicate()
+            pytest.fail(f"the job did not exit within {timeout_s}s:\n{out}")
+        return self.proc.returncode, out
+
+    def leftovers(self) -> list[int]:
+        return [pid for pid in self.seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+
+    def close(self) -> None:
+        _kill_tree(self.proc.pid)
+        for pid in self.leftovers():
+            psutil.Process(pid).kill()
+
+
+@pytest.fixture
+def start_job(tmp_path: Path):
+    jobs: list[BackgroundJob] = []
+
+    def start(job: str, **config: Any) -> BackgroundJob:
+        jobs.append(BackgroundJob(tmp_path, job, **config))
+        return jobs[-1]
+
+    yield start
+    for job in jobs:
+        job.close()

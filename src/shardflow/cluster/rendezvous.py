@@ -17,6 +17,7 @@ class ControlPlane:
 
     def __init__(self, chief_address: str, *, is_chief: bool, timeout_s: float = 120.0) -> None:
         host, _, port = chief_address.rpartition(":")
+        host = host.removeprefix("[").removesuffix("]")
         self.address = chief_address
         self.timeout_s = timeout_s
         try:

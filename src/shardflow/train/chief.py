@@ -63,8 +63,9 @@ def run_chief(
     params.init_servers(est.optimizer, apply, step=start_step)
     control.set("placement", json.dumps(placement.to_json()))
     control.set("ready", "1")
-
+    training_started = time.monotonic()
     progress = _wait_for_workers(role, strategy.heartbeat_timeout_s)
+    training_s = time.monotonic() - training_started
     tensors, ps_stats = params.fetch_state()
     global_step = int(ps_stats["ps:0"]["step"])
     manifest = {"placement": placement.to_json(), "ps_stats": ps_stats, "mode": strategy.mode}
@@ -83,6 +84,8 @@ def run_chief(
         first_loss=sum(first) / len(first) if first else None,
         final_loss=sum(final) / len(final) if final else None,
         elapsed_s=time.monotonic() - started,
+        training_s=training_s,
+        start_step=start_step,
         worker_steps={name: int(p["local_step"]) for name, p in progress.items()},
         ps_stats=ps_stats,
     )

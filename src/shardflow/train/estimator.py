@@ -149,14 +149,21 @@ def _run_chief(
     eval_spec: EvalSpec | None,
     spec: ClusterSpec,
     task: TaskSpec,
+    failures: list[RoleExit] | None = None,
 ) -> TrainResult:
     role = _connect(est, spec, task)
     try:
         return run_chief(est, train_spec, eval_spec, role)
-    except BaseException:
+    except KeyboardInterrupt:
+        if not failures:
+            raise
+        failed = failures[0]
+        key = f"failed/{failed.task.name}"
+        reason = role.control.get(key, waiting_for=failed.task.name) if role.control.is_set(key) else ""
+        raise RoleFailedError(f"{failed.describe()}{': ' + reason if reason else ''}; the job was stopped") from None
+    finally:
         # Tell every role the job is over so none waits for a chief that is gone.
         role.control.set("shutdown", "1")
-        raise
 
 
 def _run_other_role(
@@ -217,13 +224,8 @@ def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | N
     with launcher:
         launcher.start()
         launcher.watch(on_failure)
-        try:
-            result = _run_chief(est, train_spec, eval_spec, spec, chief)
-            leftover = launcher.wait(timeout_s=strategy.request_timeout_s)
-        except KeyboardInterrupt:
-            if failures:
-                raise RoleFailedError(f"{failures[0].describe()}; the job was stopped") from None
-            raise
+        result = _run_chief(est, train_spec, eval_spec, spec, chief, failures)
+        leftover = launcher.wait(timeout_s=strategy.request_timeout_s)
         if leftover is not None:
             raise RoleFailedError(f"{leftover.describe()} after training finished")
     return result

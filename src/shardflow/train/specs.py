@@ -74,9 +74,15 @@ class TrainResult:
     first_loss: float | None
     final_loss: float | None
     elapsed_s: float
+    """Wall time of the whole call in the chief, process start-up included."""
+    training_s: float
+    """From the PS being ready until the last worker finished."""
+    start_step: int
+    """The global step training started from (non-zero after a restore)."""
     worker_steps: dict[str, int]
     ps_stats: dict[str, Any]
 
     @property
     def global_steps_per_s(self) -> float:
-        return self.global_step / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        steps = self.global_step - self.start_step
+        return steps / self.training_s if self.training_s > 0 else 0.0

@@ -40,6 +40,7 @@ def loss_fn(model, batch):
         # One line per step start: the SSP test checks how far ahead each worker ran.
         with open(log_path, "a") as f:
             f.write(json.dumps({"worker": TASK.get("index"), "t": time.monotonic()}) + "\n")
+    time.sleep(config.get("step_delay_s", 0))
     slow = config.get("slow_worker_delay_s")
     if slow and TASK.get("index") == 1:
         time.sleep(slow)
@@ -53,7 +54,7 @@ strategy = sf.ParameterServerStrategy(
     max_staleness=config.get("max_staleness", 2),
     replicas_to_aggregate=config.get("replicas_to_aggregate"),
     overlap=config.get("overlap", True),
-    partitioner=sf.ParameterServerStrategy().partitioner,
+    request_timeout_s=config.get("request_timeout_s", 60.0),
 )
 est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=config.get("lr", 0.05)), strategy, config["model_dir"])
 result = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs")))

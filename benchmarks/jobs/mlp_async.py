@@ -1,0 +1,52 @@
+"""Benchmark job: MLP 64-512-512-10 (301k parameters), batch 32, on a local shardflow cluster.
+
+Usage: python mlp_async.py RESULT_JSON WORKERS PS STEPS [MODE] [OVERLAP]
+"""
+
+import json
+import sys
+import tempfile
+
+import torch
+
+import shardflow as sf
+
+result_path, num_workers, num_ps, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+mode = sys.argv[5] if len(sys.argv) > 5 else "async"
+overlap = (sys.argv[6] if len(sys.argv) > 6 else "1") == "1"
+
+
+def model_fn() -> torch.nn.Module:
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
+
+
+def input_fn(ctx: sf.InputContext):
+    generator = torch.Generator().manual_seed(ctx.worker_index)
+    x = torch.rand(4096, 64, generator=generator)
+    y = torch.randint(0, 10, (4096,), generator=generator)
+    while True:
+        for i in range(0, 4096, 32):
+            yield x[i : i + 32], y[i : i + 32]
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+strategy = sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode, overlap=overlap)
+with tempfile.TemporaryDirectory() as model_dir:
+    est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=0.01), strategy, model_dir)
+    result = est.train(input_fn, max_steps=steps)
+with open(result_path, "w") as f:
+    json.dump(
+        {
+            "global_step": result.global_step,
+            "steps_per_s": result.global_steps_per_s,
+            "training_s": result.training_s,
+            "worker_steps": result.worker_steps,
+        },
+        f,
+    )

@@ -1,0 +1,101 @@
+"""Peer: TensorFlow ParameterServerStrategy on localhost, 1 PS and W workers, MLP 64-H-H-10, batch 32.
+
+Usage: python tf_ps.py RESULT_JSON WORKERS STEPS [HIDDEN]
+Writes steps/s and the optimizer's own iteration count (TF's global step) after STEPS timed steps.
+"""
+
+import json
+import multiprocessing
+import os
+import socket
+import sys
+import time
+
+os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
+os.environ["GRPC_FAIL_FAST"] = "use_caller"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve(cluster: dict, job: str, index: int) -> None:
+    import tensorflow as tf
+
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    server = tf.distribute.Server(tf.train.ClusterSpec(cluster), job_name=job, task_index=index, protocol="grpc")
+    server.join()
+
+
+def main() -> None:
+    result_path, num_workers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    hidden = int(sys.argv[4]) if len(sys.argv) > 4 else 512
+    warmup = 50
+    cluster = {
+        "worker": [f"localhost:{free_port()}" for _ in range(num_workers)],
+        "ps": [f"localhost:{free_port()}"],
+        "chief": [f"localhost:{free_port()}"],
+    }
+    servers = [multiprocessing.Process(target=serve, args=(cluster, "worker", i), daemon=True) for i in range(num_workers)]
+    servers.append(multiprocessing.Process(target=serve, args=(cluster, "ps", 0), daemon=True))
+    for p in servers:
+        p.start()
+    import tensorflow as tf
+
+    resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
+        tf.train.ClusterSpec(cluster), task_type="chief", task_id=0, rpc_layer="grpc"
+    )
+    strategy = tf.distribute.ParameterServerStrategy(resolver)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    with strategy.scope():
+        model = tf.keras.Sequential(
+            [
+                tf.keras.Input((64,)),
+                tf.keras.layers.Dense(hidden, activation="relu"),
+                tf.keras.layers.Dense(hidden, activation="relu"),
+                tf.keras.layers.Dense(10),
+            ]
+        )
+        optimizer = tf.keras.optimizers.SGD(0.01)
+
+    def dataset_fn():
+        x = tf.random.uniform((4096, 64))
+        y = tf.random.uniform((4096,), maxval=10, dtype=tf.int64)
+        return tf.data.Dataset.from_tensor_slices((x, y)).repeat().batch(32).prefetch(2)
+
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    loss_fn = tf.keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+    @tf.function
+    def step(it):
+        def replica(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(y, model(x, training=True))
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        x, y = next(it)
+        return strategy.run(replica, args=(x, y))
+
+    for _ in range(warmup):
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
+    started = time.perf_counter()
+    for _ in range(steps):
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
+    elapsed = time.perf_counter() - started
+    with open(result_path, "w") as f:
+        json.dump(
+            {"steps_per_s": steps / elapsed, "scheduled": steps + warmup, "iterations": int(optimizer.iterations)}, f
+        )
+    for p in servers:
+        p.kill()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

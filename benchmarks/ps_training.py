@@ -1,0 +1,106 @@
+"""Parameter-server training throughput, side by side with its peers in one run.
+
+- async, 1 PS + 2 workers, MLP 64-512-512-10, batch 32: shardflow vs TensorFlow ParameterServerStrategy
+  (target >= 3x steps/s; also reports TF's own iteration count against the steps it ran);
+- 1 worker + 1 PS vs a single-process PyTorch loop (target >= 0.7x).
+
+Usage: python benchmarks/ps_training.py [--steps N] [--repeats R] [--no-tf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).parent
+
+
+def run_json(command: list[str]) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([sys.executable, *command[:1], out.name, *command[1:]], check=True, timeout=600,
+                       stdout=subprocess.DEVNULL)
+        return json.loads(Path(out.name).read_text())
+
+
+def local_loop(steps: int) -> float:
+    """The single-process PyTorch loop: same model, batch and optimizer, no parameter server."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+    )
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.rand(4096, 64)
+    y = torch.randint(0, 10, (4096,))
+    def step(i: int) -> None:
+        j = (i * 32) % 4096
+        optimizer.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x[j : j + 32]), y[j : j + 32]).backward()
+        optimizer.step()
+    for i in range(50):
+        step(i)
+    started = time.perf_counter()
+    for i in range(steps):
+        step(i)
+    return steps / (time.perf_counter() - started)
+
+
+def shardflow_job(workers: int, ps: int, steps: int, mode: str = "async", overlap: bool = True) -> dict:
+    return run_json([str(HERE / "jobs" / "mlp_async.py"), str(workers), str(ps), str(steps), mode, "1" if overlap else "0"])
+
+
+def best(runs: list[dict]) -> dict:
+    return max(runs, key=lambda r: r["steps_per_s"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow peer")
+    args = parser.parse_args()
+    r = args.repeats
+
+    local = max(local_loop(args.steps) for _ in range(r))
+    sf_1w = best([shardflow_job(1, 1, args.steps) for _ in range(r)])
+    sf_1w_no_overlap = best([shardflow_job(1, 1, args.steps, overlap=False) for _ in range(r)])
+    sf_2w = best([shardflow_job(2, 1, args.steps) for _ in range(r)])
+    rows = [
+        ("single-process PyTorch loop", local, ""),
+        ("shardflow async 1 worker + 1 PS", sf_1w["steps_per_s"], f"global_step={sf_1w['global_step']}"),
+        ("shardflow async 1w+1PS, no overlap", sf_1w_no_overlap["steps_per_s"], ""),
+        ("shardflow async 2 workers + 1 PS", sf_2w["steps_per_s"], f"global_step={sf_2w['global_step']}"),
+    ]
+    result = {
+        "local_steps_per_s": local,
+        "sf_1w1ps_steps_per_s": sf_1w["steps_per_s"],
+        "sf_1w1ps_no_overlap_steps_per_s": sf_1w_no_overlap["steps_per_s"],
+        "sf_2w1ps_steps_per_s": sf_2w["steps_per_s"],
+        "sf_2w1ps_global_step": sf_2w["global_step"],
+        "ratio_1w1ps_vs_local": sf_1w["steps_per_s"] / local,
+    }
+    if not args.no_tf:
+        tf_steps = min(args.steps, 1000)
+        tf = best([run_json([str(HERE / "peers" / "tf_ps.py"), "2", str(tf_steps)]) for _ in range(r)])
+        rows.append(("TF ParameterServerStrategy 2 workers + 1 PS", tf["steps_per_s"],
+                     f"iterations={tf['iterations']} of {tf['scheduled']} scheduled"))
+        result.update(tf_2w1ps_steps_per_s=tf["steps_per_s"], tf_iterations=tf["iterations"], tf_scheduled=tf["scheduled"],
+                      ratio_2w1ps_vs_tf=sf_2w["steps_per_s"] / tf["steps_per_s"])
+
+    print(f"{'run':48} {'steps/s':>9}  notes")
+    for name, rate, note in rows:
+        print(f"{name:48} {rate:9.0f}  {note}")
+    print(f"1 worker + 1 PS vs local loop: {result['ratio_1w1ps_vs_local']:.2f}x (target >= 0.7x)")
+    if "ratio_2w1ps_vs_tf" in result:
+        print(f"async 2 workers + 1 PS vs TF: {result['ratio_2w1ps_vs_tf']:.2f}x (target >= 3x)")
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

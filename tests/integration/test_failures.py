@@ -1,0 +1,39 @@
+"""Failures on a real local cluster: a dead worker, a hung PS. The job ends with the role named, no orphans."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+
+def test_killed_worker_fails_the_job_naming_the_role_and_leaves_no_orphans(start_job, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    job = start_job("regression.py", mode="async", num_workers=2, num_ps=1, max_steps=100_000,
+                    num_batches=100_000, step_delay_s=0.01, step_log=str(log))
+    job.wait_for_file(log)
+    roles = job.roles()
+    assert {"ps:0", "worker:0", "worker:1"} <= set(roles)
+    roles["worker:1"].send_signal(signal.SIGKILL)
+    returncode, out = job.finish(timeout_s=30)
+    assert returncode != 0
+    assert "worker:1" in out and "SIGKILL" in out, out
+    time.sleep(0.5)
+    assert job.leftovers() == []
+
+
+def test_hung_ps_fails_within_the_deadline_naming_the_peer_and_its_address(start_job, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    job = start_job("regression.py", mode="async", num_workers=1, num_ps=1, max_steps=100_000,
+                    num_batches=100_000, step_delay_s=0.01, step_log=str(log), request_timeout_s=2.0)
+    job.wait_for_file(log)
+    roles = job.roles()
+    roles["ps:0"].send_signal(signal.SIGSTOP)
+    stopped = time.monotonic()
+    returncode, out = job.finish(timeout_s=30)
+    assert returncode != 0
+    # The worker's deadline fired (2 s), not some much later watchdog.
+    assert time.monotonic() - stopped < 15
+    assert "no reply from ps:0 at tcp://127.0.0.1:" in out, out
+    assert "worker:0" in out
+    time.sleep(0.5)
+    assert job.leftovers() == []
