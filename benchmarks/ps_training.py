@@ -24,8 +24,12 @@ HERE = Path(__file__).parent
 
 def run_json(command: list[str]) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([sys.executable, *command[:1], out.name, *command[1:]], check=True, timeout=600,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [sys.executable, *command[:1], out.name, *command[1:]],
+            check=True,
+            timeout=600,
+            stdout=subprocess.DEVNULL,
+        )
         return json.loads(Path(out.name).read_text())
 
 
@@ -33,16 +37,22 @@ def local_loop(steps: int) -> float:
     """The single-process PyTorch loop: same model, batch and optimizer, no parameter server."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.rand(4096, 64)
     y = torch.randint(0, 10, (4096,))
+
     def step(i: int) -> None:
         j = (i * 32) % 4096
         optimizer.zero_grad(set_to_none=True)
         torch.nn.functional.cross_entropy(model(x[j : j + 32]), y[j : j + 32]).backward()
         optimizer.step()
+
     for i in range(50):
         step(i)
     started = time.perf_counter()
@@ -52,7 +62,16 @@ def local_loop(steps: int) -> float:
 
 
 def shardflow_job(workers: int, ps: int, steps: int, mode: str = "async", overlap: bool = True) -> dict:
-    return run_json([str(HERE / "jobs" / "mlp_async.py"), str(workers), str(ps), str(steps), mode, "1" if overlap else "0"])
+    return run_json(
+        [
+            str(HERE / "jobs" / "mlp_async.py"),
+            str(workers),
+            str(ps),
+            str(steps),
+            mode,
+            "1" if overlap else "0",
+        ]
+    )
 
 
 def best(runs: list[dict]) -> dict:
@@ -73,9 +92,17 @@ def main() -> None:
     sf_2w = best([shardflow_job(2, 1, args.steps) for _ in range(r)])
     rows = [
         ("single-process PyTorch loop", local, ""),
-        ("shardflow async 1 worker + 1 PS", sf_1w["steps_per_s"], f"global_step={sf_1w['global_step']}"),
+        (
+            "shardflow async 1 worker + 1 PS",
+            sf_1w["steps_per_s"],
+            f"global_step={sf_1w['global_step']}",
+        ),
         ("shardflow async 1w+1PS, no overlap", sf_1w_no_overlap["steps_per_s"], ""),
-        ("shardflow async 2 workers + 1 PS", sf_2w["steps_per_s"], f"global_step={sf_2w['global_step']}"),
+        (
+            "shardflow async 2 workers + 1 PS",
+            sf_2w["steps_per_s"],
+            f"global_step={sf_2w['global_step']}",
+        ),
     ]
     result = {
         "local_steps_per_s": local,
@@ -88,10 +115,19 @@ def main() -> None:
     if not args.no_tf:
         tf_steps = min(args.steps, 1000)
         tf = best([run_json([str(HERE / "peers" / "tf_ps.py"), "2", str(tf_steps)]) for _ in range(r)])
-        rows.append(("TF ParameterServerStrategy 2 workers + 1 PS", tf["steps_per_s"],
-                     f"iterations={tf['iterations']} of {tf['scheduled']} scheduled"))
-        result.update(tf_2w1ps_steps_per_s=tf["steps_per_s"], tf_iterations=tf["iterations"], tf_scheduled=tf["scheduled"],
-                      ratio_2w1ps_vs_tf=sf_2w["steps_per_s"] / tf["steps_per_s"])
+        rows.append(
+            (
+                "TF ParameterServerStrategy 2 workers + 1 PS",
+                tf["steps_per_s"],
+                f"iterations={tf['iterations']} of {tf['scheduled']} scheduled",
+            )
+        )
+        result.update(
+            tf_2w1ps_steps_per_s=tf["steps_per_s"],
+            tf_iterations=tf["iterations"],
+            tf_scheduled=tf["scheduled"],
+            ratio_2w1ps_vs_tf=sf_2w["steps_per_s"] / tf["steps_per_s"],
+        )
 
     print(f"{'run':48} {'steps/s':>9}  notes")
     for name, rate, note in rows:

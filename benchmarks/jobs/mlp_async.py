@@ -11,14 +11,23 @@ import torch
 
 import shardflow as sf
 
-result_path, num_workers, num_ps, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+result_path, num_workers, num_ps, steps = (
+    sys.argv[1],
+    int(sys.argv[2]),
+    int(sys.argv[3]),
+    int(sys.argv[4]),
+)
 mode = sys.argv[5] if len(sys.argv) > 5 else "async"
 overlap = (sys.argv[6] if len(sys.argv) > 6 else "1") == "1"
 
 
 def model_fn() -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10)
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 10),
     )
 
 

@@ -24,7 +24,17 @@ _LAZY = {
     "ParameterServerStrategy": "shardflow.train.strategy",
 }
 
-__all__ = sorted(_LAZY)
+__all__ = [
+    "Estimator",
+    "EvalSpec",
+    "InputContext",
+    "ParameterServerStrategy",
+    "RoleFailedError",
+    "TrainResult",
+    "TrainSpec",
+    "optim",
+    "train_and_evaluate",
+]
 __version__ = "0.1.0"
 
 

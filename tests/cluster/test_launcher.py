@@ -71,9 +71,7 @@ def test_each_task_gets_its_own_cluster_json_and_no_tf_config(spec, tmp_path):
     )
     output = io.StringIO()
     environment = {"TF_CONFIG": '{"cluster": {}}', "EXTRA": "1"}
-    with LocalLauncher(
-        spec, [sys.executable, str(script)], env=environment, output=output
-    ) as launcher:
+    with LocalLauncher(spec, [sys.executable, str(script)], env=environment, output=output) as launcher:
         launcher.start()
         assert launcher.wait(timeout_s=20) is None
 
@@ -87,9 +85,7 @@ def test_each_task_gets_its_own_cluster_json_and_no_tf_config(spec, tmp_path):
 
 
 def test_skipped_tasks_are_not_started(spec, role_command):
-    with LocalLauncher(
-        spec, role_command(), skip=[TaskSpec("chief", 0)], output=io.StringIO()
-    ) as launcher:
+    with LocalLauncher(spec, role_command(), skip=[TaskSpec("chief", 0)], output=io.StringIO()) as launcher:
         launcher.start()
         assert sorted(launcher.pids) == ["ps:0", "worker:0", "worker:1"]
         assert launcher.wait(timeout_s=20) is None
@@ -102,9 +98,7 @@ def test_wait_returns_the_first_failure_without_waiting_for_the_others(spec, rol
         failure = launcher.wait(timeout_s=20)
 
         assert failure == RoleExit(TaskSpec("worker", 1), launcher.pids["worker:1"], 3)
-        assert all(
-            psutil.pid_exists(pid) for name, pid in launcher.pids.items() if name != "worker:1"
-        )
+        assert all(psutil.pid_exists(pid) for name, pid in launcher.pids.items() if name != "worker:1")
 
 
 def test_wait_timeout_names_the_tasks_still_running(spec, role_command):
@@ -179,7 +173,5 @@ def test_run_local_stops_the_others_when_a_role_exits_with_code_3(spec, role_com
 def test_role_exit_describes_signal_and_code():
     task = TaskSpec("worker", 1)
 
-    assert (
-        RoleExit(task, 1234, -9).describe() == "worker:1 (pid 1234) exited with code -9 (SIGKILL)"
-    )
+    assert RoleExit(task, 1234, -9).describe() == "worker:1 (pid 1234) exited with code -9 (SIGKILL)"
     assert RoleExit(task, 1234, 3).describe() == "worker:1 (pid 1234) exited with code 3"

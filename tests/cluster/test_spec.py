@@ -106,9 +106,7 @@ def test_unknown_role_is_named_with_the_valid_ones():
 
 @pytest.mark.parametrize("address", ["host", "host:", ":2222", "host:port", "host:70000"])
 def test_malformed_address_is_named_with_its_task(address):
-    with pytest.raises(
-        ClusterSpecError, match=rf"address '{address}' of worker:0 is not host:port"
-    ):
+    with pytest.raises(ClusterSpecError, match=rf"address '{address}' of worker:0 is not host:port"):
         ClusterSpec({"chief": ("h:1",), "worker": (address,)})
 
 
@@ -120,9 +118,7 @@ def test_addresses_must_be_a_list():
 def test_index_out_of_range_says_how_many_there_are():
     spec, _ = ClusterSpec.from_tf_config(TF_CONFIG)
 
-    with pytest.raises(
-        ClusterSpecError, match="task worker:5 is out of range: the cluster has 2 workers"
-    ):
+    with pytest.raises(ClusterSpecError, match="task worker:5 is out of range: the cluster has 2 workers"):
         spec.address(TaskSpec("worker", 5))
 
 

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import json
-import time
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,9 @@ class JobRun:
     def __init__(self, tmp_path: Path) -> None:
         self.tmp_path = tmp_path
 
-    def __call__(self, job: str, timeout_s: float = 120, **config: Any) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    def __call__(
+        self, job: str, timeout_s: float = 120, **config: Any
+    ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
         config.setdefault("model_dir", str(self.tmp_path / "model"))
         config.setdefault("result", str(self.tmp_path / "result.json"))
         config_path = self.tmp_path / "config.json"
@@ -106,7 +108,9 @@ class BackgroundJob:
         return self.proc.returncode, out
 
     def leftovers(self) -> list[int]:
-        return [pid for pid in self.seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        return [
+            pid for pid in self.seen if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        ]
 
     def close(self) -> None:
         _kill_tree(self.proc.pid)

@@ -8,8 +8,16 @@ import time
 
 def test_killed_worker_fails_the_job_naming_the_role_and_leaves_no_orphans(start_job, tmp_path):
     log = tmp_path / "steps.jsonl"
-    job = start_job("regression.py", mode="async", num_workers=2, num_ps=1, max_steps=100_000,
-                    num_batches=100_000, step_delay_s=0.01, step_log=str(log))
+    job = start_job(
+        "regression.py",
+        mode="async",
+        num_workers=2,
+        num_ps=1,
+        max_steps=100_000,
+        num_batches=100_000,
+        step_delay_s=0.01,
+        step_log=str(log),
+    )
     job.wait_for_file(log)
     roles = job.roles()
     assert {"ps:0", "worker:0", "worker:1"} <= set(roles)
@@ -23,8 +31,17 @@ def test_killed_worker_fails_the_job_naming_the_role_and_leaves_no_orphans(start
 
 def test_hung_ps_fails_within_the_deadline_naming_the_peer_and_its_address(start_job, tmp_path):
     log = tmp_path / "steps.jsonl"
-    job = start_job("regression.py", mode="async", num_workers=1, num_ps=1, max_steps=100_000,
-                    num_batches=100_000, step_delay_s=0.01, step_log=str(log), request_timeout_s=2.0)
+    job = start_job(
+        "regression.py",
+        mode="async",
+        num_workers=1,
+        num_ps=1,
+        max_steps=100_000,
+        num_batches=100_000,
+        step_delay_s=0.01,
+        step_log=str(log),
+        request_timeout_s=2.0,
+    )
     job.wait_for_file(log)
     roles = job.roles()
     roles["ps:0"].send_signal(signal.SIGSTOP)

@@ -18,7 +18,14 @@ def _trained(model_dir: Path) -> dict[str, torch.Tensor]:
 def test_sync_two_workers_equals_single_process_large_batch(run_job, tmp_path):
     steps, batch = 10, 8
     proc, result = run_job(
-        "regression.py", mode="sync", num_workers=2, num_ps=2, epochs=1, num_batches=2 * steps, batch=batch, lr=0.1
+        "regression.py",
+        mode="sync",
+        num_workers=2,
+        num_ps=2,
+        epochs=1,
+        num_batches=2 * steps,
+        batch=batch,
+        lr=0.1,
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
@@ -67,7 +74,13 @@ def test_async_max_steps_is_exact_and_later_pushes_are_dropped(run_job):
 
 def test_sync_with_a_backup_worker_drops_and_counts_stale_gradients(run_job):
     proc, result = run_job(
-        "regression.py", mode="sync", num_workers=3, replicas_to_aggregate=2, num_ps=1, max_steps=30, num_batches=300
+        "regression.py",
+        mode="sync",
+        num_workers=3,
+        replicas_to_aggregate=2,
+        num_ps=1,
+        max_steps=30,
+        num_batches=300,
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == 30

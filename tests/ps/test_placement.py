@@ -27,7 +27,12 @@ def test_partitioning_evens_out_a_model_dominated_by_one_tensor():
     assert max(loads) / min(loads) < 1.05
     slices = [p for p in placement.pieces if p.name == "v0"]
     assert len(slices) == 4
-    assert [(p.row_start, p.row_end) for p in slices] == [(0, 1024), (1024, 2048), (2048, 3072), (3072, 4096)]
+    assert [(p.row_start, p.row_end) for p in slices] == [
+        (0, 1024),
+        (1024, 2048),
+        (2048, 3072),
+        (3072, 4096),
+    ]
     assert sorted(p.ps for p in slices) == [0, 1, 2, 3]
 
 

@@ -32,8 +32,14 @@ class Cluster:
         return [s.address for s in self.servers]
 
     def client(self, model: torch.nn.Module, placement, worker_index: int = 0) -> ParameterClient:
-        return ParameterClient(Client(f"worker:{worker_index}"), self.addresses, placement, model,
-                               timeout_s=5, worker_index=worker_index)
+        return ParameterClient(
+            Client(f"worker:{worker_index}"),
+            self.addresses,
+            placement,
+            model,
+            timeout_s=5,
+            worker_index=worker_index,
+        )
 
 
 @pytest.fixture

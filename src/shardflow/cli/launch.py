@@ -22,12 +22,8 @@ If one role fails, the others are stopped and the exit code is 1; Ctrl-C stops a
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
-    parser.add_argument(
-        "--workers", type=_count(minimum=1), default=1, metavar="N", help="number of workers (1)"
-    )
-    parser.add_argument(
-        "--ps", type=_count(minimum=0), default=1, metavar="M", help="number of PS (1)"
-    )
+    parser.add_argument("--workers", type=_count(minimum=1), default=1, metavar="N", help="number of workers (1)")
+    parser.add_argument("--ps", type=_count(minimum=0), default=1, metavar="M", help="number of PS (1)")
     parser.add_argument("--evaluator", action="store_true", help="also start an evaluator")
     parser.add_argument(
         "--grace",
@@ -37,16 +33,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how long roles get to exit after SIGTERM before SIGKILL (5)",
     )
     parser.add_argument("script", help="the Python training script every role runs")
-    parser.add_argument(
-        "script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched"
-    )
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched")
 
 
 def run(args: argparse.Namespace) -> int:
     if not os.path.exists(args.script):
         print(
-            f"shardflow launch: error: script {args.script!r} does not exist "
-            f"(looked in {os.getcwd()})",
+            f"shardflow launch: error: script {args.script!r} does not exist (looked in {os.getcwd()})",
             file=sys.stderr,
         )
         return 2

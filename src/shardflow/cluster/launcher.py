@@ -51,8 +51,7 @@ class LocalLauncher:
     ) -> None:
         if not command or isinstance(command, str):
             raise ValueError(
-                f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], "
-                f"got {command!r}"
+                f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
             )
         for task in skip:
             spec.validate_task(task)
@@ -113,9 +112,7 @@ class LocalLauncher:
             while self._first_failure is None and len(self._exits) < len(self._processes):
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
-                    raise TimeoutError(
-                        f"tasks still running after {timeout_s} s: {', '.join(self._running())}"
-                    )
+                    raise TimeoutError(f"tasks still running after {timeout_s} s: {', '.join(self._running())}")
                 self._state.wait(remaining)
             return self._first_failure
 
@@ -127,9 +124,7 @@ class LocalLauncher:
             with self._state:
                 self._state.wait_for(
                     lambda: (
-                        self._first_failure is not None
-                        or self._stopping
-                        or len(self._exits) == len(self._processes)
+                        self._first_failure is not None or self._stopping or len(self._exits) == len(self._processes)
                     )
                 )
                 failure = self._first_failure
@@ -267,10 +262,7 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 def _install_interrupt_handlers() -> _Handlers:
     if threading.current_thread() is not threading.main_thread():
         return {}  # only the main thread may set handlers; the caller handles its own signals
-    return {
-        signum: signal.signal(signum, _raise_interrupted)
-        for signum in (signal.SIGINT, signal.SIGTERM)
-    }
+    return {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
 
 
 def _ignore_interrupts(previous: _Handlers) -> None:

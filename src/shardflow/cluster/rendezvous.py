@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime
 import time
 
-from torch.distributed import TCPStore
+from torch.distributed import TCPStore  # type: ignore[attr-defined]
 
 
 class ControlPlaneError(RuntimeError):

@@ -34,9 +34,7 @@ class TaskSpec:
     def __post_init__(self) -> None:
         _check_role(self.type)
         if isinstance(self.index, bool) or not isinstance(self.index, int) or self.index < 0:
-            raise ClusterSpecError(
-                f"task index of {self.type!r} must be a non-negative integer, got {self.index!r}"
-            )
+            raise ClusterSpecError(f"task index of {self.type!r} must be a non-negative integer, got {self.index!r}")
 
     @property
     def name(self) -> str:
@@ -53,9 +51,7 @@ class ClusterSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.roles, Mapping):
-            raise ClusterSpecError(
-                f"the cluster must map roles to address lists, got {type(self.roles).__name__}"
-            )
+            raise ClusterSpecError(f"the cluster must map roles to address lists, got {type(self.roles).__name__}")
         for role in self.roles:
             _check_role(role)
         roles: dict[str, tuple[str, ...]] = {}
@@ -88,8 +84,7 @@ class ClusterSpec:
         num = self.num(task.type)
         if task.index >= num:
             raise ClusterSpecError(
-                f"task {task.type}:{task.index} is out of range: "
-                f"the cluster has {_count(num, task.type)}"
+                f"task {task.type}:{task.index} is out of range: the cluster has {_count(num, task.type)}"
             )
 
     def to_json(self, task: TaskSpec) -> str:
@@ -99,15 +94,11 @@ class ClusterSpec:
         return json.dumps({"cluster": cluster, "task": {"type": task.type, "index": task.index}})
 
     @classmethod
-    def from_tf_config(
-        cls, config: str | Mapping[str, Any], source: str = "TF_CONFIG"
-    ) -> tuple[ClusterSpec, TaskSpec]:
+    def from_tf_config(cls, config: str | Mapping[str, Any], source: str = "TF_CONFIG") -> tuple[ClusterSpec, TaskSpec]:
         """Parses TFJob's TF_CONFIG; "master" means chief; the evaluator may be in "task" only."""
         roles, task = _read_tf_config(config, source)
         try:
-            task_spec = TaskSpec(
-                "chief" if task["type"] == "master" else task["type"], task.get("index", 0)
-            )
+            task_spec = TaskSpec("chief" if task["type"] == "master" else task["type"], task.get("index", 0))
             # As in TF the evaluator may be in "task" only: it listens nowhere.
             if task_spec.type == "evaluator" and not roles.get("evaluator"):
                 roles["evaluator"] = [DYNAMIC]
@@ -126,9 +117,7 @@ class ClusterSpec:
                 f"the torchrun environment lacks {', '.join(missing)}: start the job with torchrun "
                 "or set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT"
             )
-        rank, world_size, port = (
-            _env_int(environ, name) for name in ("RANK", "WORLD_SIZE", "MASTER_PORT")
-        )
+        rank, world_size, port = (_env_int(environ, name) for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
         if num_ps < 0:
             raise ClusterSpecError(f"num_ps must be >= 0, got {num_ps}")
         if world_size < num_ps + 2:
@@ -152,9 +141,7 @@ class ClusterSpec:
         return spec, TaskSpec("worker", rank - 1 - num_ps)
 
     @classmethod
-    def local(
-        cls, num_workers: int, num_ps: int, evaluator: bool = False, host: str = "127.0.0.1"
-    ) -> ClusterSpec:
+    def local(cls, num_workers: int, num_ps: int, evaluator: bool = False, host: str = "127.0.0.1") -> ClusterSpec:
         """A cluster on `host` with a distinct free TCP port for every task."""
         for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
             if value < 0:
@@ -195,17 +182,14 @@ def cluster_from_env(
     return None
 
 
-def _read_tf_config(
-    config: str | Mapping[str, Any], source: str
-) -> tuple[dict[str, Any], Mapping[str, Any]]:
+def _read_tf_config(config: str | Mapping[str, Any], source: str) -> tuple[dict[str, Any], Mapping[str, Any]]:
     """The "cluster" (with "master" renamed to "chief") and "task" objects of a TF_CONFIG."""
     if isinstance(config, str):
         try:
             config = json.loads(config)
         except json.JSONDecodeError as error:
             raise ClusterSpecError(
-                f"{source} is not valid JSON ({error}); "
-                'expected {"cluster": {...}, "task": {...}}'
+                f'{source} is not valid JSON ({error}); expected {{"cluster": {{...}}, "task": {{...}}}}'
             ) from None
     if not isinstance(config, Mapping):
         raise ClusterSpecError(f"{source} must be a JSON object, got {type(config).__name__}")
@@ -236,14 +220,11 @@ def _check_role(role: object) -> None:
 
 def _address_list(role: str, addresses: object) -> tuple[str, ...]:
     if isinstance(addresses, str) or not isinstance(addresses, list | tuple):
-        raise ClusterSpecError(
-            f'role {role!r} must list its addresses, e.g. ["host:2222"], got {addresses!r}'
-        )
+        raise ClusterSpecError(f'role {role!r} must list its addresses, e.g. ["host:2222"], got {addresses!r}')
     for index, address in enumerate(addresses):
         if address != DYNAMIC and not _is_host_port(address):
             raise ClusterSpecError(
-                f"address {address!r} of {TaskSpec(role, index).name} is not host:port "
-                '(e.g. "10.0.0.2:2222")'
+                f'address {address!r} of {TaskSpec(role, index).name} is not host:port (e.g. "10.0.0.2:2222")'
             )
     return tuple(addresses)
 
@@ -258,8 +239,7 @@ def _is_host_port(address: object) -> bool:
 def _check_counts(roles: Mapping[str, tuple[str, ...]]) -> None:
     if "chief" not in roles:
         raise ClusterSpecError(
-            "the cluster has no 'chief': add one address under \"chief\" "
-            '(TF_CONFIG may call it "master")'
+            'the cluster has no \'chief\': add one address under "chief" (TF_CONFIG may call it "master")'
         )
     for role in _SINGLE_ROLES:
         if len(roles.get(role, ())) > 1:
@@ -276,8 +256,7 @@ def _check_addresses(roles: Mapping[str, tuple[str, ...]]) -> None:
             name = TaskSpec(role, index).name
             if address in owners:
                 raise ClusterSpecError(
-                    f"address {address!r} is used by both {owners[address]} and {name}: "
-                    "give every task its own port"
+                    f"address {address!r} is used by both {owners[address]} and {name}: give every task its own port"
                 )
             if address != DYNAMIC:
                 owners[address] = name

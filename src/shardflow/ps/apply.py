@@ -31,10 +31,7 @@ class ApplyConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.num_workers < 1:
             raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if (
-            self.replicas_to_aggregate is not None
-            and not 1 <= self.replicas_to_aggregate <= self.num_workers
-        ):
+        if self.replicas_to_aggregate is not None and not 1 <= self.replicas_to_aggregate <= self.num_workers:
             raise ValueError(
                 f"replicas_to_aggregate must be between 1 and num_workers={self.num_workers}, "
                 f"got {self.replicas_to_aggregate}"

@@ -36,9 +36,7 @@ class ParameterClient:
         worker_index: int = -1,
     ) -> None:
         if len(ps_addresses) != placement.num_ps:
-            raise ValueError(
-                f"placement is for {placement.num_ps} PS but {len(ps_addresses)} addresses were given"
-            )
+            raise ValueError(f"placement is for {placement.num_ps} PS but {len(ps_addresses)} addresses were given")
         self.client = client
         self.placement = placement
         self.timeout_s = timeout_s
@@ -52,9 +50,7 @@ class ParameterClient:
             raise ValueError(f"the placement names variables the model lacks: {missing[:5]}")
         self.named = named
         # Per PS: its dtype buffers in a fixed order, and the pieces packed into each, by offset.
-        self.dtypes: list[list[str]] = [
-            list(placement.buffer_sizes(k)) for k in range(placement.num_ps)
-        ]
+        self.dtypes: list[list[str]] = [list(placement.buffer_sizes(k)) for k in range(placement.num_ps)]
         self.pieces: list[dict[str, list[Piece]]] = []
         for k in range(placement.num_ps):
             by_dtype: dict[str, list[Piece]] = {d: [] for d in self.dtypes[k]}
@@ -89,12 +85,10 @@ class ParameterClient:
         with torch.no_grad():
             for dtype, flat in zip(self.dtypes[ps], buffers, strict=True):
                 for piece in self.pieces[ps][dtype]:
-                    target = self.named[piece.name]
+                    target: torch.Tensor = self.named[piece.name]
                     if piece.partitioned:
                         target = target[piece.row_start : piece.row_end]
-                    target.copy_(
-                        flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
-                    )
+                    target.copy_(flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape))
 
     def _wait(self, peer_seqs: dict[str, int], load_params: bool) -> StepReply:
         step, stop = 0, False
@@ -145,10 +139,7 @@ class ParameterClient:
 
     def pull(self, min_step: int = 0) -> StepReply:
         """Fetch every PS's shards in parallel and load them into the model."""
-        seqs = {
-            peer: self.client.send(peer, {"op": "pull", "min_step": min_step})
-            for peer in self.peers
-        }
+        seqs = {peer: self.client.send(peer, {"op": "pull", "min_step": min_step}) for peer in self.peers}
         return self._wait(seqs, load_params=True)
 
     def begin_push(self, header: dict[str, Any]) -> None:
@@ -176,9 +167,7 @@ class ParameterClient:
     def _send_push(self, ps: int) -> None:
         peer = self.peers[ps]
         if peer not in self._pending:
-            self._pending[peer] = self.client.send(
-                peer, self._push_header, self._gather(ps, use_grads=True)
-            )
+            self._pending[peer] = self.client.send(peer, self._push_header, self._gather(ps, use_grads=True))
 
     def end_push(self) -> dict[str, int]:
         """Push what the hooks have not sent (variables without gradients push zeros); returns the requests."""
@@ -190,10 +179,7 @@ class ParameterClient:
         return self._wait(requests, load_params=load_params)
 
     def done(self) -> None:
-        seqs = {
-            peer: self.client.send(peer, {"op": "done", "w": self.worker_index})
-            for peer in self.peers
-        }
+        seqs = {peer: self.client.send(peer, {"op": "done", "w": self.worker_index}) for peer in self.peers}
         self._wait(seqs, load_params=False)
 
     def close(self) -> None:

@@ -27,17 +27,13 @@ class OptimizerSpec:
 
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
-            raise ValueError(
-                f"unknown optimizer {self.name!r}; choose one of {sorted(_OPTIMIZERS)}"
-            )
+            raise ValueError(f"unknown optimizer {self.name!r}; choose one of {sorted(_OPTIMIZERS)}")
         for key, value in self.kwargs.items():
             if not isinstance(value, (int, float, bool, tuple, list)):
-                raise ValueError(
-                    f"optimizer argument {key}={value!r} must be a number, bool or tuple"
-                )
+                raise ValueError(f"optimizer argument {key}={value!r} must be a number, bool or tuple")
 
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
+        kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
         return _OPTIMIZERS[self.name](params, **kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -48,13 +44,9 @@ class OptimizerSpec:
         return cls(d["name"], dict(d["kwargs"]))
 
 
-def SGD(
-    lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False
-) -> OptimizerSpec:
+def SGD(lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> OptimizerSpec:
     """Stochastic gradient descent, optionally with (Nesterov) momentum, applied on the PS."""
-    return OptimizerSpec(
-        "SGD", {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": nesterov}
-    )
+    return OptimizerSpec("SGD", {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "nesterov": nesterov})
 
 
 def Adam(
@@ -64,9 +56,7 @@ def Adam(
     weight_decay: float = 0.0,
 ) -> OptimizerSpec:
     """Adam, with its moment slots kept on the PS."""
-    return OptimizerSpec(
-        "Adam", {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}
-    )
+    return OptimizerSpec("Adam", {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay})
 
 
 def AdamW(
@@ -76,9 +66,7 @@ def AdamW(
     weight_decay: float = 1e-2,
 ) -> OptimizerSpec:
     """AdamW (decoupled weight decay), with its slots kept on the PS."""
-    return OptimizerSpec(
-        "AdamW", {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay}
-    )
+    return OptimizerSpec("AdamW", {"lr": lr, "betas": list(betas), "eps": eps, "weight_decay": weight_decay})
 
 
 def Adagrad(
@@ -99,8 +87,6 @@ def Adagrad(
     )
 
 
-def RMSprop(
-    lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, momentum: float = 0.0
-) -> OptimizerSpec:
+def RMSprop(lr: float = 1e-2, alpha: float = 0.99, eps: float = 1e-8, momentum: float = 0.0) -> OptimizerSpec:
     """RMSprop, applied on the PS."""
     return OptimizerSpec("RMSprop", {"lr": lr, "alpha": alpha, "eps": eps, "momentum": momentum})

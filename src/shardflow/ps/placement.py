@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +24,7 @@ class Partitioner:
 
     def __post_init__(self) -> None:
         if self.min_slice_bytes <= 0:
-            raise ValueError(
-                f"Partitioner.min_slice_bytes must be positive, got {self.min_slice_bytes}"
-            )
+            raise ValueError(f"Partitioner.min_slice_bytes must be positive, got {self.min_slice_bytes}")
         if self.max_partitions is not None and self.max_partitions < 1:
             raise ValueError(f"Partitioner.max_partitions must be >= 1, got {self.max_partitions}")
         if self.fixed_shards is not None and self.fixed_shards < 1:
@@ -148,7 +147,7 @@ def place(
         rows = shape[0] if shape else 1
         row_numel = math.prod(shape[1:]) if shape else 1
         bounds = [rows * i // n for i in range(n + 1)]
-        for start, end in zip(bounds, bounds[1:], strict=False):
+        for start, end in itertools.pairwise(bounds):
             numel = (end - start) * row_numel
             slices.append(
                 (

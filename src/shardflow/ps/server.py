@@ -62,9 +62,7 @@ class ParameterServer:
                 continue
             handler = self._handlers.get(request.op)
             if handler is None:
-                self.server.reply_error(
-                    request, f"ps:{self.index} does not know the request {request.op!r}"
-                )
+                self.server.reply_error(request, f"ps:{self.index} does not know the request {request.op!r}")
                 continue
             if not self.initialized and request.op not in ("init", "step", "shutdown"):
                 self.server.reply_error(
@@ -75,9 +73,7 @@ class ParameterServer:
                 handler(request)
             except (ValueError, KeyError, RuntimeError) as error:
                 log.exception("ps:%d failed on %r from %s", self.index, request.op, request.sender)
-                self.server.reply_error(
-                    request, f"ps:{self.index} failed on {request.op!r}: {error}"
-                )
+                self.server.reply_error(request, f"ps:{self.index} failed on {request.op!r}: {error}")
 
     # -- state --------------------------------------------------------------------------------
 
@@ -117,15 +113,9 @@ class ParameterServer:
         self.config = ApplyConfig.from_json(header["apply"])
         self.dtypes = list(header["dtypes"])
         if len(request.tensors) != len(self.dtypes):
-            raise ValueError(
-                f"init carries {len(request.tensors)} buffers for dtypes {self.dtypes}"
-            )
+            raise ValueError(f"init carries {len(request.tensors)} buffers for dtypes {self.dtypes}")
         self.params = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in request.tensors]
-        self.optimizer = (
-            OptimizerSpec.from_json(header["optimizer"]).build(list(self.params))
-            if self.params
-            else None
-        )
+        self.optimizer = OptimizerSpec.from_json(header["optimizer"]).build(list(self.params)) if self.params else None
         self.step = int(header.get("step", 0))
         self.active = set(range(self.config.num_workers))
         self.clocks = dict.fromkeys(self.active, 0)
@@ -173,9 +163,7 @@ class ParameterServer:
             self._reply_params(request, stale=True)
             return
         if base_step > self.step:
-            raise ValueError(
-                f"push for step {base_step} arrived before ps:{self.index} reached it (at {self.step})"
-            )
+            raise ValueError(f"push for step {base_step} arrived before ps:{self.index} reached it (at {self.step})")
         if self._num_accumulated == 0:
             self._accumulated = [g.clone() for g in grads]
         else:
@@ -244,9 +232,7 @@ class ParameterServer:
                     entry[key] = {"value": float(value)}
             slots.append(entry)
         stats = {**self.stats, "duplicates": self.server.duplicates}
-        self.server.reply(
-            request, self._header(dtypes=self.dtypes, slots=slots, stats=stats), tensors
-        )
+        self.server.reply(request, self._header(dtypes=self.dtypes, slots=slots, stats=stats), tensors)
 
     def _on_shutdown(self, request: Request) -> None:
         self.server.reply(request, self._header())

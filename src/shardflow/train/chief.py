@@ -37,21 +37,15 @@ def _restore(est: Estimator, model: torch.nn.Module) -> int:
     return int(manifest["global_step"])
 
 
-def run_chief(
-    est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role: RoleContext
-) -> TrainResult:
+def run_chief(est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role: RoleContext) -> TrainResult:
     control = role.control
     strategy = est.strategy
     started = time.monotonic()
     model = est.build_model()
     start_step = _restore(est, model)
     placement = place(model.named_parameters(), role.num_ps, strategy.partitioner)
-    addresses = [
-        control.get(f"ps/{k}/address", waiting_for=f"ps:{k} to start") for k in range(role.num_ps)
-    ]
-    params = ParameterClient(
-        Client("chief"), addresses, placement, model, timeout_s=strategy.request_timeout_s
-    )
+    addresses = [control.get(f"ps/{k}/address", waiting_for=f"ps:{k} to start") for k in range(role.num_ps)]
+    params = ParameterClient(Client("chief"), addresses, placement, model, timeout_s=strategy.request_timeout_s)
     est._live_parameters = params
     apply = ApplyConfig(
         mode=strategy.mode,

@@ -65,18 +65,12 @@ class Estimator:
         torch.manual_seed(self.seed)
         model = self.model_fn()
         if not isinstance(model, torch.nn.Module):
-            raise ValueError(
-                f"Estimator.model_fn must return a torch.nn.Module, got {type(model).__name__}"
-            )
+            raise ValueError(f"Estimator.model_fn must return a torch.nn.Module, got {type(model).__name__}")
         return model
 
-    def train(
-        self, input_fn: Any, max_steps: int | None = None, epochs: int | None = None
-    ) -> TrainResult:
+    def train(self, input_fn: Any, max_steps: int | None = None, epochs: int | None = None) -> TrainResult:
         """Train without evaluation; returns in the chief, exits the process in every other role."""
-        return train_and_evaluate(
-            self, TrainSpec(input_fn, max_steps=max_steps, epochs=epochs), None
-        )
+        return train_and_evaluate(self, TrainSpec(input_fn, max_steps=max_steps, epochs=epochs), None)
 
     @property
     def global_step(self) -> int:
@@ -116,9 +110,7 @@ class Estimator:
         return {k: v / max(num_batches, 1) for k, v in totals.items()}
 
 
-def train_and_evaluate(
-    est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | None = None
-) -> TrainResult:
+def train_and_evaluate(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | None = None) -> TrainResult:
     """Run this process's role. Returns the result in the chief; other roles exit the process when the job is done."""
     found = cluster_from_env(num_ps=est.strategy.num_ps)
     if found is None:
@@ -131,15 +123,11 @@ def train_and_evaluate(
 
 def _connect(est: Estimator, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
     if spec.num("ps") < 1:
-        raise ValueError(
-            "the cluster has no 'ps' tasks; parameter-server training needs at least one"
-        )
+        raise ValueError("the cluster has no 'ps' tasks; parameter-server training needs at least one")
     if spec.num("worker") < 1:
         raise ValueError("the cluster has no 'worker' tasks; training needs at least one")
     chief = spec.address(TaskSpec("chief", 0))
-    control = ControlPlane(
-        chief, is_chief=task.type == "chief", timeout_s=est.strategy.startup_timeout_s
-    )
+    control = ControlPlane(chief, is_chief=task.type == "chief", timeout_s=est.strategy.startup_timeout_s)
     return RoleContext(spec, task, control)
 
 
@@ -209,9 +197,7 @@ def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | N
     spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps)
     chief = TaskSpec("chief", 0)
     threads = max(1, (os.cpu_count() or 1) // (strategy.num_workers + strategy.num_ps))
-    launcher = LocalLauncher(
-        spec, _embedded_command(), skip=[chief], env={"SHARDFLOW_LOCAL_THREADS": str(threads)}
-    )
+    launcher = LocalLauncher(spec, _embedded_command(), skip=[chief], env={"SHARDFLOW_LOCAL_THREADS": str(threads)})
     failures: list[RoleExit] = []
     main_thread = threading.main_thread().ident
 

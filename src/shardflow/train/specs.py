@@ -42,9 +42,7 @@ class TrainSpec:
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.epochs is None:
-            raise ValueError(
-                "TrainSpec needs max_steps=... or epochs=... (or both; whichever ends first)"
-            )
+            raise ValueError("TrainSpec needs max_steps=... or epochs=... (or both; whichever ends first)")
         if self.max_steps is not None and self.max_steps < 0:
             raise ValueError(f"TrainSpec.max_steps must be >= 0, got {self.max_steps}")
         if self.epochs is not None and self.epochs < 1:

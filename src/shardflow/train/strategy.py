@@ -37,21 +37,15 @@ class ParameterServerStrategy:
         if self.num_ps < 1:
             raise ValueError(f"ParameterServerStrategy.num_ps must be >= 1, got {self.num_ps}")
         if self.num_workers < 1:
-            raise ValueError(
-                f"ParameterServerStrategy.num_workers must be >= 1, got {self.num_workers}"
-            )
+            raise ValueError(f"ParameterServerStrategy.num_workers must be >= 1, got {self.num_workers}")
         if self.mode not in MODES:
-            raise ValueError(
-                f"ParameterServerStrategy.mode must be one of {MODES}, got {self.mode!r}"
-            )
+            raise ValueError(f"ParameterServerStrategy.mode must be one of {MODES}, got {self.mode!r}")
         if self.replicas_to_aggregate is not None and self.replicas_to_aggregate < 1:
             raise ValueError(
                 f"ParameterServerStrategy.replicas_to_aggregate must be >= 1, got {self.replicas_to_aggregate}"
             )
         if self.max_staleness < 0:
-            raise ValueError(
-                f"ParameterServerStrategy.max_staleness must be >= 0, got {self.max_staleness}"
-            )
+            raise ValueError(f"ParameterServerStrategy.max_staleness must be >= 0, got {self.max_staleness}")
         for name in ("request_timeout_s", "startup_timeout_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ParameterServerStrategy.{name} must be positive")

@@ -30,19 +30,14 @@ def _epochs(spec: TrainSpec, ctx: InputContext) -> Iterator[Any]:
         epoch += 1
 
 
-def connect_parameters(
-    est: Estimator, role: RoleContext, model: torch.nn.Module
-) -> ParameterClient:
+def connect_parameters(est: Estimator, role: RoleContext, model: torch.nn.Module) -> ParameterClient:
     """Find the PS through the control plane and build a client that moves this model's variables."""
     control = role.control
     strategy = est.strategy
     placement = Placement.from_json(
         json.loads(control.get("placement", waiting_for="the chief to place the variables"))
     )
-    addresses = [
-        control.get(f"ps/{k}/address", waiting_for=f"ps:{k} to start")
-        for k in range(placement.num_ps)
-    ]
+    addresses = [control.get(f"ps/{k}/address", waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)]
     return ParameterClient(
         Client(role.task.name),
         addresses,

@@ -13,7 +13,8 @@ import torch
 
 import shardflow as sf
 
-config = json.loads(open(sys.argv[1]).read())
+with open(sys.argv[1]) as f:
+    config = json.load(f)
 NUM_BATCHES = config.get("num_batches", 100)
 BATCH = config.get("batch", 8)
 generator = torch.Generator().manual_seed(123)
@@ -27,7 +28,11 @@ def input_fn(ctx: sf.InputContext):
 
 
 def model_fn() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(4, config.get("hidden", 16)), torch.nn.Tanh(), torch.nn.Linear(config.get("hidden", 16), 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, config.get("hidden", 16)),
+        torch.nn.Tanh(),
+        torch.nn.Linear(config.get("hidden", 16), 1),
+    )
 
 
 log_path = config.get("step_log")
@@ -57,7 +62,16 @@ strategy = sf.ParameterServerStrategy(
     request_timeout_s=config.get("request_timeout_s", 60.0),
 )
 est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=config.get("lr", 0.05)), strategy, config["model_dir"])
-result = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs")))
+result = sf.train_and_evaluate(
+    est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
+)
 with open(config["result"], "w") as f:
-    json.dump({"global_step": result.global_step, "worker_steps": result.worker_steps, "ps_stats": result.ps_stats,
-               "est_global_step": est.global_step}, f)
+    json.dump(
+        {
+            "global_step": result.global_step,
+            "worker_steps": result.worker_steps,
+            "ps_stats": result.ps_stats,
+            "est_global_step": est.global_step,
+        },
+        f,
+    )

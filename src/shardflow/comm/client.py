@@ -1,0 +1,192 @@
+"""Request side of the data plane: one DEALER socket per peer, pipelined requests, deadlines."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+import torch
+import zmq
+
+from shardflow.comm.errors import CommError, DeadlineExceeded, ProtocolError
+from shardflow.comm.framing import NOBLOCK, decode, encode, recv_frames, send_frames, wait_readable
+
+Reply = tuple[dict[str, Any], list[torch.Tensor]]
+
+# Far above any real number of requests in flight: a full queue means the peer is gone.
+_SEND_QUEUE_LIMIT = 100_000
+
+
+@dataclass
+class _Peer:
+    name: str
+    address: str
+    socket: zmq.Socket[bytes]
+    pending: dict[int, str] = field(default_factory=dict)
+    """Op name of each request sent and not yet answered, by sequence number."""
+    arrived: dict[int, Reply] = field(default_factory=dict)
+    """Replies that came while waiting for another one, by sequence number."""
+    poll_items: list[tuple[zmq.Socket[bytes], int]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.poll_items = [(self.socket, zmq.POLLIN)]
+
+
+class Client:
+    """DEALER socket per peer. Requests are pipelined: send() returns at once, recv() waits with a
+    deadline. Every request carries (sender, seq), so the server applies a retried one at most
+    once. A Client belongs to one thread at a time, as its sockets do.
+    """
+
+    def __init__(self, sender: str, context: zmq.Context[Any] | None = None) -> None:
+        self.sender = sender
+        # A restarted process gets a new id, so its sequence numbers never collide with the
+        # ones its previous incarnation used.
+        self.sender_id = f"{sender}#{secrets.token_hex(4)}"
+        self._context = context or zmq.Context.instance()
+        self._peers: dict[str, _Peer] = {}
+        self._next_seq = 1
+
+    def connect(self, peer: str, address: str) -> None:
+        """Open a socket to `peer` (a role name such as "ps:0") at `address`; a second call for
+        the same peer replaces its socket and forgets the requests in flight on it."""
+        socket = self._context.socket(zmq.DEALER)
+        socket.linger = 0
+        socket.sndhwm = _SEND_QUEUE_LIMIT
+        socket.rcvhwm = _SEND_QUEUE_LIMIT
+        # A fixed routing id keeps replies routable across reconnects (the server enables handover).
+        socket.routing_id = self.sender_id.encode()
+        try:
+            socket.connect(address)
+        except zmq.ZMQError as error:
+            socket.close(linger=0)
+            raise CommError(f"cannot connect to {peer} at {address!r}: {error}") from error
+        old = self._peers.pop(peer, None)
+        if old is not None:
+            old.socket.close(linger=0)
+        self._peers[peer] = _Peer(peer, address, socket)
+
+    def send(self, peer: str, header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> int:
+        """Send a request without waiting; returns its sequence number for recv().
+
+        Sets header["s"] and header["q"]. Tensors are sent without a copy: do not modify them in
+        place until the reply has been received.
+        """
+        return self._start(self._peer(peer), header, tensors)[0]
+
+    def recv(self, peer: str, seq: int, timeout_s: float) -> Reply:
+        """Wait up to `timeout_s` for the reply to request `seq` sent to `peer`.
+
+        Replies to other requests in flight are kept for their own recv(); others are dropped.
+        Raises DeadlineExceeded when the time is up (the request stays in flight, so a later
+        recv() can still get it) and CommError when the peer replied with an error.
+        """
+        connection = self._peer(peer)
+        reply = connection.arrived.pop(seq, None)
+        if reply is not None:
+            return _checked(connection, reply)
+        if seq not in connection.pending:
+            raise ValueError(f"request {seq} is not in flight to {peer}: not sent or already received")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
+            if not wait_readable(connection.poll_items, remaining_ms):
+                what = f"{connection.pending[seq]!r} (seq {seq})"
+                raise DeadlineExceeded(peer, connection.address, what, timeout_s)
+            try:
+                reply = decode(recv_frames(connection.socket))
+            except ProtocolError as error:
+                raise ProtocolError(f"bad reply from {peer} at {connection.address}: {error}") from error
+            reply_seq = reply[0].get("q", 0)
+            if reply_seq == seq:
+                del connection.pending[seq]
+                return _checked(connection, reply)
+            if connection.pending.pop(reply_seq, None) is not None:
+                connection.arrived[reply_seq] = reply
+
+    def request(
+        self,
+        peer: str,
+        header: dict[str, Any],
+        tensors: Sequence[torch.Tensor] = (),
+        timeout_s: float = 30.0,
+        retries: int = 0,
+    ) -> Reply:
+        """Send a request and wait for its reply. After each deadline, re-send the same request
+        (same sender and seq, which the server applies at most once) up to `retries` times."""
+        connection = self._peer(peer)
+        seq, frames = self._start(connection, header, tensors)
+        attempts = 1
+        while True:
+            try:
+                return self.recv(peer, seq, timeout_s)
+            except DeadlineExceeded as error:
+                if attempts > retries:
+                    del connection.pending[seq]
+                    if retries == 0:
+                        raise
+                    what = f"{error.what[:-1]}, {attempts} attempts)"
+                    raise DeadlineExceeded(peer, connection.address, what, timeout_s) from None
+                attempts += 1
+                self._send_frames(connection, frames)
+
+    def close(self) -> None:
+        """Close every socket at once, dropping unsent requests."""
+        for connection in self._peers.values():
+            connection.socket.close(linger=0)
+        self._peers.clear()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _peer(self, peer: str) -> _Peer:
+        try:
+            return self._peers[peer]
+        except KeyError:
+            known = ", ".join(self._peers) or "none"
+            raise ValueError(f"{self.sender} is not connected to {peer} (connected: {known})") from None
+
+    def _start(
+        self, connection: _Peer, header: dict[str, Any], tensors: Sequence[torch.Tensor]
+    ) -> tuple[int, list[Any]]:
+        """Number, encode and send a request; returns its seq and frames for re-sending."""
+        op = header.get("op")
+        if not isinstance(op, str):
+            raise ValueError(f"a request header needs an 'op' string; got {op!r}")
+        seq = self._next_seq
+        self._next_seq += 1
+        header["s"] = self.sender_id
+        header["q"] = seq
+        frames = encode(header, tensors)
+        self._send_frames(connection, frames)
+        connection.pending[seq] = op
+        return seq, frames
+
+    def _send_frames(self, connection: _Peer, frames: list[Any]) -> None:
+        try:
+            send_frames(connection.socket, frames, NOBLOCK)
+        except zmq.Again:
+            raise CommError(
+                f"{_SEND_QUEUE_LIMIT} requests queued for {connection.name} at "
+                f"{connection.address} and none sent; is the process running and reachable?"
+            ) from None
+
+
+def _checked(connection: _Peer, reply: Reply) -> Reply:
+    error = reply[0].get("error")
+    if error is not None:
+        raise CommError(f"{connection.name} at {connection.address}: {error}")
+    return reply
