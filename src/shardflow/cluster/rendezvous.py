@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 from torch.distributed import TCPStore  # type: ignore[attr-defined]
@@ -16,6 +17,8 @@ class ControlPlane:
     """Small keys, counters and waits shared by every role of one job."""
 
     def __init__(self, chief_address: str, *, is_chief: bool, timeout_s: float = 120.0) -> None:
+        # Under torchrun the elastic agent already serves a store at MASTER_ADDR:MASTER_PORT; the chief joins it.
+        hosts_store = is_chief and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         host, _, port = chief_address.rpartition(":")
         host = host.removeprefix("[").removesuffix("]")
         self.address = chief_address
@@ -24,12 +27,12 @@ class ControlPlane:
             self.store = TCPStore(
                 host,
                 int(port),
-                is_master=is_chief,
+                is_master=hosts_store,
                 wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=timeout_s),
             )
         except (RuntimeError, OSError) as error:
-            action = "host" if is_chief else "reach"
+            action = "host" if hosts_store else "reach"
             raise ControlPlaneError(
                 f"could not {action} the control plane of the chief at {chief_address} within {timeout_s:.0f}s: {error}"
             ) from error

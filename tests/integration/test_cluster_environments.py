@@ -1,0 +1,79 @@
+"""The same job started the ways real clusters start it: TF_CONFIG per process (Kubeflow TFJob) and torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+JOBS = Path(__file__).parent / "jobs"
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _config(tmp_path: Path) -> Path:
+    path = tmp_path / "config.json"
+    config = {"mode": "async", "num_ps": 1, "epochs": 1, "num_batches": 60}
+    path.write_text(json.dumps({**config, "model_dir": str(tmp_path / "model"), "result": str(tmp_path / "r.json")}))
+    return path
+
+
+def test_tf_config_in_each_process_runs_the_job(tmp_path):
+    ports = _free_ports(4)
+    cluster = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{ports[1]}"],
+        "worker": [f"127.0.0.1:{ports[2]}", f"127.0.0.1:{ports[3]}"],
+    }
+    config = _config(tmp_path)
+    procs = []
+    try:
+        for task_type, index in (("chief", 0), ("ps", 0), ("worker", 0), ("worker", 1)):
+            env = {
+                **os.environ,
+                "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": task_type, "index": index}}),
+            }
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(JOBS / "regression.py"), str(config)],
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    text=True,
+                )
+            )
+        outputs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0, 0, 0], outputs
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["global_step"] == 60
+    assert result["worker_steps"] == {"worker:0": 30, "worker:1": 30}
+
+
+def test_torchrun_ranks_map_to_chief_ps_and_workers(tmp_path):
+    config = _config(tmp_path)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", "4", str(JOBS / "regression.py"), str(config)],
+        env={**os.environ, "SHARDFLOW_NUM_PS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["global_step"] == 60
+    assert set(result["worker_steps"]) == {"worker:0", "worker:1"}
