@@ -13,7 +13,7 @@ from shardflow.train.batches import to_torch
 
 
 def test_train_spec_needs_a_length():
-    with pytest.raises(ValueError, match="max_steps=... or epochs="):
+    with pytest.raises(ValueError, match="needs max_steps"):
         sf.TrainSpec(lambda ctx: [])
 
 
