@@ -12,7 +12,7 @@ import pytest
 import torch
 import zmq
 
-from shardflow.comm import Client, CommError, DeadlineExceeded, Request, Server, encode
+from shardflow.comm import Client, CommError, DeadlineExceeded, Request, Server, decode, encode
 
 Serve = Callable[[Callable[[Server, Request], None]], Server]
 
@@ -88,6 +88,14 @@ def test_request_to_silent_address_raises_deadline_exceeded(client: Client) -> N
     assert "ps:1" in message and address in message and "'push'" in message and "0.5s" in message
 
 
+def test_exhausted_retries_report_every_attempt(client: Client) -> None:
+    client.connect("ps:1", f"tcp://127.0.0.1:{free_port()}")
+    started = time.monotonic()
+    with pytest.raises(DeadlineExceeded, match=r"'pull' \(seq \d+, 2 attempts\)"):
+        client.request("ps:1", {"op": "pull"}, timeout_s=0.2, retries=1)
+    assert time.monotonic() - started >= 0.4
+
+
 def test_deadline_exceeded_is_a_timeout_error_that_pickles() -> None:
     error = DeadlineExceeded("ps:0", "tcp://127.0.0.1:1", "'pull' (seq 4)", 2.0)
     assert isinstance(error, TimeoutError)
@@ -130,18 +138,12 @@ def test_retry_of_an_answered_request_gets_the_cached_reply(client: Client, serv
     try:
         raw.send_multipart(encode(header))
         assert raw.poll(2000)
-        reply, tensors = decode_reply(raw.recv_multipart())
+        reply, tensors = decode(raw.recv_multipart())
     finally:
         raw.close(linger=0)
     assert reply["applied"] == 1 and reply["q"] == seq
     assert torch.equal(tensors[0], torch.arange(3))
     assert applied == [seq]
-
-
-def decode_reply(frames: list[bytes]) -> tuple[dict, list[torch.Tensor]]:
-    from shardflow.comm import decode
-
-    return decode(frames)
 
 
 def test_restarted_client_is_not_taken_for_a_duplicate(serve: Serve) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import secrets
 import time
 from collections.abc import Sequence
@@ -14,7 +13,7 @@ import torch
 import zmq
 
 from shardflow.comm.errors import CommError, DeadlineExceeded, ProtocolError
-from shardflow.comm.framing import NOBLOCK, decode, encode, recv_frames, send_frames, wait_readable
+from shardflow.comm.framing import NOBLOCK, Receiver, decode, encode, send_frames, timeout_ms
 
 Reply = tuple[dict[str, Any], list[torch.Tensor]]
 
@@ -31,10 +30,10 @@ class _Peer:
     """Op name of each request sent and not yet answered, by sequence number."""
     arrived: dict[int, Reply] = field(default_factory=dict)
     """Replies that came while waiting for another one, by sequence number."""
-    poll_items: list[tuple[zmq.Socket[bytes], int]] = field(init=False)
+    receiver: Receiver = field(init=False)
 
     def __post_init__(self) -> None:
-        self.poll_items = [(self.socket, zmq.POLLIN)]
+        self.receiver = Receiver(self.socket)
 
 
 class Client:
@@ -93,13 +92,14 @@ class Client:
         if seq not in connection.pending:
             raise ValueError(f"request {seq} is not in flight to {peer}: not sent or already received")
         deadline = time.monotonic() + timeout_s
+        wait_ms = timeout_ms(timeout_s)
         while True:
-            remaining_ms = max(0, math.ceil((deadline - time.monotonic()) * 1000))
-            if not wait_readable(connection.poll_items, remaining_ms):
+            frames = connection.receiver.recv(wait_ms)
+            if frames is None:
                 what = f"{connection.pending[seq]!r} (seq {seq})"
                 raise DeadlineExceeded(peer, connection.address, what, timeout_s)
             try:
-                reply = decode(recv_frames(connection.socket))
+                reply = decode(frames)
             except ProtocolError as error:
                 raise ProtocolError(f"bad reply from {peer} at {connection.address}: {error}") from error
             reply_seq = reply[0].get("q", 0)
@@ -108,6 +108,7 @@ class Client:
                 return _checked(connection, reply)
             if connection.pending.pop(reply_seq, None) is not None:
                 connection.arrived[reply_seq] = reply
+            wait_ms = timeout_ms(deadline - time.monotonic())
 
     def request(
         self,
@@ -125,12 +126,12 @@ class Client:
         while True:
             try:
                 return self.recv(peer, seq, timeout_s)
-            except DeadlineExceeded as error:
+            except DeadlineExceeded:
                 if attempts > retries:
                     del connection.pending[seq]
                     if retries == 0:
                         raise
-                    what = f"{error.what[:-1]}, {attempts} attempts)"
+                    what = f"{header['op']!r} (seq {seq}, {attempts} attempts)"
                     raise DeadlineExceeded(peer, connection.address, what, timeout_s) from None
                 attempts += 1
                 self._send_frames(connection, frames)

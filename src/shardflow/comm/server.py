@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import socket
 import time
 from collections.abc import Sequence
@@ -15,7 +14,7 @@ import torch
 import zmq
 
 from shardflow.comm.errors import CommError, ProtocolError
-from shardflow.comm.framing import SNDMORE, decode, encode, recv_frames, send_frames, wait_readable
+from shardflow.comm.framing import SNDMORE, Receiver, decode, encode, send_frames, timeout_ms
 
 logger = logging.getLogger(__name__)
 
@@ -82,18 +81,23 @@ class Server:
         self.malformed = 0
         """Messages that did not follow the wire format, answered with an error or dropped."""
         self._senders: dict[str, _Sender] = {}
-        self._poll_items = [(self._socket, zmq.POLLIN)]
+        self._receiver = Receiver(self._socket)
 
     def recv(self, timeout_s: float | None) -> Request | None:
         """The next new request, or None once `timeout_s` passes (None waits forever)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        if timeout_s is None:
+            deadline, wait_ms = None, -1
+        else:
+            deadline, wait_ms = time.monotonic() + timeout_s, timeout_ms(timeout_s)
         while True:
-            timeout_ms = -1 if deadline is None else max(0, math.ceil((deadline - time.monotonic()) * 1000))
-            if not wait_readable(self._poll_items, timeout_ms):
+            frames = self._receiver.recv(wait_ms)
+            if frames is None:
                 return None
-            request = self._accept(recv_frames(self._socket))
+            request = self._accept(frames)
             if request is not None:
                 return request
+            if deadline is not None:
+                wait_ms = timeout_ms(deadline - time.monotonic())
 
     def reply(
         self,
