@@ -113,10 +113,12 @@ def test_retried_request_is_applied_once(client: Client, serve: Serve) -> None:
     server = serve(slow_apply)
     client.connect("ps:0", server.address)
     header, _ = client.request("ps:0", {"op": "push"}, [torch.ones(4)], timeout_s=0.3, retries=2)
-    time.sleep(0.1)  # let the server see the retry
+    deadline = time.monotonic() + 2
+    while server.duplicates == 0 and time.monotonic() < deadline:  # the retry may still be in flight
+        time.sleep(0.01)
     assert header["applied"] == 1
     assert len(applied) == 1
-    assert server.duplicates == 1
+    assert server.duplicates >= 1
 
 
 def test_retry_of_an_answered_request_gets_the_cached_reply(client: Client, serve: Serve) -> None:
