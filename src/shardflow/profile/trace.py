@@ -58,6 +58,7 @@ def open_events(path: str | Path) -> tuple[dict[str, Any], Iterator[dict[str, An
     file.close()
     events = whole.pop("traceEvents", []) if isinstance(whole, dict) else whole
     metadata = whole.get("otherData", {}) if isinstance(whole, dict) else {}
+    events.sort(key=lambda event: event.get("ph") != "M")  # names first, as in our own files
     return metadata, iter(events)
 
 
