@@ -6,12 +6,13 @@ import argparse
 from collections.abc import Sequence
 from types import ModuleType
 
-from shardflow.cli import launch
+from shardflow.cli import launch, profile
 
 # Each module has add_arguments(parser) and run(args) -> int, and imports heavy dependencies
 # inside run() so that `shardflow --help` stays fast.
 COMMANDS: dict[str, ModuleType] = {
     "launch": launch,
+    "profile": profile,
 }
 
 

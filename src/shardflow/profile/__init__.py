@@ -1,0 +1,52 @@
+"""Cluster-wide profiler: span recorder, clock alignment, merged traces, analysis and report."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from shardflow.profile.clock import ClockEstimate, estimate_offset
+from shardflow.profile.recorder import SpanRecorder, get_recorder, set_recorder
+
+if TYPE_CHECKING:
+    from shardflow.profile.capture import capture_dir, finalize, request_capture
+    from shardflow.profile.memory import MemorySampler
+    from shardflow.profile.merge import cut, merge
+    from shardflow.profile.torch_ops import OpCapture
+    from shardflow.profile.trace import role_file_name, write_trace
+
+# Imported on first use: the runtime imports this package in every role for the recorder alone.
+_LAZY = {
+    "MemorySampler": "shardflow.profile.memory",
+    "OpCapture": "shardflow.profile.torch_ops",
+    "capture_dir": "shardflow.profile.capture",
+    "cut": "shardflow.profile.merge",
+    "finalize": "shardflow.profile.capture",
+    "merge": "shardflow.profile.merge",
+    "request_capture": "shardflow.profile.capture",
+    "role_file_name": "shardflow.profile.trace",
+    "write_trace": "shardflow.profile.trace",
+}
+
+__all__ = [
+    "ClockEstimate",
+    "MemorySampler",
+    "OpCapture",
+    "SpanRecorder",
+    "capture_dir",
+    "cut",
+    "estimate_offset",
+    "finalize",
+    "get_recorder",
+    "merge",
+    "request_capture",
+    "role_file_name",
+    "set_recorder",
+    "write_trace",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardflow.profile' has no attribute {name!r}")
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -1,0 +1,225 @@
+"""Query a profile capture: top ops, per-step breakdown and diagnosis, memory, diff, SQL, HTML report."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EPILOG = """\
+examples:
+  shardflow profile steps runs/clicks                 where each step's time goes, and the bottleneck
+  shardflow profile top runs/clicks --filter 'aten::' --steps 10:20
+  shardflow profile sql runs/clicks "SELECT role, sum(dur) FROM events WHERE name = 'apply' GROUP BY role"
+  shardflow profile report runs/clicks -o profile.html
+
+Each command reads MODEL_DIR/profile/<capture>/, the latest capture unless --capture NAME.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    commands = parser.add_subparsers(dest="profile_command", metavar="QUERY", required=True)
+    top = _query(commands, "top", "time (or allocated bytes) per op, source, shape, role or device")
+    top.add_argument("--by", choices=["time", "memory"], default="time", help="what to rank by (time)")
+    top.add_argument("--group-by", choices=["op", "source", "shape", "role", "device"], default="op", help="(op)")
+    top.add_argument("--filter", metavar="REGEX", help="show only names matching; hidden ones roll up into parents")
+    top.add_argument("--limit", type=int, default=25, metavar="N", help="rows to print (25)")
+    steps = _query(commands, "steps", "per-step breakdown per role, and a diagnosis in words")
+    steps.add_argument("--per-step", action="store_true", help="one line per role and step, not only the means")
+    _query(commands, "memory", "peak memory per role, what ran and what was live at the peak")
+    diff = commands.add_parser("diff", help="per-step time of capture B against capture A")
+    diff.add_argument("model_dir_a", type=Path, metavar="DIR_A")
+    diff.add_argument("model_dir_b", type=Path, metavar="DIR_B")
+    diff.add_argument("--capture-a", metavar="NAME", help="capture in DIR_A (latest)")
+    diff.add_argument("--capture-b", metavar="NAME", help="capture in DIR_B (latest)")
+    diff.add_argument("--limit", type=int, default=25, metavar="N", help="rows to print (25)")
+    sql = _query(commands, "sql", "any SQL over the capture's events (view `events`), with duckdb", steps=False)
+    sql.add_argument("query", help='e.g. "SELECT name, count(*) FROM events GROUP BY name"')
+    report = _query(commands, "report", "write one self-contained HTML report", steps=False)
+    report.add_argument("-o", "--output", type=Path, metavar="HTML", help="(the capture's report.html)")
+    capture = commands.add_parser("capture", help="ask a running job to capture its next N global steps")
+    capture.add_argument("model_dir", type=Path, metavar="MODEL_DIR")
+    capture.add_argument("--steps", type=int, required=True, metavar="N", help="number of global steps")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardflow.profile.capture import CaptureNotFoundError
+
+    try:
+        code: int = _RUNNERS[args.profile_command](args)
+    except (CaptureNotFoundError, ValueError) as error:
+        print(f"shardflow profile {args.profile_command}: error: {error}", file=sys.stderr)
+        return 2
+    return code
+
+
+def _query(commands: Any, name: str, summary: str, steps: bool = True) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(name, help=summary, description=summary)
+    parser.add_argument("model_dir", type=Path, metavar="MODEL_DIR")
+    parser.add_argument("--capture", metavar="NAME", help="capture name under MODEL_DIR/profile/ (latest)")
+    if steps:
+        parser.add_argument("--steps", type=_step_range, metavar="A:B", help="only global steps [A, B)")
+    return parser
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition(":")
+    try:
+        return (int(first), int(last)) if last else (int(first), int(first) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B with integers (global steps [A, B)), got {text!r}") from None
+
+
+def _load(model_dir: Path, name: str | None) -> Any:
+    from shardflow.profile.capture import capture_dir, finalize
+    from shardflow.profile.events import load
+
+    return load(finalize(capture_dir(model_dir, name)))
+
+
+def _steps_filter(args: argparse.Namespace) -> Any:
+    from shardflow.profile.events import in_steps
+
+    return in_steps(*args.steps) if args.steps else None
+
+
+def _top(args: argparse.Namespace) -> int:
+    from shardflow.profile.analysis import top
+    from shardflow.profile.events import name_matches
+
+    shown = name_matches(args.filter) if args.filter else None
+    rows = top(_load(args.model_dir, args.capture), args.by, args.group_by, shown, _steps_filter(args))
+    unit, scale = ("ms", 1000) if args.by == "time" else ("MB", 1e6)
+    header = [args.group_by, "calls", f"self {unit}", f"total {unit}", "share"]
+    _print_table(
+        header,
+        [
+            [r.key, r.calls, f"{r.self_value / scale:.3f}", f"{r.total_value / scale:.3f}", f"{r.share:.1%}"]
+            for r in rows[: args.limit]
+        ],
+    )
+    return 0
+
+
+def _steps(args: argparse.Namespace) -> int:
+    from shardflow.profile.diagnose import CATEGORIES, diagnose, steps, summarize
+    from shardflow.profile.trace import role_sort_key
+
+    table = _load(args.model_dir, args.capture)
+    rows = steps(table, _steps_filter(args))
+    parts = (*CATEGORIES, "idle")
+    header = ["role", "step" if args.per_step else "steps", "step ms", *(f"{p} ms" for p in parts)]
+    if args.per_step:
+        lines = [
+            [r.role, r.step, f"{r.step_us / 1000:.3f}", *(f"{r.parts_us[p] / 1000:.3f}" for p in parts)] for r in rows
+        ]
+    else:
+        summaries = sorted(summarize(rows), key=lambda s: role_sort_key(s.role))
+        lines = [
+            [
+                s.role,
+                s.num_steps,
+                f"{s.step_us / 1000:.3f}",
+                *(f"{s.parts_us[p] / 1000:.3f} ({s.fraction(p):.0%})" for p in parts),
+            ]
+            for s in summaries
+        ]
+    _print_table(header, lines)
+    findings = diagnose(table, _steps_filter(args))
+    print()
+    for i, finding in enumerate(findings):
+        if i == 0 or finding.fraction >= 0.25:
+            print(("diagnosis: " if i == 0 else "also:      ") + finding.message)
+    return 0
+
+
+def _memory(args: argparse.Namespace) -> int:
+    from shardflow.profile.analysis import memory
+
+    for peak in memory(_load(args.model_dir, args.capture), _steps_filter(args)):
+        step = f"step {peak.step}" if peak.step is not None else "between steps"
+        running = " > ".join(peak.active) or "nothing recorded"
+        at = f"{peak.ts / 1000:.3f} ms"
+        print(f"{peak.role}  {peak.counter}  peak {peak.peak / 1e6:.3f} MB at {at} ({step}; in {running})")
+        for group in peak.live[:10]:
+            tensors = f"{group.count} tensors from {group.op} {group.shape} on {group.device}"
+            print(f"    live {group.bytes / 1e6:.3f} MB in {tensors}")
+    return 0
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from shardflow.profile.analysis import diff
+
+    rows = diff(_load(args.model_dir_a, args.capture_a), _load(args.model_dir_b, args.capture_b))
+    lines = [
+        [r.key, f"{r.a_us / 1000:.3f}", f"{r.b_us / 1000:.3f}", f"{r.delta_us / 1000:+.3f}"] for r in rows[: args.limit]
+    ]
+    _print_table(["per global step", "A ms", "B ms", "B - A ms"], lines)
+    return 0
+
+
+def _sql(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from shardflow.profile.capture import capture_dir, finalize
+
+    table_path = str(finalize(capture_dir(args.model_dir, args.capture))).replace("'", "''")
+    connection = duckdb.connect()
+    connection.execute(f"CREATE VIEW events AS SELECT * FROM read_parquet('{table_path}')")
+    try:
+        result = connection.execute(args.query)
+    except duckdb.Error as error:
+        raise ValueError(f"the query failed: {error}") from None
+    header = [column[0] for column in result.description or []]
+    _print_table(header, [list(row) for row in result.fetchall()])
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from shardflow.profile.capture import capture_dir, finalize
+    from shardflow.profile.events import load
+    from shardflow.profile.report import write_report
+
+    directory = capture_dir(args.model_dir, args.capture)
+    output = args.output or directory / "report.html"
+    write_report(
+        load(finalize(directory)), output, title=f"shardflow profile: {args.model_dir.name} / {directory.name}"
+    )
+    print(output)
+    return 0
+
+
+def _capture(args: argparse.Namespace) -> int:
+    from shardflow.profile.capture import request_capture
+
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    try:
+        print(request_capture(args.model_dir, args.steps))
+    except NotImplementedError as error:
+        print(f"shardflow profile capture: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    cells = [[str(h) for h in header], *([str(v) for v in row] for row in rows)]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+    for n, row in enumerate(cells):
+        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+_RUNNERS = {
+    "top": _top,
+    "steps": _steps,
+    "memory": _memory,
+    "diff": _diff,
+    "sql": _sql,
+    "report": _report,
+    "capture": _capture,
+}
