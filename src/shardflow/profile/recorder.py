@@ -140,8 +140,7 @@ class SpanRecorder:
                 if tid < len(self.thread_names)
             ),
         ]
-        for event in events:
-            event["pid"] = 0
+        events = [{**event, "pid": 0} for event in events]
         role = {
             "clock_offset_us": clock_offset_us,
             "clock_error_us": clock_error_us,
