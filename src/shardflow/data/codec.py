@@ -1,0 +1,131 @@
+"""Elements as a small msgpack-able description plus raw buffers, so that worker processes (through shared memory)
+and the file cache move arrays without pickle. Decoding builds only numpy arrays, bytes, numbers and tuples."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shardflow.data import structure
+
+_ALIGN = 64
+
+
+def aligned(offset: int) -> int:
+    return -(-offset // _ALIGN) * _ALIGN
+
+
+class Encoded:
+    """One element: `spec` (msgpack-able: structure and per-leaf dtype, shape, size) and its raw `buffers`."""
+
+    __slots__ = ("buffers", "nbytes", "spec")
+
+    def __init__(self, spec: list[Any], buffers: list[memoryview]) -> None:
+        self.spec = spec
+        self.buffers = buffers
+        self.nbytes = sum(aligned(buffer.nbytes) for buffer in buffers)
+
+
+def encode(element: Any) -> Encoded:
+    leaves, treedef = structure.flatten(element)
+    leaf_specs: list[Any] = []
+    buffers: list[memoryview] = []
+    for leaf in leaves:
+        if isinstance(leaf, bytes):
+            leaf_specs.append(["b", len(leaf)])
+            buffers.append(memoryview(leaf))
+        elif isinstance(leaf, np.ndarray | np.generic):
+            leaf_specs.append(_encode_array(leaf, buffers))
+        elif isinstance(leaf, bool | int | float):
+            leaf_specs.append(["p", leaf])
+        else:
+            raise TypeError(
+                f"cannot send or cache a {type(leaf).__name__}: elements must hold numpy arrays, numbers or bytes"
+            )
+    return Encoded([_encode_tree(treedef), leaf_specs], buffers)
+
+
+def _encode_array(leaf: np.ndarray | np.generic, buffers: list[memoryview]) -> list[Any]:
+    array = np.asarray(leaf)
+    if array.dtype == object:
+        items = array.reshape(-1).tolist()
+        if not all(isinstance(item, bytes) for item in items):
+            raise TypeError("object arrays in elements must hold only bytes")
+        lengths = np.fromiter((len(item) for item in items), dtype=np.int64, count=len(items))
+        buffers.append(lengths.view(np.uint8).data)
+        buffers.append(memoryview(b"".join(items)))
+        return ["o", list(array.shape), lengths.nbytes, buffers[-1].nbytes]
+    if array.dtype.fields is not None or array.dtype.kind == "V":
+        raise TypeError(f"structured dtype {array.dtype} is not supported in elements; use one array per field")
+    raw = np.ascontiguousarray(array).reshape(-1).view(np.uint8)
+    buffers.append(raw.data)
+    return ["a", array.dtype.str, list(array.shape), isinstance(leaf, np.generic), raw.nbytes]
+
+
+def _encode_tree(treedef: structure.TreeDef) -> Any:
+    if treedef is None:
+        return 0
+    kind, meta, children = treedef
+    encoded_children = [_encode_tree(child) for child in children]
+    if kind == "dict":
+        return ["d", list(meta), encoded_children]
+    if hasattr(meta, "_fields"):
+        return ["n", meta.__module__, meta.__qualname__, encoded_children]
+    return ["t", encoded_children]
+
+
+def _decode_tree(encoded: Any) -> structure.TreeDef:
+    if encoded == 0:
+        return None
+    if encoded[0] == "d":
+        return ("dict", tuple(encoded[1]), tuple(_decode_tree(child) for child in encoded[2]))
+    if encoded[0] == "n":
+        return ("tuple", _namedtuple_type(encoded[1], encoded[2]), tuple(_decode_tree(child) for child in encoded[3]))
+    return ("tuple", tuple, tuple(_decode_tree(child) for child in encoded[1]))
+
+
+def _namedtuple_type(module: str, qualname: str) -> type:
+    # Only looks the type up in modules already loaded (never imports), falling back to a plain tuple.
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    return found if isinstance(found, type) and issubclass(found, tuple) and hasattr(found, "_fields") else tuple
+
+
+def write(encoded: Encoded, target: memoryview, offset: int) -> None:
+    """Copies the buffers into `target` from `offset`, each aligned, as `decode` expects them."""
+    for buffer in encoded.buffers:
+        target[offset : offset + buffer.nbytes] = buffer
+        offset += aligned(buffer.nbytes)
+
+
+def decode(spec: Sequence[Any], source: memoryview, offset: int) -> Any:
+    """The element `write` put at `offset` of `source`, copied out so that `source` can be released."""
+    tree, leaf_specs = spec
+    leaves = []
+    for leaf_spec in leaf_specs:
+        kind = leaf_spec[0]
+        if kind == "p":
+            leaves.append(leaf_spec[1])
+        elif kind == "b":
+            leaves.append(bytes(source[offset : offset + leaf_spec[1]]))
+            offset += aligned(leaf_spec[1])
+        elif kind == "a":
+            _, dtype, shape, is_scalar, nbytes = leaf_spec
+            array = np.frombuffer(source, np.uint8, nbytes, offset).view(np.dtype(dtype)).reshape(shape).copy()
+            leaves.append(array[()] if is_scalar else array)
+            offset += aligned(nbytes)
+        else:
+            _, shape, lengths_nbytes, data_nbytes = leaf_spec
+            lengths = np.frombuffer(source, np.int64, lengths_nbytes // 8, offset)
+            offset += aligned(lengths_nbytes)
+            data = bytes(source[offset : offset + data_nbytes])
+            offset += aligned(data_nbytes)
+            ends = np.cumsum(lengths).tolist()
+            items = np.empty(len(ends), dtype=object)
+            items[:] = [data[end - length : end] for end, length in zip(ends, lengths.tolist(), strict=True)]
+            leaves.append(items.reshape(shape))
+    return structure.pack(_decode_tree(tree), leaves)

@@ -1,0 +1,237 @@
+"""Positional transformations: repeat, take, skip, shard, concatenate and enumerate."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import numpy as np
+
+from shardflow.data.dataset import (
+    Dataset,
+    DatasetIterator,
+    IterationScope,
+    State,
+    UnaryDataset,
+    UnaryIterator,
+)
+
+T = TypeVar("T")
+
+
+def _count(value: Any, name: str, allow_all: bool) -> int:
+    if not isinstance(value, int | np.integer) or value < (-1 if allow_all else 0):
+        hint = " (or -1 for all)" if allow_all else ""
+        raise ValueError(f"{name} must be a non-negative int{hint}, got {value!r}")
+    return int(value)
+
+
+class RepeatDataset(UnaryDataset[T]):
+    def __init__(self, input_dataset: Dataset[T], count: int | None) -> None:
+        super().__init__(input_dataset)
+        self._count = -1 if count is None else _count(count, "repeat count", allow_all=True)
+
+    def _iterator(self) -> DatasetIterator[T]:
+        return _RepeatIterator(self._input, self._count)
+
+
+class _RepeatIterator(DatasetIterator[T]):
+    def __init__(self, dataset: Dataset[T], count: int) -> None:
+        self._dataset = dataset
+        self._count = count
+        self._scope = IterationScope()
+        self._epoch = 0
+        self._input = self._scope.iter(dataset, 0) if count != 0 else None
+        self._epoch_is_empty = True
+
+    def __next__(self) -> T:
+        while self._input is not None:
+            try:
+                element = next(self._input)
+            except StopIteration:
+                # A pass that produced nothing ends the repeat instead of looping forever, as in tf.data.
+                done = self._epoch_is_empty or self._epoch + 1 == self._count
+                self._start_epoch(None if done else self._epoch + 1)
+                continue
+            self._epoch_is_empty = False
+            return element
+        raise StopIteration
+
+    def _start_epoch(self, epoch: int | None) -> None:
+        if self._input is not None:
+            self._input.close()
+        self._input = None if epoch is None else self._scope.iter(self._dataset, epoch)
+        self._epoch = self._count if epoch is None else epoch
+        self._epoch_is_empty = True
+
+    def get_state(self) -> State:
+        return {"epoch": self._epoch, "input": None if self._input is None else self._input.get_state()}
+
+    def set_state(self, state: State) -> None:
+        self._start_epoch(None if state["input"] is None else int(state["epoch"]))
+        if self._input is not None:
+            self._input.set_state(state["input"])
+            # A restored pass may be past its first element; it must not count as an empty pass.
+            self._epoch_is_empty = False
+
+    def close(self) -> None:
+        if self._input is not None:
+            self._input.close()
+
+
+class TakeDataset(UnaryDataset[T]):
+    def __init__(self, input_dataset: Dataset[T], count: int) -> None:
+        super().__init__(input_dataset)
+        self._count = _count(count, "take count", allow_all=True)
+
+    def _iterator(self) -> DatasetIterator[T]:
+        return _TakeSkipIterator(iter(self._input), take=self._count, skip=0)
+
+
+class SkipDataset(UnaryDataset[T]):
+    def __init__(self, input_dataset: Dataset[T], count: int) -> None:
+        super().__init__(input_dataset)
+        self._count = _count(count, "skip count", allow_all=True)
+
+    def _iterator(self) -> DatasetIterator[T]:
+        return _TakeSkipIterator(iter(self._input), take=-1, skip=self._count)
+
+
+class _TakeSkipIterator(UnaryIterator[T]):
+    """Skips `skip` elements (-1: all), then returns at most `take` (-1: all)."""
+
+    def __init__(self, input_iterator: DatasetIterator[T], take: int, skip: int) -> None:
+        super().__init__(input_iterator)
+        self._take, self._skip = take, skip
+        self._taken = 0
+        self._skipped = 0
+
+    def __next__(self) -> T:
+        while self._skip == -1 or self._skipped < self._skip:
+            next(self._input)
+            self._skipped += 1
+        if self._take != -1 and self._taken >= self._take:
+            raise StopIteration
+        element: T = next(self._input)
+        self._taken += 1
+        return element
+
+    def get_state(self) -> State:
+        return {"input": self._input.get_state(), "skipped": self._skipped, "taken": self._taken}
+
+    def set_state(self, state: State) -> None:
+        self._input.set_state(state["input"])
+        self._skipped, self._taken = int(state["skipped"]), int(state["taken"])
+
+
+class ShardDataset(UnaryDataset[T]):
+    def __init__(self, input_dataset: Dataset[T], num_shards: int, index: int) -> None:
+        super().__init__(input_dataset)
+        if not isinstance(num_shards, int | np.integer) or num_shards < 1:
+            raise ValueError(f"shard num_shards must be a positive int, got {num_shards!r}")
+        if not isinstance(index, int | np.integer) or not 0 <= index < num_shards:
+            raise ValueError(f"shard index must be in [0, num_shards={num_shards}), got {index!r}")
+        self._num_shards, self._index = int(num_shards), int(index)
+
+    def _iterator(self) -> DatasetIterator[T]:
+        return _ShardIterator(iter(self._input), self._num_shards, self._index)
+
+
+class _ShardIterator(UnaryIterator[T]):
+    """Elements index, index + num_shards, ...: skips up to the next one of this shard on each call."""
+
+    def __init__(self, input_iterator: DatasetIterator[T], num_shards: int, index: int) -> None:
+        super().__init__(input_iterator)
+        self._num_shards = num_shards
+        self._to_skip = index
+
+    def __next__(self) -> T:
+        while self._to_skip:
+            next(self._input)
+            self._to_skip -= 1
+        self._to_skip = self._num_shards - 1
+        element: T = next(self._input)
+        return element
+
+    def get_state(self) -> State:
+        return {"input": self._input.get_state(), "to_skip": self._to_skip}
+
+    def set_state(self, state: State) -> None:
+        self._input.set_state(state["input"])
+        self._to_skip = int(state["to_skip"])
+
+
+class ConcatenateDataset(Dataset[Any]):
+    def __init__(self, first: Dataset[Any], second: Dataset[Any]) -> None:
+        if not isinstance(second, Dataset):
+            raise TypeError(f"concatenate expects a shardflow.data.Dataset, got {type(second).__name__}")
+        self._datasets = (first, second)
+
+    def _inputs(self) -> tuple[Dataset[Any], ...]:
+        return self._datasets
+
+    def _with_inputs(self, inputs: tuple[Dataset[Any], ...]) -> Dataset[Any]:
+        return ConcatenateDataset(*inputs)
+
+    def _iterator(self) -> DatasetIterator[Any]:
+        return _ConcatenateIterator(self._datasets)
+
+
+class _ConcatenateIterator(DatasetIterator[Any]):
+    def __init__(self, datasets: tuple[Dataset[Any], Dataset[Any]]) -> None:
+        self._datasets = datasets
+        self._scope = IterationScope()
+        self._which = 0
+        self._input: DatasetIterator[Any] = iter(datasets[0])
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._input)
+        except StopIteration:
+            if self._which == 1:
+                raise
+        self._switch(1)
+        return next(self._input)
+
+    def _switch(self, which: int) -> None:
+        if which != self._which:
+            self._input.close()
+            self._input = self._scope.iter(self._datasets[which])
+            self._which = which
+
+    def get_state(self) -> State:
+        return {"which": self._which, "input": self._input.get_state()}
+
+    def set_state(self, state: State) -> None:
+        self._switch(int(state["which"]))
+        self._input.set_state(state["input"])
+
+    def close(self) -> None:
+        self._input.close()
+
+
+class EnumerateDataset(UnaryDataset[tuple[np.int64, Any]]):
+    def __init__(self, input_dataset: Dataset[Any], start: int) -> None:
+        super().__init__(input_dataset)
+        self._start = int(start)
+
+    def _iterator(self) -> DatasetIterator[tuple[np.int64, Any]]:
+        return _EnumerateIterator(iter(self._input), self._start)
+
+
+class _EnumerateIterator(UnaryIterator[tuple[np.int64, Any]]):
+    def __init__(self, input_iterator: DatasetIterator[Any], start: int) -> None:
+        super().__init__(input_iterator)
+        self._next_index = start
+
+    def __next__(self) -> tuple[np.int64, Any]:
+        # The count advances before the input is asked, so an element that raises uses up its index (tf.data's
+        # enumerate is a zip with a range).
+        self._next_index += 1
+        return np.int64(self._next_index - 1), next(self._input)
+
+    def get_state(self) -> State:
+        return {"input": self._input.get_state(), "next_index": self._next_index}
+
+    def set_state(self, state: State) -> None:
+        self._input.set_state(state["input"])
+        self._next_index = int(state["next_index"])

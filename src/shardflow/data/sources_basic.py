@@ -1,0 +1,255 @@
+"""In-memory sources: range, from_tensors, from_tensor_slices, from_generator, list_files and zip."""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from shardflow.data import structure
+from shardflow.data.dataset import Dataset, DatasetIterator, State
+
+
+class RangeDataset(Dataset[np.int64]):
+    def __init__(self, *args: int) -> None:
+        if not 1 <= len(args) <= 3:
+            raise TypeError(f"range takes (stop), (start, stop) or (start, stop, step), got {len(args)} arguments")
+        if len(args) == 3 and args[2] == 0:
+            raise ValueError("range step must not be 0")
+        self._range = range(*(int(arg) for arg in args))
+
+    def _iterator(self) -> DatasetIterator[np.int64]:
+        return _RangeIterator(self._range)
+
+
+class _RangeIterator(DatasetIterator[np.int64]):
+    def __init__(self, values: range) -> None:
+        self._values = values
+        self._index = 0
+
+    def __next__(self) -> np.int64:
+        if self._index >= len(self._values):
+            raise StopIteration
+        self._index += 1
+        return np.int64(self._values[self._index - 1])
+
+    def get_state(self) -> State:
+        return {"index": self._index}
+
+    def set_state(self, state: State) -> None:
+        self._index = int(state["index"])
+
+
+class ElementsDataset(Dataset[Any]):
+    """A dataset over a list of already-normalized elements."""
+
+    def __init__(self, elements: Sequence[Any]) -> None:
+        self._elements = elements
+
+    def _iterator(self) -> DatasetIterator[Any]:
+        return _IndexIterator(len(self._elements), self._elements.__getitem__)
+
+
+class _IndexIterator(DatasetIterator[Any]):
+    def __init__(self, length: int, element_at: Callable[[int], Any]) -> None:
+        self._length = length
+        self._element_at = element_at
+        self._index = 0
+
+    def __next__(self) -> Any:
+        if self._index >= self._length:
+            raise StopIteration
+        self._index += 1
+        return self._element_at(self._index - 1)
+
+    def get_state(self) -> State:
+        return {"index": self._index}
+
+    def set_state(self, state: State) -> None:
+        self._index = int(state["index"])
+
+
+class TensorsDataset(ElementsDataset):
+    def __init__(self, element: Any) -> None:
+        super().__init__([structure.normalize(element)])
+
+
+class TensorSlicesDataset(Dataset[Any]):
+    """Slices every leaf along its first dimension; all leaves must have the same first dimension."""
+
+    def __init__(self, element: Any) -> None:
+        leaves, self._treedef = structure.flatten(structure.normalize(element))
+        if not leaves:
+            raise ValueError("from_tensor_slices needs at least one array")
+        for leaf in leaves:
+            if not isinstance(leaf, np.ndarray) or leaf.ndim == 0:
+                raise ValueError(f"from_tensor_slices needs arrays of rank >= 1 to slice, got a scalar {leaf!r:.40}")
+        lengths = {len(leaf) for leaf in leaves}
+        if len(lengths) > 1:
+            shapes = ", ".join(str(leaf.shape) for leaf in leaves)
+            raise ValueError(f"from_tensor_slices needs equal first dimensions, got shapes {shapes}")
+        self._leaves = leaves
+        self._length = lengths.pop()
+
+    def _element_at(self, index: int) -> Any:
+        return structure.pack(self._treedef, [leaf[index] for leaf in self._leaves])
+
+    def _iterator(self) -> DatasetIterator[Any]:
+        return _IndexIterator(self._length, self._element_at)
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """The shape (None for any size) and numpy dtype of one leaf of a generator's `output_signature`.
+    Use `bytes` (or object) as dtype for strings."""
+
+    shape: tuple[int | None, ...] | list[int | None] | None
+    """None accepts any shape; a None dimension accepts any size."""
+    dtype: Any = np.float32
+    """Leaves are converted to this dtype."""
+    name: str | None = None
+    """Accepted for tf.TensorSpec compatibility; unused."""
+
+
+class GeneratorDataset(Dataset[Any]):
+    """Elements of a Python generator. Its state is the number of elements consumed, so `set_state` calls
+    `generator(*args)` again and skips that many: the generator must yield the same sequence every time."""
+
+    def __init__(
+        self, generator: Callable[..., Any], output_signature: Any = None, args: tuple[Any, ...] | None = None
+    ) -> None:
+        if not callable(generator):
+            raise TypeError(f"from_generator needs a callable that returns an iterator, got {type(generator).__name__}")
+        self._generator = generator
+        self._args = tuple(args or ())
+        self._signature = None if output_signature is None else structure.flatten(output_signature)
+
+    def _iterator(self) -> DatasetIterator[Any]:
+        return _GeneratorIterator(self)
+
+    def _start(self) -> Iterator[Any]:
+        return iter(self._generator(*self._args))
+
+    def _convert(self, element: Any) -> Any:
+        element = structure.normalize(element)
+        if self._signature is None:
+            return element
+        specs, treedef = self._signature
+        leaves, actual = structure.flatten(element)
+        if actual != treedef:
+            raise TypeError(
+                f"from_generator: the generator yielded structure {structure.describe(actual)}, "
+                f"but output_signature is {structure.describe(treedef)}"
+            )
+        return structure.pack(treedef, [_conform(leaf, spec) for leaf, spec in zip(leaves, specs, strict=True)])
+
+
+def _conform(leaf: Any, spec: TensorSpec) -> Any:
+    if spec.dtype in (bytes, str, object):
+        converted = leaf
+    else:
+        converted = np.asarray(leaf, dtype=spec.dtype)
+        converted = converted[()] if converted.ndim == 0 else converted
+    shape = np.shape(converted) if not isinstance(converted, bytes) else ()
+    if spec.shape is not None and (
+        len(shape) != len(spec.shape)
+        or any(want not in (None, got) for want, got in zip(spec.shape, shape, strict=True))
+    ):
+        raise ValueError(f"from_generator: the generator yielded shape {shape}, output_signature expects {spec.shape}")
+    return converted
+
+
+class _GeneratorIterator(DatasetIterator[Any]):
+    def __init__(self, dataset: GeneratorDataset) -> None:
+        self._dataset = dataset
+        self._source: Iterator[Any] | None = None
+        self._consumed = 0
+
+    def __next__(self) -> Any:
+        if self._source is None:
+            self._source = self._dataset._start()
+            for _ in range(self._consumed):
+                next(self._source)
+        element = next(self._source)
+        self._consumed += 1
+        return self._dataset._convert(element)
+
+    def get_state(self) -> State:
+        return {"consumed": self._consumed}
+
+    def set_state(self, state: State) -> None:
+        self._source = None
+        self._consumed = int(state["consumed"])
+
+
+class ListFilesDataset(Dataset[bytes]):
+    """The files matching one or more glob patterns, as bytes paths, sorted (and shuffled by default)."""
+
+    def __init__(self, file_pattern: str | Sequence[str], shuffle: bool | None = None, seed: int | None = None) -> None:
+        patterns = [file_pattern] if isinstance(file_pattern, str | bytes | os.PathLike) else list(file_pattern)
+        files = [path for pattern in patterns for path in sorted(glob.glob(os.fsdecode(pattern)))]
+        if not files:
+            raise FileNotFoundError(f"list_files: no files matched pattern {', '.join(map(os.fsdecode, patterns))}")
+        self._build([os.fsencode(path) for path in files], True if shuffle is None else shuffle, seed)
+
+    def _build(self, files: list[bytes], shuffle: bool, seed: int | None) -> None:
+        self._files, self._shuffle, self._seed = files, shuffle, seed
+        # Built once, so that each new pass reshuffles, as tf.data's list_files does.
+        self._pipeline: Dataset[Any] = ElementsDataset(files)
+        if shuffle:
+            self._pipeline = self._pipeline.shuffle(len(files), seed=seed)
+
+    def _iterator(self) -> DatasetIterator[bytes]:
+        return iter(self._pipeline)
+
+    def _shard_files(self, num_shards: int, index: int) -> Dataset[bytes]:
+        if len(self._files) < num_shards:
+            raise ValueError(
+                f"FILE auto-sharding needs at least one file per worker: {len(self._files)} files for {num_shards} "
+                "workers; use more files or AutoShardPolicy.DATA"
+            )
+        # The sorted list is sharded before any shuffle, so workers get disjoint files whatever their seeds.
+        shard = ListFilesDataset.__new__(ListFilesDataset)
+        shard._build(self._files[index::num_shards], self._shuffle, self._seed)
+        return shard
+
+
+class ZipDataset(Dataset[Any]):
+    def __init__(self, datasets: Any) -> None:
+        self._datasets, self._treedef = structure.flatten(datasets)
+        for dataset in self._datasets:
+            if not isinstance(dataset, Dataset):
+                raise TypeError(f"zip takes datasets (or a tuple or dict of them), got {type(dataset).__name__}")
+
+    def _inputs(self) -> tuple[Dataset[Any], ...]:
+        return tuple(self._datasets)
+
+    def _with_inputs(self, inputs: tuple[Dataset[Any], ...]) -> Dataset[Any]:
+        return ZipDataset(structure.pack(self._treedef, inputs))
+
+    def _iterator(self) -> DatasetIterator[Any]:
+        return _ZipIterator([iter(dataset) for dataset in self._datasets], self._treedef)
+
+
+class _ZipIterator(DatasetIterator[Any]):
+    def __init__(self, iterators: list[DatasetIterator[Any]], treedef: structure.TreeDef) -> None:
+        self._iterators = iterators
+        self._treedef = treedef
+
+    def __next__(self) -> Any:
+        return structure.pack(self._treedef, [next(iterator) for iterator in self._iterators])
+
+    def get_state(self) -> State:
+        return {"inputs": [iterator.get_state() for iterator in self._iterators]}
+
+    def set_state(self, state: State) -> None:
+        for iterator, input_state in zip(self._iterators, state["inputs"], strict=True):
+            iterator.set_state(input_state)
+
+    def close(self) -> None:
+        for iterator in self._iterators:
+            iterator.close()

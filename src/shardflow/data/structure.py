@@ -1,0 +1,152 @@
+"""Nested elements: dicts and tuples of numpy values, flattened to leaves and packed back as tf.nest does."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+TreeDef = Any
+"""None for a leaf; ("dict", keys, children) or ("tuple", type, children) for a structure."""
+
+
+def is_structure(value: Any) -> bool:
+    # Lists are values, not structure, as in tf.data: from_tensor_slices([1, 2]) slices one array.
+    return isinstance(value, dict | tuple)
+
+
+def flatten(element: Any) -> tuple[list[Any], TreeDef]:
+    """The leaves of `element` in a fixed order (dict keys sorted) and the definition to pack them again."""
+    leaves: list[Any] = []
+    return leaves, _flatten_into(element, leaves)
+
+
+def _flatten_into(element: Any, leaves: list[Any]) -> TreeDef:
+    if isinstance(element, dict):
+        keys = sorted(element)
+        return ("dict", tuple(keys), tuple(_flatten_into(element[key], leaves) for key in keys))
+    if isinstance(element, tuple):
+        return ("tuple", type(element), tuple(_flatten_into(item, leaves) for item in element))
+    leaves.append(element)
+    return None
+
+
+def pack(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
+    """The inverse of `flatten`."""
+    iterator = iter(leaves)
+    element = _pack_from(treedef, iterator)
+    return element
+
+
+def _pack_from(treedef: TreeDef, leaves: Any) -> Any:
+    if treedef is None:
+        return next(leaves)
+    kind, meta, children = treedef
+    if kind == "dict":
+        return {key: _pack_from(child, leaves) for key, child in zip(meta, children, strict=True)}
+    items = [_pack_from(child, leaves) for child in children]
+    return meta(*items) if hasattr(meta, "_fields") else meta(items)
+
+
+def map_structure(fn: Callable[..., Any], *elements: Any) -> Any:
+    """Applies `fn` to the corresponding leaves of elements that share one structure."""
+    flat = [flatten(element) for element in elements]
+    treedef = flat[0][1]
+    for index, (_, other) in enumerate(flat[1:], start=1):
+        if other != treedef:
+            raise ValueError(f"element {index} has structure {describe(other)}, expected {describe(treedef)}")
+    return pack(treedef, [fn(*leaves) for leaves in zip(*(leaves for leaves, _ in flat), strict=True)])
+
+
+def describe(treedef: TreeDef) -> str:
+    """A short readable form of a structure for error messages: {'a': ., 'b': (., .)}."""
+    if treedef is None:
+        return "."
+    kind, meta, children = treedef
+    if kind == "dict":
+        return "{" + ", ".join(f"{key!r}: {describe(child)}" for key, child in zip(meta, children, strict=True)) + "}"
+    return "(" + ", ".join(describe(child) for child in children) + ("," if len(children) == 1 else "") + ")"
+
+
+def to_numpy(value: Any) -> Any:
+    """One leaf as shardflow keeps it: numpy arrays and scalars, bytes for strings, object arrays of bytes."""
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, np.ndarray):
+        return _strings_to_bytes(value) if value.dtype.kind in "US" else value
+    if isinstance(value, np.generic):
+        return value.item() if isinstance(value, np.bytes_) else value.encode() if isinstance(value, np.str_) else value
+    if value is None:
+        raise TypeError("elements cannot contain None: use a numpy array, a number, or bytes")
+    array = np.asarray(value)
+    if array.dtype == object:
+        raise TypeError(f"cannot convert {type(value).__name__} to a numpy array of numbers or bytes: {value!r:.80}")
+    array = _strings_to_bytes(array) if array.dtype.kind in "US" else array
+    return array[()] if array.ndim == 0 else array
+
+
+def _strings_to_bytes(array: np.ndarray) -> Any:
+    encode = (lambda item: item.encode()) if array.dtype.kind == "U" else bytes
+    out = np.empty(array.shape, dtype=object)
+    for index, item in np.ndenumerate(array):
+        out[index] = encode(item)
+    return out[()] if out.ndim == 0 else out
+
+
+def normalize(element: Any) -> Any:
+    """Converts every leaf of a user-given element with `to_numpy`, keeping dicts and tuples."""
+    leaves, treedef = flatten(element)
+    return pack(treedef, [to_numpy(leaf) for leaf in leaves])
+
+
+def call_with_element(fn: Callable[..., Any], element: Any) -> Any:
+    """Calls a user function as tf.data does: a tuple element is unpacked into positional arguments."""
+    if isinstance(element, tuple) and not hasattr(element, "_fields"):
+        return fn(*element)
+    return fn(element)
+
+
+def leaf_nbytes(element: Any) -> int:
+    """Approximate memory held by an element, for buffer budgets."""
+    leaves, _ = flatten(element)
+    return sum(
+        leaf.nbytes if isinstance(leaf, np.ndarray | np.generic) else len(leaf) if isinstance(leaf, bytes) else 8
+        for leaf in leaves
+    )
+
+
+def flatten_up_to(treedef: TreeDef, value: Any, argument: str, broadcast: bool = False) -> list[Any]:
+    """The parts of `value` at the leaves of `treedef` (a subtree of `value` counts as one part). With
+    `broadcast`, a single value stands for every leaf below it. Used for padded_shapes and padding_values."""
+    if treedef is None:
+        return [value]
+    kind, meta, children = treedef
+    if not is_structure(value):
+        if broadcast:
+            return [value] * len(leaf_paths(treedef))
+        raise ValueError(f"{argument} must have the element's structure {describe(treedef)}, got {value!r}")
+    if kind == "dict":
+        if not isinstance(value, dict) or sorted(value) != list(meta):
+            raise ValueError(f"{argument} must have the element's structure {describe(treedef)}, got {value!r}")
+        parts = [value[key] for key in meta]
+    else:
+        if not isinstance(value, tuple) or len(value) != len(children):
+            raise ValueError(f"{argument} must have the element's structure {describe(treedef)}, got {value!r}")
+        parts = list(value)
+    return [
+        leaf
+        for child, part in zip(children, parts, strict=True)
+        for leaf in flatten_up_to(child, part, argument, broadcast)
+    ]
+
+
+def leaf_paths(treedef: TreeDef, prefix: str = "") -> list[str]:
+    """Readable paths of the leaves, in flatten order: ["['image']", "['label']"], or [""] for a single leaf."""
+    if treedef is None:
+        return [prefix]
+    kind, meta, children = treedef
+    keys = meta if kind == "dict" else range(len(children))
+    return [path for key, child in zip(keys, children, strict=True) for path in leaf_paths(child, f"{prefix}[{key!r}]")]
