@@ -1,0 +1,16 @@
+"""Datasets that read files (text lines, fixed-length records, TFRecord, CSV, Parquet) and TFRecordWriter."""
+
+from shardflow.data.sources.errors import DataLossError, InvalidRecordError
+from shardflow.data.sources.fixed import FixedLengthRecordDataset
+from shardflow.data.sources.text import TextLineDataset
+from shardflow.data.sources.tfrecord import TFRecordDataset, TFRecordOptions, TFRecordWriter
+
+__all__ = [
+    "DataLossError",
+    "FixedLengthRecordDataset",
+    "InvalidRecordError",
+    "TFRecordDataset",
+    "TFRecordOptions",
+    "TFRecordWriter",
+    "TextLineDataset",
+]

@@ -1,0 +1,29 @@
+"""Errors the file sources raise: each names the file and where in it the problem is."""
+
+from __future__ import annotations
+
+
+class DataLossError(ValueError):
+    """A file is corrupt or truncated: `filename` and `offset` (bytes into the uncompressed stream) say where."""
+
+    def __init__(self, filename: str, offset: int, problem: str) -> None:
+        super().__init__(f"{filename}: {problem} at byte offset {offset}")
+        self.filename = filename
+        self.offset = offset
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type[DataLossError], tuple[str, int, str]]:
+        return type(self), (self.filename, self.offset, self.problem)
+
+
+class InvalidRecordError(ValueError):
+    """A record read whole cannot be decoded (e.g. a CSV line with the wrong number of fields)."""
+
+    def __init__(self, filename: str, line: int, problem: str) -> None:
+        super().__init__(f"{filename}:{line}: {problem}")
+        self.filename = filename
+        self.line = line
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[type[InvalidRecordError], tuple[str, int, str]]:
+        return type(self), (self.filename, self.line, self.problem)
