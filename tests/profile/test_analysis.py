@@ -53,7 +53,7 @@ def test_top_groups_by_source_and_by_role(table):
 
 
 def test_top_respects_a_step_window(table):
-    assert self_times(top(table, steps=in_steps(1, 2)))["forward"] == (1, 300.0)
+    assert self_times(top(table, step_range=in_steps(1, 2)))["forward"] == (1, 300.0)
 
 
 def test_top_by_memory_is_allocated_bytes_rolled_up_into_shown_parents(table):

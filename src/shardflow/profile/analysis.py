@@ -1,4 +1,4 @@
-"""One analyzer per question over the events table: top, steps breakdown, memory peaks, diff of two captures."""
+"""One analyzer per question over the events table: top, memory peaks, diff of two captures."""
 
 from __future__ import annotations
 
@@ -35,12 +35,12 @@ def top(
     by: Literal["time", "memory"] = "time",
     group_by: GroupBy = "op",
     shown: Filter | None = None,
-    steps: Filter | None = None,
+    step_range: Filter | None = None,
 ) -> list[TopRow]:
     """Time (or allocated bytes) per group; entries that `shown` hides roll up into their nearest shown parent."""
     table = table.filter(pc.is_in(table["ph"], pa.array(["X", "i"])))
-    if steps is not None:
-        table = table.filter(steps(table))
+    if step_range is not None:
+        table = table.filter(step_range(table))
     is_span = table["ph"].to_numpy(zero_copy_only=False) == "X"
     displayed = is_span & (shown(table) if shown is not None else True)
     tree = _nest(table)
@@ -153,11 +153,11 @@ class MemoryPeak:
     """Allocations made and not yet freed at the peak, by op and shape, largest first."""
 
 
-def memory(table: pa.Table, steps: Filter | None = None) -> list[MemoryPeak]:
+def memory(table: pa.Table, step_range: Filter | None = None) -> list[MemoryPeak]:
     """The peak of every memory counter of every role, with what was running and live at that moment."""
     spans = table.filter(pc.equal(table["ph"], "X"))
-    if steps is not None:
-        spans = spans.filter(steps(spans))
+    if step_range is not None:
+        spans = spans.filter(step_range(spans))
     counters = table.filter(pc.and_(pc.equal(table["ph"], "C"), pc.starts_with(table["name"], "memory.")))
     allocations = table.filter(pc.and_(pc.equal(table["ph"], "i"), pc.equal(table["cat"], "memory")))
     peaks = []

@@ -38,9 +38,10 @@ class SpanRecorder:
         self.role = role
         self.capacity = capacity
         self._mask = capacity - 1
-        self._anchor_perf_ns = time.perf_counter_ns()
+        # The midpoint of two perf readings around the wall reading pairs the two clocks most closely.
+        before = time.perf_counter_ns()
         self.base_time_ns = time.time_ns()
-        self._anchor_perf_ns = (self._anchor_perf_ns + time.perf_counter_ns()) // 2
+        self._anchor_perf_ns = (before + time.perf_counter_ns()) // 2
         # key = name id | thread id << 20 | kind << 40, so one write stores all three.
         self._key, self._step, self._start, self._end, self._arg0, self._arg1 = (
             array("q", bytes(8 * capacity)) for _ in range(6)
