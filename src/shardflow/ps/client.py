@@ -66,39 +66,53 @@ class ParameterClient:
 
     # -- moving tensors ---------------------------------------------------------------------------
 
-    def _gather(self, ps: int, use_grads: bool) -> list[torch.Tensor]:
-        buffers = []
+    def _frames(self, ps: int, use_grads: bool) -> tuple[list[torch.Tensor], list[int]]:
+        """The pieces for `ps` as separate zero-copy frames, dtype by dtype in offset order, and the count per
+        dtype; the PS concatenates them, which keeps that copy off the worker's critical path."""
+        frames: list[torch.Tensor] = []
+        counts: list[int] = []
         for dtype in self.dtypes[ps]:
-            parts = []
-            for piece in self.pieces[ps][dtype]:
+            pieces = self.pieces[ps][dtype]
+            for piece in pieces:
                 param = self.named[piece.name]
                 source = param.grad if use_grads else param.detach()
                 if source is None:
                     source = torch.zeros_like(param)
                 if piece.partitioned:
                     source = source[piece.row_start : piece.row_end]
-                parts.append(source.reshape(-1))
-            buffers.append(torch.cat(parts) if len(parts) > 1 else parts[0].clone())
-        return buffers
+                frames.append(source.reshape(-1))
+            counts.append(len(pieces))
+        return frames, counts
 
-    def _scatter(self, ps: int, buffers: Sequence[torch.Tensor]) -> None:
-        with torch.no_grad():
+    def _load(self, replies: dict[int, Sequence[torch.Tensor]]) -> None:
+        """Point each parameter at its slice of the received buffers, without a copy; a partitioned one is
+        assembled from its pieces. The worker never writes parameters in place, so read-only frames serve."""
+        assembled: dict[str, torch.Tensor] = {}
+        for ps, buffers in replies.items():
             for dtype, flat in zip(self.dtypes[ps], buffers, strict=True):
                 for piece in self.pieces[ps][dtype]:
-                    target: torch.Tensor = self.named[piece.name]
+                    values = flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
                     if piece.partitioned:
-                        target = target[piece.row_start : piece.row_end]
-                    target.copy_(flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape))
+                        if piece.name not in assembled:
+                            assembled[piece.name] = torch.empty(piece.shape, dtype=flat.dtype)
+                        assembled[piece.name][piece.row_start : piece.row_end] = values
+                    else:
+                        self.named[piece.name].data = values
+        for name, tensor in assembled.items():
+            self.named[name].data = tensor
 
     def _wait(self, peer_seqs: dict[str, int], load_params: bool) -> StepReply:
         step, stop = 0, False
+        replies: dict[int, Sequence[torch.Tensor]] = {}
         for peer, seq in peer_seqs.items():
             header, tensors = self.client.recv(peer, seq, self.timeout_s)
             if load_params and tensors:
-                self._scatter(int(peer.split(":")[1]), tensors)
+                replies[int(peer.split(":")[1])] = tensors
             if peer == "ps:0":
                 step = int(header["step"])
             stop = stop or bool(header.get("stop"))
+        if replies:
+            self._load(replies)
         return StepReply(step, stop)
 
     # -- chief ----------------------------------------------------------------------------------
@@ -114,17 +128,20 @@ class ParameterClient:
                 "apply": apply.to_json(),
                 "step": step,
             }
-            seqs[peer] = self.client.send(peer, header, self._gather(k, use_grads=False))
+            frames, header["n"] = self._frames(k, use_grads=False)
+            seqs[peer] = self.client.send(peer, header, frames)
         self._wait(seqs, load_params=False)
 
     def fetch_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Every variable reassembled from its pieces, plus the PS' counters; loads them into the model too."""
         seqs = {peer: self.client.send(peer, {"op": "state"}) for peer in self.peers}
         stats: dict[str, Any] = {}
+        replies: dict[int, Sequence[torch.Tensor]] = {}
         for k, peer in enumerate(self.peers):
             header, tensors = self.client.recv(peer, seqs[peer], self.timeout_s)
-            self._scatter(k, tensors[: len(self.dtypes[k])])
+            replies[k] = tensors[: len(self.dtypes[k])]
             stats[peer] = {"step": header["step"], **header["stats"]}
+        self._load(replies)
         return {name: p.detach().clone() for name, p in self.named.items()}, stats
 
     def shutdown(self) -> None:
@@ -167,7 +184,8 @@ class ParameterClient:
     def _send_push(self, ps: int) -> None:
         peer = self.peers[ps]
         if peer not in self._pending:
-            self._pending[peer] = self.client.send(peer, self._push_header, self._gather(ps, use_grads=True))
+            frames, counts = self._frames(ps, use_grads=True)
+            self._pending[peer] = self.client.send(peer, {**self._push_header, "n": counts}, frames)
 
     def end_push(self) -> dict[str, int]:
         """Push what the hooks have not sent (variables without gradients push zeros); returns the requests."""

@@ -106,15 +106,28 @@ class ParameterServer:
         self.stats["applied"] += 1
         self._snapshot = None
 
+    def _buffers(self, request: Request) -> list[torch.Tensor]:
+        """One flat tensor per dtype from the pieces the sender sent as separate frames (always a fresh copy)."""
+        counts = request.header.get("n", [])
+        if len(counts) != len(self.dtypes) or sum(counts) != len(request.tensors):
+            raise ValueError(
+                f"{request.op!r} from {request.sender} carries {len(request.tensors)} pieces in groups {counts}; "
+                f"ps:{self.index} holds the dtypes {self.dtypes}"
+            )
+        buffers, start = [], 0
+        for count in counts:
+            pieces = request.tensors[start : start + count]
+            buffers.append(torch.cat(pieces) if pieces else torch.empty(0))
+            start += count
+        return buffers
+
     # -- handlers -----------------------------------------------------------------------------
 
     def _on_init(self, request: Request) -> None:
         header = request.header
         self.config = ApplyConfig.from_json(header["apply"])
         self.dtypes = list(header["dtypes"])
-        if len(request.tensors) != len(self.dtypes):
-            raise ValueError(f"init carries {len(request.tensors)} buffers for dtypes {self.dtypes}")
-        self.params = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in request.tensors]
+        self.params = [torch.nn.Parameter(t, requires_grad=False) for t in self._buffers(request)]
         self.optimizer = OptimizerSpec.from_json(header["optimizer"]).build(list(self.params)) if self.params else None
         self.step = int(header.get("step", 0))
         self.active = set(range(self.config.num_workers))
@@ -136,11 +149,7 @@ class ParameterServer:
             self.stats["dropped_after_max_steps"] += 1
             self.server.reply(request, self._header(dropped=True))
             return
-        grads = list(request.tensors)
-        if len(grads) != len(self.params):
-            raise ValueError(
-                f"push from worker:{worker} carries {len(grads)} buffers, ps:{self.index} holds {len(self.params)}"
-            )
+        grads = self._buffers(request)
         mode = self.config.mode
         if mode == "sync":
             self._push_sync(request, grads)
@@ -165,7 +174,7 @@ class ParameterServer:
         if base_step > self.step:
             raise ValueError(f"push for step {base_step} arrived before ps:{self.index} reached it (at {self.step})")
         if self._num_accumulated == 0:
-            self._accumulated = [g.clone() for g in grads]
+            self._accumulated = grads
         else:
             for total, grad in zip(self._accumulated, grads, strict=True):
                 total.add_(grad)
