@@ -58,16 +58,33 @@ class _Worker:
         child_connection.close()
         self.in_flight = 0
 
+    def send(self, message: bytes) -> None:
+        try:
+            self.connection.send_bytes(message)
+        except OSError:
+            raise self._died() from None
+        self.in_flight += 1
+
     def receive(self) -> bytes:
-        while not self.connection.poll(_POLL_S):
-            if not self.process.is_alive() and not self.connection.poll(0):
-                raise RuntimeError(
-                    f"map worker process {self.process.pid} exited with code {self.process.exitcode} while mapping "
-                    "an element (a crash in native code, a kill, or running out of memory); "
-                    "run the map without use_processes to see the error in this process"
-                )
-        message: bytes = self.connection.recv_bytes()
-        return message
+        try:
+            while not self.connection.poll(_POLL_S):
+                if not self.process.is_alive() and not self.connection.poll(0):
+                    break
+            else:
+                message: bytes = self.connection.recv_bytes()
+                self.in_flight -= 1
+                return message
+        except (EOFError, OSError):
+            pass
+        raise self._died()
+
+    def _died(self) -> RuntimeError:
+        self.process.join(1.0)
+        return RuntimeError(
+            f"map worker process {self.process.pid} exited with code {self.process.exitcode} while mapping an "
+            "element (a crash in native code, a kill, or running out of memory); run the map without "
+            "use_processes to see the error in this process"
+        )
 
 
 def _write_segment(encoded: list[codec.Encoded]) -> tuple[str, list[int]]:
@@ -213,8 +230,7 @@ class ProcessMapIterator(UnaryIterator[Any]):
         if elements:
             encoded = [codec.encode(element) for element in elements]
             name, offsets = _write_segment(encoded)
-            self._workers[worker].connection.send_bytes(msgpack.packb([name, [item.spec for item in encoded], offsets]))
-            self._workers[worker].in_flight += 1
+            self._workers[worker].send(msgpack.packb([name, [item.spec for item in encoded], offsets]))
             self._pending.append(_Chunk(worker, numbers, name, None))
         if failed is not None:
             self._pending.append(failed)
@@ -239,7 +255,6 @@ class ProcessMapIterator(UnaryIterator[Any]):
             return [(chunk.numbers[0], None, chunk.error)]
         worker = self._workers[chunk.worker]
         name, specs, offsets, results, seconds = msgpack.unpackb(worker.receive())
-        worker.in_flight -= 1
         values = iter(_read_segment(name, specs, offsets))
         self._chunk_size = max(1, min(_MAX_CHUNK_ELEMENTS, int(_TARGET_CHUNK_S * len(results) / max(seconds, 1e-6))))
         pid = worker.process.pid or 0

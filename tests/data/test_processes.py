@@ -1,0 +1,88 @@
+"""map(use_processes=True): forked workers, shared-memory transfer without pickle, errors and crashes."""
+
+from __future__ import annotations
+
+import os
+from multiprocessing import reduction
+from typing import Any
+
+import numpy as np
+import pytest
+
+from shardflow import data
+from shardflow.data import processes
+
+D = data.Dataset
+
+
+def describe(x: Any) -> Any:
+    return {
+        "pid": np.int64(os.getpid()),
+        "square": np.full((2, 3), x * x, dtype=np.float32),
+        "name": b"n%d" % x,
+        "names": np.array([b"a", b"bb" * int(x)], dtype=object),
+        "pair": (x, np.bool_(x % 2)),
+    }
+
+
+def test_process_map_equals_inline_map_and_runs_in_other_processes(same_elements: Any) -> None:
+    in_processes = list(D.range(20).map(describe, num_parallel_calls=2, use_processes=True))
+    inline = list(D.range(20).map(describe))
+    assert {int(element["pid"]) for element in in_processes}.isdisjoint({os.getpid()})
+    for element in in_processes + inline:
+        element.pop("pid")
+    same_elements(in_processes, inline)
+
+
+def test_process_map_never_pickles(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("pickle was used")
+
+    monkeypatch.setattr(reduction.ForkingPickler, "dumps", refuse)
+    assert list(D.range(10).map(lambda x: x + 1, num_parallel_calls=2, use_processes=True)) == list(range(1, 11))
+
+
+def test_worker_errors_keep_their_type_message_and_position() -> None:
+    def fail_on_three(x: Any) -> Any:
+        if x == 3:
+            raise ValueError("bad record 3")
+        return x
+
+    iterator = iter(D.range(6).map(fail_on_three, num_parallel_calls=2, use_processes=True))
+    assert [next(iterator) for _ in range(3)] == [0, 1, 2]
+    with pytest.raises(ValueError, match="bad record 3") as raised:
+        next(iterator)
+    assert any("worker process" in note for note in raised.value.__notes__)
+    assert list(iterator) == [4, 5]
+    iterator.close()
+
+
+def test_a_crashed_worker_is_reported_with_its_exit_code() -> None:
+    def crash(x: Any) -> Any:
+        os._exit(7)
+
+    iterator = iter(D.range(4).map(crash, num_parallel_calls=1, use_processes=True))
+    with pytest.raises(RuntimeError, match="exited with code 7"):
+        next(iterator)
+    iterator.close()
+
+
+def test_close_leaves_no_shared_memory_behind(monkeypatch: pytest.MonkeyPatch) -> None:
+    names: list[str] = []
+    write, read = processes._write_segment, processes._read_segment
+
+    def recording_write(encoded: Any) -> Any:
+        name, offsets = write(encoded)
+        names.append(name)
+        return name, offsets
+
+    def recording_read(name: str, specs: Any, offsets: Any) -> Any:
+        names.append(name)
+        return read(name, specs, offsets)
+
+    monkeypatch.setattr(processes, "_write_segment", recording_write)
+    monkeypatch.setattr(processes, "_read_segment", recording_read)
+    iterator = iter(D.range(200).map(lambda x: np.zeros(100) + x, num_parallel_calls=2, use_processes=True))
+    [next(iterator) for _ in range(5)]  # chunks are still in flight
+    iterator.close()
+    assert names and not [name for name in names if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
