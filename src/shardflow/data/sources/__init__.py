@@ -1,11 +1,15 @@
 """Datasets that read files (text lines, fixed-length records, TFRecord, CSV, Parquet) and TFRecordWriter."""
 
+from shardflow.data.sources.csv import CsvRecordError, decode_csv
+from shardflow.data.sources.csv_dataset import CsvDataset, make_csv_dataset
 from shardflow.data.sources.errors import DataLossError, InvalidRecordError
 from shardflow.data.sources.fixed import FixedLengthRecordDataset
 from shardflow.data.sources.text import TextLineDataset
 from shardflow.data.sources.tfrecord import TFRecordDataset, TFRecordOptions, TFRecordWriter
 
 __all__ = [
+    "CsvDataset",
+    "CsvRecordError",
     "DataLossError",
     "FixedLengthRecordDataset",
     "InvalidRecordError",
@@ -13,4 +17,6 @@ __all__ = [
     "TFRecordOptions",
     "TFRecordWriter",
     "TextLineDataset",
+    "decode_csv",
+    "make_csv_dataset",
 ]
