@@ -4,6 +4,7 @@ from shardflow.data.sources.csv import CsvRecordError, decode_csv
 from shardflow.data.sources.csv_dataset import CsvDataset, make_csv_dataset
 from shardflow.data.sources.errors import DataLossError, InvalidRecordError
 from shardflow.data.sources.fixed import FixedLengthRecordDataset
+from shardflow.data.sources.parquet import ParquetDataset
 from shardflow.data.sources.text import TextLineDataset
 from shardflow.data.sources.tfrecord import TFRecordDataset, TFRecordOptions, TFRecordWriter
 
@@ -13,6 +14,7 @@ __all__ = [
     "DataLossError",
     "FixedLengthRecordDataset",
     "InvalidRecordError",
+    "ParquetDataset",
     "TFRecordDataset",
     "TFRecordOptions",
     "TFRecordWriter",
