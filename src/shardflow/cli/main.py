@@ -6,13 +6,14 @@ import argparse
 from collections.abc import Sequence
 from types import ModuleType
 
-from shardflow.cli import launch, profile
+from shardflow.cli import data, launch, profile
 
 # Each module has add_arguments(parser) and run(args) -> int, and imports heavy dependencies
 # inside run() so that `shardflow --help` stays fast.
 COMMANDS: dict[str, ModuleType] = {
     "launch": launch,
     "profile": profile,
+    "data": data,
 }
 
 
