@@ -8,7 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
-from shardflow.data.sources import TextLineDataset
+from shardflow.data.sources import DataLossError, TextLineDataset
 
 
 def test_lines_lose_their_newlines_and_crlf_and_a_last_line_without_newline_is_kept(write):
@@ -48,12 +48,24 @@ def test_filenames_may_be_bytes_a_tuple_or_a_numpy_array(write):
     assert list(TextLineDataset(np.array(second.encode()))) == [b"b"]
 
 
-def test_a_missing_file_raises_file_not_found_naming_it(write, tmp_path):
+def test_a_missing_file_raises_file_not_found_naming_it_and_reading_goes_on_with_the_next(write, tmp_path):
     missing = str(tmp_path / "missing.txt")
-    lines = iter(TextLineDataset([write("a.txt", b"a\n"), missing]))
+    lines = iter(TextLineDataset([write("a.txt", b"a\n"), missing, write("c.txt", b"c\n")]))
     assert next(lines) == b"a"
     with pytest.raises(FileNotFoundError, match=r"missing\.txt"):
         next(lines)
+    assert list(lines) == [b"c"]
+
+
+def test_a_corrupt_gzip_stream_raises_data_loss_and_reading_goes_on_with_the_next_file(write):
+    compressed = bytearray(gzip.compress(b"".join(b"line %d\n" % i for i in range(1000))))
+    compressed[len(compressed) // 2 :] = bytes(len(compressed) - len(compressed) // 2)
+    files = [write("bad.gz", bytes(compressed)), write("good.gz", gzip.compress(b"ok\n"))]
+    lines = iter(TextLineDataset(files, compression_type="GZIP", buffer_size=64))
+    with pytest.raises(DataLossError, match=r"bad\.gz: (corrupt|truncated) compressed stream"):
+        while True:
+            next(lines)
+    assert list(lines) == [b"ok"]
 
 
 def test_an_unknown_compression_type_is_refused(write):

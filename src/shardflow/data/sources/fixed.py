@@ -56,11 +56,8 @@ class FixedLengthReader(RecordReader[bytes]):
         self._pending = b""
         self._batch_offset = stream.offset
         self._first_record = self._next_record = record_index
-        self._at_end = False
 
     def read_batch(self) -> list[bytes]:
-        if self._at_end:
-            return []
         self._batch_offset = self._stream.offset - len(self._pending)
         self._first_record = self._next_record
         size = self._record_bytes
@@ -69,7 +66,7 @@ class FixedLengthReader(RecordReader[bytes]):
             chunk = self._stream.read_chunk(size + self._footer_bytes - len(data))
             data = data + chunk if data else chunk
             if not chunk:
-                self._pending, self._at_end = b"", True
+                self._pending = b""
                 if len(data) != self._footer_bytes:
                     raise self._partial_record(len(data) - self._footer_bytes)
                 return []
@@ -89,9 +86,7 @@ class FixedLengthReader(RecordReader[bytes]):
             problem = f"the file ends {-num_left} bytes short of its {self._footer_bytes}-byte footer ({layout})"
         else:
             problem = f"partial record of {num_left} bytes before the {self._footer_bytes}-byte footer ({layout})"
-        offset = self._batch_offset
-        self._batch_offset += max(num_left, 0)  # the saved position is past the partial record
-        return DataLossError(self._stream.filename, offset, problem)
+        return DataLossError(self._stream.filename, self._batch_offset, problem)
 
     def position(self, count: int) -> dict[str, Any]:
         return {"offset": self._batch_offset + count * self._record_bytes, "record_index": self._first_record + count}

@@ -10,6 +10,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from shardflow.data.dataset import Dataset, DatasetIterator, State
+from shardflow.data.sources.errors import DataLossError
 from shardflow.data.sources.files import filename_list
 
 T = TypeVar("T")
@@ -24,7 +25,7 @@ class RecordReader(abc.ABC, Generic[T]):
     @abc.abstractmethod
     def position(self, count: int) -> dict[str, Any]:
         """Where the file stands after `count` records of the last batch (a JSON-serializable dict). After
-        read_batch() raised, where it stands after the bad record."""
+        read_batch() raised an error other than DataLossError, where it stands after the bad record."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -74,7 +75,11 @@ class FileDataset(Dataset[T]):
 
 
 class FilesIterator(DatasetIterator[T]):
-    """Yields the records of every file in order. State: {"file_index": i, **position in file i}."""
+    """Yields the records of every file in order. State: {"file_index": i, **position in file i}.
+
+    A missing file or a DataLossError ends that file: the error is raised and the next call reads the next file.
+    A reader's other errors (a CSV line that cannot be decoded) leave it where it is, past the bad record.
+    """
 
     def __init__(self, dataset: FileDataset[T]) -> None:
         self._dataset = dataset
@@ -96,15 +101,27 @@ class FilesIterator(DatasetIterator[T]):
             if self._reader is None:
                 if self._file_index >= len(filenames):
                     raise StopIteration
-                self._reader = self._dataset.open_reader(filenames[self._file_index], None)
+                try:
+                    self._reader = self._dataset.open_reader(filenames[self._file_index], None)
+                except OSError:
+                    self._file_index += 1  # so that a caller who skips errors goes on with the next file
+                    raise
             self._batch, self._count = [], 0
-            batch = self._reader.read_batch()
+            try:
+                batch = self._reader.read_batch()
+            except DataLossError:
+                self._next_file()  # past a corrupt or truncated record there is no way to find the next one
+                raise
             if batch:
                 self._batch, self._count = batch, 1
                 return batch[0]
+            self._next_file()
+
+    def _next_file(self) -> None:
+        if self._reader is not None:
             self._reader.close()
             self._reader = None
-            self._file_index += 1
+        self._file_index += 1
 
     def get_state(self) -> State:
         if self._reader is None:

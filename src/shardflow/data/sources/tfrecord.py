@@ -69,28 +69,23 @@ class TFRecordDataset(FileDataset[bytes]):
     def open_reader(self, filename: str, position: dict[str, Any] | None) -> TFRecordReader:
         position = position or {}
         stream = ByteStream(filename, self.compression_type, self.buffer_size, int(position.get("offset", 0)))
-        return TFRecordReader(stream, int(position.get("record_index", 0)), failed=bool(position.get("failed")))
+        return TFRecordReader(stream, int(position.get("record_index", 0)))
 
 
 class TFRecordReader(RecordReader[bytes]):
-    """Frames the records of a chunk in one loop; a record longer than the chunk makes the next read longer.
-    After a corrupt or truncated record it reads nothing more: a bad length leaves no way to find the next one.
-    """
+    """Frames the records of a chunk in one loop; a record longer than the chunk makes the next read longer."""
 
-    def __init__(self, stream: ByteStream, record_index: int = 0, *, failed: bool = False) -> None:
+    def __init__(self, stream: ByteStream, record_index: int = 0) -> None:
         self.stream = stream
         self._pending = b""  # bytes after the last whole record framed
         self._batch: list[bytes] = []
         self._batch_offset = stream.offset
         self._first_record = record_index
-        self._failed = failed
 
     def read_batch(self) -> list[bytes]:
         self._batch_offset = self.stream.offset - len(self._pending)
         self._first_record += len(self._batch)
         self._batch = []
-        if self._failed:
-            return []
         data = self._pending
         needed = HEADER_BYTES
         while True:
@@ -101,13 +96,11 @@ class TFRecordReader(RecordReader[bytes]):
                     self._pending, self._batch = data[consumed:], batch
                     return batch
                 if error is not None:
-                    self._pending, self._failed = b"", True
                     raise error
             chunk = self.stream.read_chunk(needed - len(data))
             if not chunk:
                 self._pending = b""
                 if data:
-                    self._failed = True
                     raise DataLossError(
                         self.stream.filename,
                         self._batch_offset,
@@ -149,10 +142,7 @@ class TFRecordReader(RecordReader[bytes]):
     def position(self, count: int) -> dict[str, Any]:
         offset = self._batch_offset + count * (HEADER_BYTES + FOOTER_BYTES)
         offset += sum(len(record) for record in self._batch[:count])
-        position: dict[str, Any] = {"offset": offset, "record_index": self._first_record + count}
-        if self._failed:
-            position["failed"] = True
-        return position
+        return {"offset": offset, "record_index": self._first_record + count}
 
     def close(self) -> None:
         self.stream.close()
