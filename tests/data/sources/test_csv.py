@@ -8,6 +8,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardflow.data.sources import CsvDataset, CsvRecordError, InvalidRecordError, decode_csv, make_csv_dataset
+from shardflow.data.sources.csv import _convert, _split_each
+from shardflow.data.sources.csv_arrow import decode_with_arrow
+from shardflow.data.sources.csv_format import CsvFormat
 
 
 def test_one_record_gives_numpy_scalars_and_bytes():
@@ -158,3 +161,37 @@ def test_make_csv_dataset_select_columns_and_repeat_forever_drops_the_partial_ba
 def test_make_csv_dataset_names_a_pattern_that_matches_nothing(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing-"):
         make_csv_dataset(str(tmp_path / "nothing-*.csv"), batch_size=1)
+
+
+COLUMN_DTYPES = [np.int32, np.int64, np.float32, np.float64, bytes]
+field = st.one_of(
+    st.integers(-(2**40), 2**40).map(str),
+    st.floats(allow_nan=True, width=64).map(lambda value: f"{value:.12g}"),
+    st.sampled_from(["", "NA", " 7", "+3", "1e5", "-0", "inf", "nan", "abc", "2147483648", "9" * 20]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(st.tuples(st.sampled_from(COLUMN_DTYPES), st.booleans()), min_size=1, max_size=4).flatmap(
+        lambda columns: st.tuples(
+            st.just(columns), st.lists(st.lists(field, min_size=len(columns), max_size=len(columns)), max_size=5)
+        )
+    )
+)
+def test_the_pyarrow_path_decodes_exactly_as_the_record_by_record_parser(case):
+    columns, rows = case
+    defaults = [
+        np.array([], dtype) if required else np.array([0 if dtype is not bytes else b"-"], dtype)
+        for dtype, required in columns
+    ]
+    csv_format = CsvFormat.of(defaults, na_value="NA")
+    lines = [",".join(row).encode() for row in rows]
+    fast = decode_with_arrow(lines, b"\n".join(lines), csv_format)
+    if fast is None:
+        return
+    reference = _split_each(lines, csv_format)
+    for index, column in enumerate(fast):
+        expected = _convert(reference[:, index], index, csv_format, lines)
+        assert column.dtype == expected.dtype
+        np.testing.assert_array_equal(column, expected)

@@ -12,8 +12,9 @@ import numpy as np
 import numpy.typing as npt
 
 from shardflow.data.dataset import Dataset
-from shardflow.data.sources.csv import CsvFormat, CsvRecordError, decode_lines, split_record
-from shardflow.data.sources.errors import InvalidRecordError
+from shardflow.data.sources.csv import decode_lines, split_record
+from shardflow.data.sources.csv_format import CsvFormat
+from shardflow.data.sources.errors import CsvRecordError, InvalidRecordError
 from shardflow.data.sources.files import ByteStream, compression_type_name
 from shardflow.data.sources.reader import FileDataset, RecordReader
 from shardflow.data.sources.text import LineReader

@@ -27,3 +27,12 @@ class InvalidRecordError(ValueError):
 
     def __reduce__(self) -> tuple[type[InvalidRecordError], tuple[str, int, str]]:
         return type(self), (self.filename, self.line, self.problem)
+
+
+class CsvRecordError(ValueError):
+    """Record `index` of a batch cannot be decoded; `problem` says why."""
+
+    def __init__(self, index: int, problem: str, record: bytes) -> None:
+        super().__init__(f"record {index}: {problem}: {record[:200]!r}")
+        self.index = index
+        self.problem = problem
