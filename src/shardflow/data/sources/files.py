@@ -1,4 +1,4 @@
-"""Filename arguments, opening files with errors that name them, and chunked reads of (compressed) files."""
+"""Filename arguments, compression types, and chunked reads of plain, GZIP and ZLIB files."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 from shardflow.data.sources.errors import DataLossError
 
 DEFAULT_BUFFER_SIZE = 256 * 1024
-"""Bytes read per chunk when a source is given no buffer_size (tf.data's default for TFRecord files)."""
+"""Bytes read per chunk when a source is given no buffer_size."""
 
 # zlib window bits per compression_type: 31 reads a gzip header and trailer, 15 a zlib one.
 _WINDOW_BITS = {"": 0, "GZIP": 31, "ZLIB": 15}

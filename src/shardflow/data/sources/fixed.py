@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardflow.data.sources.errors import DataLossError
-from shardflow.data.sources.files import ByteStream, compression_type_name
+from shardflow.data.sources.files import DEFAULT_BUFFER_SIZE, ByteStream, compression_type_name
 from shardflow.data.sources.reader import FileDataset, RecordReader
 
 
@@ -36,7 +36,7 @@ class FixedLengthRecordDataset(FileDataset[bytes]):
         self.header_bytes = header_bytes or 0
         self.footer_bytes = footer_bytes or 0
         # A chunk holds whole records, so that each batch is cut without copying a remainder around.
-        self.buffer_size = max(1, (buffer_size or 256 * 1024) // record_bytes) * record_bytes
+        self.buffer_size = max(1, (buffer_size or DEFAULT_BUFFER_SIZE) // record_bytes) * record_bytes
         self.compression_type = compression_type_name(compression_type)
 
     def open_reader(self, filename: str, position: dict[str, Any] | None) -> FixedLengthReader:
