@@ -43,6 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     capture = commands.add_parser("capture", help="ask a running job to capture its next N global steps")
     capture.add_argument("model_dir", type=Path, metavar="MODEL_DIR")
     capture.add_argument("--steps", type=int, required=True, metavar="N", help="number of global steps")
+    capture.add_argument("--ops", action="store_true", help="also record torch ops, shapes and memory (costly)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -193,13 +194,12 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def _capture(args: argparse.Namespace) -> int:
-    from shardflow.profile.capture import request_capture
+    # The runtime answers the request; the query commands above need only shardflow.profile.
+    from shardflow.train.profiling import request_capture
 
-    if args.steps < 1:
-        raise ValueError(f"--steps must be at least 1, got {args.steps}")
     try:
-        print(request_capture(args.model_dir, args.steps))
-    except NotImplementedError as error:
+        print(request_capture(args.model_dir, args.steps, ops=args.ops))
+    except (FileNotFoundError, RuntimeError) as error:
         print(f"shardflow profile capture: {error}", file=sys.stderr)
         return 1
     return 0

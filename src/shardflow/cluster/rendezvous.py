@@ -37,7 +37,7 @@ class ControlPlane:
                 f"could not {action} the control plane of the chief at {chief_address} within {timeout_s:.0f}s: {error}"
             ) from error
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         self.store.set(key, value)
 
     def is_set(self, key: str) -> bool:
@@ -45,6 +45,9 @@ class ControlPlane:
 
     def get(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> str:
         """Wait until `key` is set; on expiry the error names what was awaited."""
+        return self.get_bytes(key, waiting_for=waiting_for, timeout_s=timeout_s).decode()
+
+    def get_bytes(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> bytes:
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
         while not self.is_set(key):
@@ -53,7 +56,7 @@ class ControlPlane:
                     f"waited {timeout_s:.0f}s for {waiting_for} (key {key!r} on the control plane at {self.address})"
                 )
             time.sleep(0.02)
-        return bytes(self.store.get(key)).decode()
+        return bytes(self.store.get(key))
 
     def add(self, key: str, amount: int) -> int:
         return int(self.store.add(key, amount))

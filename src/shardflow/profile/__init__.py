@@ -9,7 +9,7 @@ from shardflow.profile.clock import ClockEstimate, estimate_offset
 from shardflow.profile.recorder import SpanRecorder, get_recorder, set_recorder
 
 if TYPE_CHECKING:
-    from shardflow.profile.capture import capture_dir, finalize, request_capture
+    from shardflow.profile.capture import capture_dir, finalize
     from shardflow.profile.memory import MemorySampler
     from shardflow.profile.merge import cut, merge
     from shardflow.profile.torch_ops import OpCapture
@@ -23,7 +23,6 @@ _LAZY = {
     "cut": "shardflow.profile.merge",
     "finalize": "shardflow.profile.capture",
     "merge": "shardflow.profile.merge",
-    "request_capture": "shardflow.profile.capture",
     "role_file_name": "shardflow.profile.trace",
     "write_trace": "shardflow.profile.trace",
 }
@@ -39,7 +38,6 @@ __all__ = [
     "finalize",
     "get_recorder",
     "merge",
-    "request_capture",
     "role_file_name",
     "set_recorder",
     "write_trace",

@@ -16,17 +16,6 @@ class CaptureNotFoundError(FileNotFoundError):
     pass
 
 
-def request_capture(model_dir: str | Path, num_steps: int) -> Path:
-    """Asks the running job in model_dir to capture its next num_steps global steps; returns the capture dir.
-
-    Hook for the training runtime: the chief answers this request over the control plane.
-    """
-    raise NotImplementedError(
-        "on-demand capture needs the training runtime's control plane, which does not implement it yet; "
-        "use Estimator(..., profile_steps=(first, last)) meanwhile"
-    )
-
-
 def capture_dir(model_dir: str | Path, name: str | None = None) -> Path:
     """The named capture, or the latest one (by modification time) when name is None."""
     root = Path(model_dir) / "profile"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+import zlib
 from array import array
 from types import TracebackType
 from typing import Any
@@ -278,3 +279,9 @@ def get_recorder() -> SpanRecorder | None:
 def set_recorder(recorder: SpanRecorder | None) -> None:
     global _recorder
     _recorder = recorder
+
+
+def flow_id(sender: str, seq: int) -> int:
+    """The id of the flow arrow from a push to the apply that consumed it; both ends derive it from the
+    request's (sender, sequence). Kept below 2**53 so JSON readers hold it exactly."""
+    return (zlib.crc32(sender.encode()) << 20) | (seq & 0xFFFFF)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -9,6 +10,7 @@ from typing import Any
 import torch
 
 from shardflow.comm.client import Client
+from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.placement import Piece, Placement
@@ -63,6 +65,7 @@ class ParameterClient:
         self._hooks: list[Any] = []
         self._remaining: list[int] = []
         self._push_header: dict[str, Any] = {}
+        self._step = 0
 
     # -- moving tensors ---------------------------------------------------------------------------
 
@@ -104,8 +107,12 @@ class ParameterClient:
     def _wait(self, peer_seqs: dict[str, int], load_params: bool) -> StepReply:
         step, stop = 0, False
         replies: dict[int, Sequence[torch.Tensor]] = {}
+        recorder = get_recorder()
         for peer, seq in peer_seqs.items():
+            started = time.perf_counter_ns()
             header, tensors = self.client.recv(peer, seq, self.timeout_s)
+            if recorder is not None:
+                recorder.end("pull_wait", self._step, started, int(peer[3:]), sum(t.nbytes for t in tensors))
             if load_params and tensors:
                 replies[int(peer.split(":")[1])] = tensors
             if peer == "ps:0":
@@ -159,9 +166,10 @@ class ParameterClient:
         seqs = {peer: self.client.send(peer, {"op": "pull", "min_step": min_step}) for peer in self.peers}
         return self._wait(seqs, load_params=True)
 
-    def begin_push(self, header: dict[str, Any]) -> None:
+    def begin_push(self, header: dict[str, Any], step: int = 0) -> None:
         """Start a step: each PS's gradients are pushed as soon as backward has produced all of them."""
         self._push_header = {"op": "push", "w": self.worker_index, **header}
+        self._step = step
         self._pending = {}
         if not self._hooks:
             self._install_hooks()
@@ -184,8 +192,14 @@ class ParameterClient:
     def _send_push(self, ps: int) -> None:
         peer = self.peers[ps]
         if peer not in self._pending:
+            recorder = get_recorder()
+            started = time.perf_counter_ns()
             frames, counts = self._frames(ps, use_grads=True)
-            self._pending[peer] = self.client.send(peer, {**self._push_header, "n": counts}, frames)
+            seq = self.client.send(peer, {**self._push_header, "n": counts}, frames)
+            self._pending[peer] = seq
+            if recorder is not None:
+                recorder.flow("push", self._step, flow_id(self.client.sender_id, seq), start=True)
+                recorder.end("push", self._step, started, ps, sum(f.nbytes for f in frames))
 
     def end_push(self) -> dict[str, int]:
         """Push what the hooks have not sent (variables without gradients push zeros); returns the requests."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from shardflow.comm.server import Request, Server
+from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.optimizers import OptimizerSpec
 
@@ -52,10 +54,20 @@ class ParameterServer:
 
     # -- loop ---------------------------------------------------------------------------------
 
-    def serve(self, should_stop: Callable[[], bool] = lambda: False, poll_s: float = 0.5) -> None:
-        """Handle requests until a shutdown request arrives or `should_stop()` says the job is over."""
+    def serve(
+        self,
+        should_stop: Callable[[], bool] = lambda: False,
+        poll_s: float = 0.5,
+        periodic: Callable[[int], None] | None = None,
+    ) -> None:
+        """Handle requests until a shutdown request arrives or `should_stop()` says the job is over;
+        `periodic(global_step)` runs about every `poll_s` seconds, busy or idle."""
+        next_periodic = time.monotonic() + poll_s
         while not self._shutdown:
             request = self.server.recv(timeout_s=poll_s)
+            if periodic is not None and time.monotonic() >= next_periodic:
+                next_periodic = time.monotonic() + poll_s
+                periodic(self.step)
             if request is None:
                 if should_stop():
                     return
@@ -92,9 +104,17 @@ class ParameterServer:
         return self._snapshot
 
     def _reply_params(self, request: Request, **extra: Any) -> None:
+        started = time.perf_counter_ns()
         self.server.reply(request, self._header(**extra), self._params_snapshot())
+        if (recorder := get_recorder()) is not None:
+            recorder.end("reply", self.step - 1, started, int(request.header.get("w", -1)))
 
-    def _apply(self, grads: list[torch.Tensor]) -> None:
+    def _apply(self, grads: list[torch.Tensor], requests: list[Request]) -> None:
+        started = time.perf_counter_ns()
+        recorder = get_recorder()
+        if recorder is not None:
+            for request in requests:
+                recorder.flow("apply", self.step, flow_id(request.sender, request.seq), start=False)
         # A PS that holds no variables still counts steps, so every PS agrees on the global step.
         if self.optimizer is not None:
             for param, grad in zip(self.params, grads, strict=True):
@@ -102,6 +122,9 @@ class ParameterServer:
             self.optimizer.step()
             for param in self.params:
                 param.grad = None
+        if recorder is not None:
+            worker = int(requests[0].header["w"]) if len(requests) == 1 else -1
+            recorder.end("apply", self.step, started, worker, sum(g.nbytes for g in grads))
         self.step += 1
         self.stats["applied"] += 1
         self._snapshot = None
@@ -154,7 +177,7 @@ class ParameterServer:
         if mode == "sync":
             self._push_sync(request, grads)
             return
-        self._apply(grads)
+        self._apply(grads, [request])
         self.clocks[worker] = self.clocks.get(worker, 0) + 1
         if mode == "ssp":
             self._held.append((request, self.clocks[worker]))
@@ -187,9 +210,9 @@ class ParameterServer:
         if self._num_accumulated == 0 or self._num_accumulated < needed:
             return
         count = self._num_accumulated
-        self._apply([total.div_(count) for total in self._accumulated])
-        self._accumulated, self._num_accumulated = [], 0
         waiting, self._waiting_for_update = self._waiting_for_update, []
+        self._apply([total.div_(count) for total in self._accumulated], waiting)
+        self._accumulated, self._num_accumulated = [], 0
         for request in waiting:
             self._reply_params(request)
         self._release_pulls()

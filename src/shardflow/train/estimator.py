@@ -47,6 +47,8 @@ class Estimator:
         model_dir: str | os.PathLike[str] = "runs/model",
         *,
         seed: int = 0,
+        profile_steps: tuple[int, int] | None = None,
+        profile_ops: bool = False,
     ) -> None:
         if not callable(model_fn):
             raise ValueError("Estimator.model_fn must be a callable returning a torch.nn.Module")
@@ -58,6 +60,14 @@ class Estimator:
         self.strategy = strategy or ParameterServerStrategy()
         self.model_dir = Path(model_dir)
         self.seed = seed
+        if profile_steps is not None and not (len(profile_steps) == 2 and 0 <= profile_steps[0] < profile_steps[1]):
+            raise ValueError(
+                f"Estimator.profile_steps must be (first, last) with 0 <= first < last, got {profile_steps}"
+            )
+        self.profile_steps = profile_steps
+        """Global steps [first, last) captured on every role into model_dir/profile/."""
+        self.profile_ops = profile_ops
+        """Also record torch ops, shapes, memory and Python source in the capture (costly; off by default)."""
         self._live_parameters: ParameterClient | None = None
 
     def build_model(self) -> torch.nn.Module:

@@ -12,6 +12,7 @@ from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
 from shardflow.comm.server import Server
 from shardflow.ps.server import ParameterServer
+from shardflow.train.profiling import RoleProfiler
 
 if TYPE_CHECKING:
     from shardflow.train.estimator import Estimator
@@ -53,6 +54,11 @@ def run_ps(role: RoleContext) -> None:
     try:
         role.control.set(f"ps/{role.task.index}/address", _connect_address(server.address))
         ps = ParameterServer(server, role.task.index)
+        profiler = RoleProfiler(role.task.name, role.control)
+
+        def periodic(step: int) -> None:
+            profiler.check_requests()
+            profiler.at_step(step)
 
         def job_over() -> bool:
             try:
@@ -62,7 +68,8 @@ def run_ps(role: RoleContext) -> None:
                     f"{role.task.name} lost the chief's control plane at {role.control.address}: {error}"
                 ) from error
 
-        ps.serve(should_stop=job_over)
+        ps.serve(should_stop=job_over, periodic=periodic)
+        profiler.finish()
     finally:
         server.close()
 

@@ -79,6 +79,8 @@ class TrainResult:
     """The global step training started from (non-zero after a restore)."""
     worker_steps: dict[str, int]
     ps_stats: dict[str, Any]
+    profile_dir: str | None = None
+    """The merged capture of Estimator(profile_steps=...), if one was taken."""
 
     @property
     def global_steps_per_s(self) -> float:

@@ -14,6 +14,7 @@ from shardflow.comm.client import Client
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import Placement
 from shardflow.train.batches import to_torch
+from shardflow.train.profiling import RoleProfiler
 from shardflow.train.specs import InputContext, TrainSpec
 
 if TYPE_CHECKING:
@@ -50,6 +51,8 @@ def connect_parameters(est: Estimator, role: RoleContext, model: torch.nn.Module
 
 def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
     control = role.control
+    profiler = RoleProfiler(role.task.name, control)
+    recorder = profiler.recorder
     control.get("ready", waiting_for="the chief to initialise the parameter servers")
     model = est.build_model()
     params = connect_parameters(est, role, model)
@@ -58,9 +61,10 @@ def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
     # Async only: push step t, then compute step t+1 while the PS applies it (the result is one step staler).
     depth = 1 if mode == "async" and est.strategy.overlap else 0
     ctx = InputContext(role.num_workers, role.task.index)
+    profiler.check_requests()
 
     reply = params.pull()
-    base_step, stop = reply.step, reply.stop
+    step, stop = reply.step, reply.stop
     in_flight: deque[dict[str, int]] = deque()
     local_step = 0
     first_loss: float | None = None
@@ -69,31 +73,42 @@ def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
     try:
         batches = _epochs(spec, ctx)
         while not stop:
+            step_started = time.perf_counter_ns()
             batch = next(batches, None)
+            recorder.end("input_wait", step, step_started)
             if batch is None:
                 break
             batch = to_torch(batch)
             model.zero_grad(set_to_none=True)
-            params.begin_push({"base_step": base_step})
+            params.begin_push({"base_step": step}, step)
+            t = time.perf_counter_ns()
             loss = est.loss_fn(model, batch)
+            recorder.end("forward", step, t)
+            t = time.perf_counter_ns()
             loss.backward()
+            recorder.end("backward", step, t)
             in_flight.append(params.end_push())
             local_step += 1
             last_loss = float(loss.detach())
             if first_loss is None:
                 first_loss = last_loss
+            recorded_step = step
             while len(in_flight) > depth:
                 reply = params.wait_push(in_flight.popleft())
-                base_step, stop = reply.step, stop or reply.stop
+                step, stop = reply.step, stop or reply.stop
+            recorder.end("step", recorded_step, step_started)
+            profiler.at_step(step)
             now = time.monotonic()
             if now - last_report >= _REPORT_EVERY_S:
                 last_report = now
                 _report(role, local_step, first_loss, last_loss, started)
+                profiler.check_requests()
         while in_flight:
             params.wait_push(in_flight.popleft(), load_params=False)
         params.done()
     finally:
         params.close()
+        profiler.finish()
     _report(role, local_step, first_loss, last_loss, started, done=True)
     control.add("workers_done", 1)
 

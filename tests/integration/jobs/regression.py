@@ -61,7 +61,16 @@ strategy = sf.ParameterServerStrategy(
     overlap=config.get("overlap", True),
     request_timeout_s=config.get("request_timeout_s", 60.0),
 )
-est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=config.get("lr", 0.05)), strategy, config["model_dir"])
+profile_steps = config.get("profile_steps")
+est = sf.Estimator(
+    model_fn,
+    loss_fn,
+    sf.optim.SGD(lr=config.get("lr", 0.05)),
+    strategy,
+    config["model_dir"],
+    profile_steps=tuple(profile_steps) if profile_steps else None,
+    profile_ops=config.get("profile_ops", False),
+)
 result = sf.train_and_evaluate(
     est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
 )
@@ -72,6 +81,7 @@ with open(config["result"], "w") as f:
             "worker_steps": result.worker_steps,
             "ps_stats": result.ps_stats,
             "est_global_step": est.global_step,
+            "profile_dir": result.profile_dir,
         },
         f,
     )

@@ -1,0 +1,114 @@
+"""A real 5-process run (chief, 2 PS, 2 workers) captured by the profiler and merged into one trace."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardflow.profile.trace import check_legal
+
+FIRST, LAST = 10, 16
+SKEW_US = 250_000.0
+
+
+@pytest.fixture(scope="module")
+def capture(tmp_path_factory) -> tuple[Path, dict]:
+    """One profiled run shared by the tests below; worker:1's clock runs 250 ms ahead."""
+    tmp = tmp_path_factory.mktemp("profiled")
+    # Sync, so that both workers take part in every captured step whatever their start-up order.
+    config = {
+        "mode": "sync",
+        "num_ps": 2,
+        "num_workers": 2,
+        "epochs": 1,
+        "num_batches": 120,
+        "profile_steps": [FIRST, LAST],
+        "model_dir": str(tmp / "model"),
+        "result": str(tmp / "result.json"),
+    }
+    (tmp / "config.json").write_text(json.dumps(config))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "jobs" / "regression.py"), str(tmp / "config.json")],
+        env={**os.environ, "SHARDFLOW_TEST_CLOCK_SKEW_US": f"worker:1={SKEW_US}"},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp / "result.json").read_text())
+    directory = Path(result["profile_dir"])
+    with gzip.open(directory / "merged.trace.json.gz") as f:
+        trace = json.load(f)
+    return directory, trace
+
+
+def _by_role(trace: dict) -> dict[str, list[dict]]:
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    roles: dict[str, list[dict]] = {name: [] for name in names.values()}
+    for event in trace["traceEvents"]:
+        if event["ph"] == "X":
+            roles[names[event["pid"]]].append(event)
+    return roles
+
+
+def test_every_role_has_events_for_exactly_the_captured_steps(capture):
+    directory, trace = capture
+    roles = _by_role(trace)
+    assert set(roles) == {"chief", "worker:0", "worker:1", "ps:0", "ps:1"}
+    for role in ("worker:0", "worker:1", "ps:0", "ps:1"):
+        steps = {e["args"]["step"] for e in roles[role]}
+        assert steps and min(steps) >= FIRST and max(steps) < LAST, (role, steps)
+    # Every captured global step was applied on each PS, exactly once.
+    for ps in ("ps:0", "ps:1"):
+        applies = sorted(e["args"]["step"] for e in roles[ps] if e["name"] == "apply")
+        assert applies == list(range(FIRST, LAST))
+    # The per-role files are kept beside the merged one.
+    assert {p.name for p in directory.glob("*.trace.json.gz")} >= {"worker_0.trace.json.gz", "ps_1.trace.json.gz"}
+
+
+def test_flows_connect_each_push_to_the_apply_that_consumed_it(capture):
+    _, trace = capture
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "process_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+
+    def enclosing(event: dict) -> str:
+        """The span the flow event binds to: the innermost span on its thread that contains it."""
+        around = [
+            s
+            for s in spans
+            if s["pid"] == event["pid"] and s["tid"] == event["tid"] and s["ts"] <= event["ts"] <= s["ts"] + s["dur"]
+        ]
+        return min(around, key=lambda s: s["dur"])["name"] if around else "none"
+
+    starts = {e["id"]: e for e in trace["traceEvents"] if e["ph"] == "s"}
+    ends = {e["id"]: e for e in trace["traceEvents"] if e["ph"] == "f"}
+    # Arrows whose push or apply fell outside the window are dropped; the rest pair up.
+    assert starts and set(starts) == set(ends)
+    for flow, start in starts.items():
+        assert names[start["pid"]].startswith("worker:") and enclosing(start) == "push"
+        end = ends[flow]
+        assert names[end["pid"]].startswith("ps:") and enclosing(end) == "apply"
+    assert {names[e["pid"]] for e in ends.values()} == {"ps:0", "ps:1"}
+
+
+def test_clock_offsets_lie_within_their_bounds_even_with_an_injected_skew(capture):
+    _, trace = capture
+    roles = trace["otherData"]["roles"]
+    for role, meta in roles.items():
+        true_offset = -SKEW_US if role == "worker:1" else 0.0
+        assert abs(meta["clock_offset_us"] - true_offset) <= meta["clock_error_us"] + 1.0, (role, meta)
+        assert meta["clock_error_us"] < 10_000
+
+
+def test_the_merged_trace_is_structurally_legal(capture):
+    _, trace = capture
+    assert check_legal(trace) == []
+    for event in trace["traceEvents"]:
+        if event["ph"] == "X":
+            assert isinstance(event["ts"], (int, float)) and isinstance(event["dur"], (int, float))
