@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from shardflow import data
-from shardflow.data import processes
 
 D = data.Dataset
 
@@ -67,22 +66,22 @@ def test_a_crashed_worker_is_reported_with_its_exit_code() -> None:
     iterator.close()
 
 
-def test_close_leaves_no_shared_memory_behind(monkeypatch: pytest.MonkeyPatch) -> None:
-    names: list[str] = []
-    write, read = processes._write_segment, processes._read_segment
+def segments_named(prefix: str) -> list[str]:
+    return [name for name in os.listdir("/dev/shm") if name.startswith(prefix)]
 
-    def recording_write(encoded: Any) -> Any:
-        name, offsets = write(encoded)
-        names.append(name)
-        return name, offsets
 
-    def recording_read(name: str, specs: Any, offsets: Any) -> Any:
-        names.append(name)
-        return read(name, specs, offsets)
-
-    monkeypatch.setattr(processes, "_write_segment", recording_write)
-    monkeypatch.setattr(processes, "_read_segment", recording_read)
-    iterator = iter(D.range(200).map(lambda x: np.zeros(100) + x, num_parallel_calls=2, use_processes=True))
+def test_close_leaves_no_shared_memory_behind() -> None:
+    iterator: Any = iter(D.range(200).map(lambda x: np.zeros(100) + x, num_parallel_calls=2, use_processes=True))
     [next(iterator) for _ in range(5)]  # chunks are still in flight
+    prefix = iterator._segments.prefix
     iterator.close()
-    assert names and not [name for name in names if os.path.exists(f"/dev/shm/{name.lstrip('/')}")]
+    assert not segments_named(prefix)
+
+
+def test_segments_of_a_dead_process_are_removed_by_the_next_map() -> None:
+    dead_pid = 2**22 + 1  # above Linux's largest possible pid: never a live process
+    stale = f"/dev/shm/shardflow-map-{dead_pid}-0000-1-0"
+    with open(stale, "wb") as segment:
+        segment.write(b"left behind by a killed job")
+    assert list(D.range(3).map(lambda x: x, num_parallel_calls=1, use_processes=True)) == [0, 1, 2]
+    assert not os.path.exists(stale)

@@ -40,21 +40,27 @@ def _object_array(items: list[Any]) -> np.ndarray:
 
 def stack(elements: list[Any]) -> Any:
     """One batch from equally shaped elements; bytes leaves become object arrays of bytes."""
+    if not structure.is_structure(elements[0]):
+        return _stack_column(elements, "")
     columns, treedef = group_leaves(elements, "batch")
-    stacked = []
-    for path, column in zip(structure.leaf_paths(treedef), columns, strict=True):
-        if isinstance(column[0], bytes):
-            stacked.append(_object_array(column))
-            continue
-        try:
-            stacked.append(np.stack(column))
-        except ValueError:
-            shapes = sorted({np.shape(leaf) for leaf in column})
-            raise ValueError(
-                f"batch: component {path or 'of the element'} has different shapes {shapes} within one batch; "
-                "use padded_batch, or make the shapes equal in a map before batching"
-            ) from None
-    return structure.pack(treedef, stacked)
+    paths = structure.leaf_paths(treedef)
+    return structure.pack(treedef, [_stack_column(column, path) for column, path in zip(columns, paths, strict=True)])
+
+
+def _stack_column(column: list[Any], path: str) -> np.ndarray:
+    first = column[0]
+    if isinstance(first, bytes):
+        return _object_array(column)
+    if isinstance(first, np.generic) and all(type(leaf) is type(first) for leaf in column):
+        return np.array(column, dtype=first.dtype)  # several times faster than np.stack for scalars
+    try:
+        return np.stack(column)
+    except ValueError:
+        shapes = sorted({np.shape(leaf) for leaf in column})
+        raise ValueError(
+            f"batch: component {path or 'of the element'} has different shapes {shapes} within one batch; "
+            "use padded_batch, or make the shapes equal in a map before batching"
+        ) from None
 
 
 class BatchDataset(UnaryDataset[Any]):

@@ -9,10 +9,11 @@ caching (the next complete pass fills the cache).
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 import threading
-from typing import IO, Any
+from typing import Any, NoReturn
 
 import msgpack
 import numpy as np
@@ -89,7 +90,7 @@ class _FileWriter:
     def __init__(self, path: str) -> None:
         self._path = path
         self._temporary = f"{path}.tmp-{os.getpid()}-{id(self)}"
-        self._file: IO[bytes] = open(self._temporary, "wb")  # noqa: SIM115 - closed in finish() or abandon()
+        self._file: io.BufferedWriter = open(self._temporary, "wb")  # noqa: SIM115 - closed in finish() or abandon()
         self._file.write(_MAGIC)
         self._offsets: list[int] = []
 
@@ -117,7 +118,7 @@ class _FileWriter:
 class _FileReader:
     def __init__(self, path: str) -> None:
         self._path = path
-        self._file: IO[bytes] = open(path, "rb")  # noqa: SIM115 - closed in close()
+        self._file: io.BufferedReader = open(path, "rb")  # noqa: SIM115 - closed in close()
         size = self._file.seek(0, os.SEEK_END)
         if size < len(_MAGIC) + _FOOTER.size:
             self._corrupt(size, "it is too short")
@@ -128,7 +129,7 @@ class _FileReader:
         self._file.seek(offsets_position)
         self._offsets = np.frombuffer(self._file.read(8 * self.count), dtype="<i8").tolist()
 
-    def _corrupt(self, offset: int, why: str) -> None:
+    def _corrupt(self, offset: int, why: str) -> NoReturn:
         from shardflow.data.sources.errors import DataLossError
 
         self._file.close()
@@ -138,10 +139,11 @@ class _FileReader:
         self._file.seek(self._offsets[index])
         header_length, payload_length = _RECORD_HEAD.unpack(self._file.read(_RECORD_HEAD.size))
         spec = msgpack.unpackb(self._file.read(header_length))
-        payload = self._file.read(payload_length)
-        if len(payload) != payload_length:
+        payload = bytearray(payload_length)
+        if self._file.readinto(payload) != payload_length:
             self._corrupt(self._offsets[index], "a record is truncated")
-        return codec.decode(spec, memoryview(payload), 0)
+        # The payload is this element's own buffer, so its arrays can be views of it.
+        return codec.decode(spec, memoryview(payload), 0, copy=False)
 
     def close(self) -> None:
         self._file.close()

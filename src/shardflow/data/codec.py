@@ -102,8 +102,9 @@ def write(encoded: Encoded, target: memoryview, offset: int) -> None:
         offset += aligned(buffer.nbytes)
 
 
-def decode(spec: Sequence[Any], source: memoryview, offset: int) -> Any:
-    """The element `write` put at `offset` of `source`, copied out so that `source` can be released."""
+def decode(spec: Sequence[Any], source: memoryview, offset: int, copy: bool = True) -> Any:
+    """The element `write` put at `offset` of `source`: copied out so that `source` can be released, or with
+    `copy=False` as views of a `source` that the caller hands over for good."""
     tree, leaf_specs = spec
     leaves = []
     for leaf_spec in leaf_specs:
@@ -115,7 +116,8 @@ def decode(spec: Sequence[Any], source: memoryview, offset: int) -> Any:
             offset += aligned(leaf_spec[1])
         elif kind == "a":
             _, dtype, shape, is_scalar, nbytes = leaf_spec
-            array = np.frombuffer(source, np.uint8, nbytes, offset).view(np.dtype(dtype)).reshape(shape).copy()
+            array = np.frombuffer(source, np.uint8, nbytes, offset).view(np.dtype(dtype)).reshape(shape)
+            array = array.copy() if copy else array
             leaves.append(array[()] if is_scalar else array)
             offset += aligned(nbytes)
         else:

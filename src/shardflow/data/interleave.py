@@ -124,7 +124,7 @@ class _InterleaveIterator(UnaryIterator[Any]):
         if state is not None:
             iterator.set_state(state)
         if self._read_ahead:
-            iterator = PrefetchIterator(iterator, max(2, self._block_length))
+            iterator = PrefetchIterator(iterator, AUTOTUNE)
             iterator.start()
         return iterator
 

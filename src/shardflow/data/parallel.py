@@ -1,19 +1,26 @@
-"""Parallel map on a thread pool, and the ledger that keeps a parallel iterator's state exact.
+"""Parallel map: chunks of elements in flight on threads (here) or processes (processes.py), with exact state.
 
 Threads suit map functions that release the GIL (numpy, decoding, I/O); Python-heavy functions belong in
-processes (processes.py). Both pull the input on the consumer's thread and keep a bounded number of elements
-in flight; each in-flight element remembers the input's state after it was produced.
+processes. Both read the input on the consumer's thread, keep a bounded number of chunks in flight, and grow a chunk
+until it takes a few milliseconds, so that per-chunk overhead stays small next to the work.
 """
 
 from __future__ import annotations
 
+import abc
 import collections
 import concurrent.futures
+import time
 from collections.abc import Callable
 from typing import Any
 
 from shardflow.data.dataset import DatasetIterator, State, UnaryIterator
 from shardflow.data.mapping import apply_map
+
+Outcome = tuple[Any, Exception | None]
+"""A mapped element, or the error its map_func raised."""
+
+_MAX_CHUNK_ELEMENTS = 64
 
 
 class OrderLedger:
@@ -59,7 +66,34 @@ class OrderLedger:
         return {"input": self._prefix_state, "returned": sorted(number - self._prefix for number in self._returned)}
 
 
-class ThreadMapIterator(UnaryIterator[Any]):
+def map_chunk(map_func: Callable[..., Any], elements: list[Any]) -> tuple[list[Outcome], float]:
+    """Outcomes of `map_func` on each element, and the seconds they took."""
+    started = time.perf_counter()
+    outcomes: list[Outcome] = []
+    for element in elements:
+        try:
+            outcomes.append((apply_map(map_func, element), None))
+        except Exception as error:
+            outcomes.append((None, error))
+    return outcomes, time.perf_counter() - started
+
+
+class _Chunk:
+    __slots__ = ("error", "handle", "numbers")
+
+    def __init__(self, handle: Any, numbers: list[int], error: Exception | None = None) -> None:
+        self.handle = handle  # None for an input error, which needs no worker
+        self.numbers = numbers
+        self.error = error
+
+
+class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
+    """Keeps chunks in flight on workers and returns their elements in input order, or chunk by chunk as they
+    finish when not `deterministic`. An error raised by the input or by `map_func` is raised at its element's
+    place; the iterator then goes on with the next element."""
+
+    _target_chunk_s = 0.002
+
     def __init__(
         self, input_iterator: DatasetIterator[Any], map_func: Callable[..., Any], parallelism: int, deterministic: bool
     ) -> None:
@@ -67,65 +101,131 @@ class ThreadMapIterator(UnaryIterator[Any]):
         self._map_func = map_func
         self._parallelism = parallelism
         self._deterministic = deterministic
-        # Twice the threads in flight, so that a thread finishing never waits for the consumer to refill.
-        self._capacity = 2 * parallelism
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-        self._pending: collections.deque[tuple[int, concurrent.futures.Future[Any]]] = collections.deque()
+        self._pending: collections.deque[_Chunk] = collections.deque()
+        self._ready: collections.deque[tuple[int, Any, Exception | None]] = collections.deque()
         self._ledger = OrderLedger(input_iterator.get_state())
+        self._chunk_size = 1
         self._input_done = False
 
+    @abc.abstractmethod
+    def _has_room(self) -> bool:
+        """Whether another chunk may be submitted now."""
+
+    @abc.abstractmethod
+    def _submit(self, elements: list[Any]) -> Any:
+        """Starts mapping `elements`; returns a handle for `_collect`."""
+
+    @abc.abstractmethod
+    def _collect(self, handle: Any) -> tuple[list[Outcome], float]:
+        """Waits for a submitted chunk: its outcomes and the seconds the map took."""
+
+    @abc.abstractmethod
+    def _wait_any(self, handles: list[Any]) -> int:
+        """Waits until one of the submitted chunks (in submission order) is done; returns its index."""
+
     def __next__(self) -> Any:
-        self._top_up()
-        if not self._pending:
-            raise StopIteration
-        if self._deterministic:
-            number, future = self._pending.popleft()
-        else:
-            number, future = self._first_done()
+        while not self._ready:
+            self._submit_while_room()
+            if not self._pending:
+                raise StopIteration
+            index = 0 if self._deterministic else self._finished_index()
+            chunk = self._pending[index]
+            del self._pending[index]
+            self._ready.extend(self._outcomes(chunk))
+        number, value, error = self._ready.popleft()
         self._ledger.returned(number)
-        return future.result()
+        if error is not None:
+            raise error
+        return value
 
-    def _first_done(self) -> tuple[int, concurrent.futures.Future[Any]]:
-        concurrent.futures.wait([future for _, future in self._pending], return_when=concurrent.futures.FIRST_COMPLETED)
-        for index, (number, future) in enumerate(self._pending):
-            if future.done():
-                del self._pending[index]
-                return number, future
-        raise AssertionError("wait returned without a finished future")
+    def _finished_index(self) -> int:
+        for index, chunk in enumerate(self._pending):
+            if chunk.handle is None:
+                return index
+        return self._wait_any([chunk.handle for chunk in self._pending])
 
-    def _top_up(self) -> None:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self._parallelism, thread_name_prefix="shardflow-map")
-        while not self._input_done and len(self._pending) < self._capacity:
-            future: concurrent.futures.Future[Any] | None = None
-            try:
-                element = next(self._input)
-            except StopIteration:
-                self._input_done = True
-                return
-            except Exception as error:
-                future = concurrent.futures.Future()
-                future.set_exception(error)
-            number = self._ledger.produced(self._input.get_state())
-            if number is None:
-                continue
-            if future is None:
-                future = self._pool.submit(apply_map, self._map_func, element)
-            self._pending.append((number, future))
+    def _outcomes(self, chunk: _Chunk) -> list[tuple[int, Any, Exception | None]]:
+        if chunk.handle is None:
+            return [(chunk.numbers[0], None, chunk.error)]
+        outcomes, seconds = self._collect(chunk.handle)
+        fits = int(self._target_chunk_s * len(outcomes) / max(seconds, 1e-6))
+        self._chunk_size = max(1, min(_MAX_CHUNK_ELEMENTS, fits))
+        return [(number, value, error) for number, (value, error) in zip(chunk.numbers, outcomes, strict=True)]
+
+    def _submit_while_room(self) -> None:
+        while not self._input_done and self._has_room():
+            elements: list[Any] = []
+            numbers: list[int] = []
+            failed: _Chunk | None = None
+            while len(elements) < self._chunk_size and failed is None:
+                error: Exception | None = None
+                try:
+                    element = next(self._input)
+                except StopIteration:
+                    self._input_done = True
+                    break
+                except Exception as raised:
+                    error = raised
+                number = self._ledger.produced(self._input.get_state())
+                if number is None:
+                    continue
+                if error is not None:
+                    # An input error keeps its place: the chunk so far goes first, then the error.
+                    failed = _Chunk(None, [number], error)
+                else:
+                    elements.append(element)
+                    numbers.append(number)
+            if elements:
+                self._pending.append(_Chunk(self._submit(elements), numbers))
+            if failed is not None:
+                self._pending.append(failed)
 
     def get_state(self) -> State:
         return self._ledger.state()
 
     def set_state(self, state: State) -> None:
         self._drop_pending()
+        self._ready.clear()
         self._input.set_state(state["input"])
         self._ledger = OrderLedger.from_state(state)
         self._input_done = False
 
     def _drop_pending(self) -> None:
-        for _, future in self._pending:
-            future.cancel()
-        self._pending.clear()
+        while self._pending:
+            chunk = self._pending.popleft()
+            if chunk.handle is not None:
+                self._discard(chunk.handle)
+
+    def _discard(self, handle: Any) -> None:
+        """Forgets a submitted chunk whose outcomes are no longer wanted."""
+        self._collect(handle)
+
+
+class ThreadMapIterator(ChunkedMapIterator):
+    def __init__(
+        self, input_iterator: DatasetIterator[Any], map_func: Callable[..., Any], parallelism: int, deterministic: bool
+    ) -> None:
+        super().__init__(input_iterator, map_func, parallelism, deterministic)
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _has_room(self) -> bool:
+        # Twice the threads in flight, so that a thread finishing never waits for the consumer to refill.
+        return len(self._pending) < 2 * self._parallelism
+
+    def _submit(self, elements: list[Any]) -> concurrent.futures.Future[tuple[list[Outcome], float]]:
+        if self._pool is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(self._parallelism, thread_name_prefix="shardflow-map")
+        return self._pool.submit(map_chunk, self._map_func, elements)
+
+    def _collect(self, handle: concurrent.futures.Future[tuple[list[Outcome], float]]) -> tuple[list[Outcome], float]:
+        return handle.result()
+
+    def _wait_any(self, handles: list[concurrent.futures.Future[Any]]) -> int:
+        concurrent.futures.wait(handles, return_when=concurrent.futures.FIRST_COMPLETED)
+        return next(index for index, handle in enumerate(handles) if handle.done())
+
+    def _discard(self, handle: concurrent.futures.Future[Any]) -> None:
+        handle.cancel()
 
     def close(self) -> None:
         self._drop_pending()

@@ -9,48 +9,38 @@ consumer's thread reads the input and keeps two chunks in flight per worker; chu
 
 from __future__ import annotations
 
-import collections
 import contextlib
+import glob
+import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
+import secrets
 import signal
 import sys
-import time
 import weakref
 from collections.abc import Callable
-from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
 import msgpack
 
 from shardflow.data import codec
-from shardflow.data.dataset import DatasetIterator, State, UnaryIterator
-from shardflow.data.mapping import apply_map
-from shardflow.data.parallel import OrderLedger
+from shardflow.data.dataset import DatasetIterator
+from shardflow.data.parallel import ChunkedMapIterator, Outcome, map_chunk
 
 _CHUNKS_IN_FLIGHT_PER_WORKER = 2
-_TARGET_CHUNK_S = 0.005
-_MAX_CHUNK_ELEMENTS = 64
+_SHM_DIRECTORY = "/dev/shm"
+_SEGMENT_PREFIX = "shardflow-map-"
+_ZEROS = bytes(codec.aligned(1))
 _POLL_S = 0.1
 
 
-class _Chunk:
-    __slots__ = ("error", "input_name", "numbers", "worker")
-
-    def __init__(self, worker: int | None, numbers: list[int], input_name: str | None, error: Exception | None):
-        self.worker = worker
-        self.numbers = numbers
-        self.input_name = input_name
-        self.error = error
-
-
 class _Worker:
-    def __init__(self, context: Any, map_func: Callable[..., Any], index: int) -> None:
+    def __init__(self, context: Any, map_func: Callable[..., Any], index: int, segments: _Segments) -> None:
         self.connection, child_connection = context.Pipe(duplex=True)
         self.process = context.Process(
             target=_worker_main,
-            args=(map_func, child_connection, os.getpid()),
+            args=(map_func, child_connection, os.getpid(), segments),
             name=f"shardflow-map-{index}",
             daemon=True,
         )
@@ -87,32 +77,78 @@ class _Worker:
         )
 
 
-def _write_segment(encoded: list[codec.Encoded]) -> tuple[str, list[int]]:
-    offsets, total = [], 0
-    for item in encoded:
-        offsets.append(total)
-        total += item.nbytes
-    segment = shared_memory.SharedMemory(create=True, size=max(total, 1))
+class _Segments:
+    """Shared-memory segments of one map: files in the POSIX shared-memory directory named after the map.
+
+    Plain files there (rather than multiprocessing.shared_memory) need no resource-tracker round trip per segment,
+    which cost more than the copy itself; the writer writes all buffers with one writev and the reader reads them
+    into memory of its own with one read and unlinks the file. Segments of maps whose process died are removed
+    when the next map starts."""
+
+    def __init__(self, owner_pid: int, token: str) -> None:
+        self.prefix = f"{_SEGMENT_PREFIX}{owner_pid}-{token}-"
+        self._count = itertools.count()
+
+    def write(self, encoded: list[codec.Encoded]) -> tuple[str, list[int]]:
+        name = f"{self.prefix}{os.getpid()}-{next(self._count)}"
+        offsets: list[int] = []
+        pieces: list[Any] = []
+        total = 0
+        for item in encoded:
+            offsets.append(total)
+            for buffer in item.buffers:
+                pieces.append(buffer)
+                padding = codec.aligned(buffer.nbytes) - buffer.nbytes
+                if padding:
+                    pieces.append(_ZEROS[:padding])
+            total += item.nbytes
+        descriptor = os.open(os.path.join(_SHM_DIRECTORY, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            written = os.writev(descriptor, pieces) if pieces else 0
+            if written < total:  # writev may stop early on very large chunks
+                os.write(descriptor, b"".join(bytes(piece) for piece in pieces)[written:])
+        finally:
+            os.close(descriptor)
+        return name, offsets
+
+    @staticmethod
+    def read(name: str, specs: list[Any], offsets: list[int]) -> list[Any]:
+        path = os.path.join(_SHM_DIRECTORY, name)
+        with open(path, "rb", buffering=0) as segment:
+            data = bytearray(os.fstat(segment.fileno()).st_size)
+            view = memoryview(data)
+            done = 0
+            while done < len(data):
+                done += segment.readinto(view[done:]) or 0
+        os.unlink(path)
+        # The elements are views of this private copy, so no second copy is needed.
+        return [codec.decode(spec, view, offset, copy=False) for spec, offset in zip(specs, offsets, strict=True)]
+
+    def remove_all(self) -> None:
+        for path in glob.glob(os.path.join(_SHM_DIRECTORY, glob.escape(self.prefix) + "*")):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _remove_segments_of_dead_owners() -> None:
+    for path in glob.glob(os.path.join(_SHM_DIRECTORY, _SEGMENT_PREFIX + "*")):
+        owner = os.path.basename(path)[len(_SEGMENT_PREFIX) :].split("-", 1)[0]
+        if owner.isdigit() and not _is_alive(int(owner)):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def _is_alive(pid: int) -> bool:
     try:
-        assert segment.buf is not None
-        for item, offset in zip(encoded, offsets, strict=True):
-            codec.write(item, segment.buf, offset)
-    finally:
-        segment.close()
-    return segment.name, offsets
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
-def _read_segment(name: str, specs: list[Any], offsets: list[int]) -> list[Any]:
-    segment = shared_memory.SharedMemory(name=name)
-    try:
-        assert segment.buf is not None
-        return [codec.decode(spec, segment.buf, offset) for spec, offset in zip(specs, offsets, strict=True)]
-    finally:
-        segment.close()
-        segment.unlink()
-
-
-def _worker_main(map_func: Callable[..., Any], connection: Any, parent_pid: int) -> None:
+def _worker_main(map_func: Callable[..., Any], connection: Any, parent_pid: int, segments: _Segments) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops the workers.
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(1)  # N workers each with all cores' threads would oversubscribe.
@@ -127,19 +163,18 @@ def _worker_main(map_func: Callable[..., Any], connection: Any, parent_pid: int)
         if not message:
             return
         name, specs, offsets = msgpack.unpackb(message)
-        inputs = _read_segment(name, specs, offsets)
-        started = time.perf_counter()
-        results: list[Any] = []
+        outcomes, seconds = map_chunk(map_func, segments.read(name, specs, offsets))
         encoded: list[codec.Encoded] = []
-        for element in inputs:
-            try:
-                encoded.append(codec.encode(apply_map(map_func, element)))
-                results.append(None)
-            except Exception as error:
-                results.append([type(error).__module__, type(error).__qualname__, str(error)])
-        seconds = time.perf_counter() - started
-        output_name, output_offsets = _write_segment(encoded)
-        header = [output_name, [item.spec for item in encoded], output_offsets, results, seconds]
+        errors: list[list[str] | None] = []
+        for value, error in outcomes:
+            if error is None:
+                try:
+                    encoded.append(codec.encode(value))
+                except TypeError as unsendable:
+                    error = unsendable
+            errors.append(None if error is None else [type(error).__module__, type(error).__qualname__, str(error)])
+        output_name, output_offsets = segments.write(encoded)
+        header = [output_name, [item.spec for item in encoded], output_offsets, errors, seconds]
         connection.send_bytes(msgpack.packb(header))
 
 
@@ -159,131 +194,65 @@ def _rebuild_error(module: str, qualname: str, message: str, pid: int) -> Except
     return error
 
 
-class ProcessMapIterator(UnaryIterator[Any]):
+class ProcessMapIterator(ChunkedMapIterator):
+    _target_chunk_s = 0.005
+
     def __init__(
         self, input_iterator: DatasetIterator[Any], map_func: Callable[..., Any], num_workers: int, deterministic: bool
     ) -> None:
-        super().__init__(input_iterator)
-        if "fork" not in multiprocessing.get_all_start_methods():
-            raise ValueError("map(use_processes=True) needs the fork start method (Linux); use threads instead")
-        self._map_func = map_func
-        self._num_workers = num_workers
-        self._deterministic = deterministic
+        if "fork" not in multiprocessing.get_all_start_methods() or not os.path.isdir(_SHM_DIRECTORY):
+            raise ValueError(
+                "map(use_processes=True) needs fork and POSIX shared memory (Linux); use num_parallel_calls alone "
+                "for threads"
+            )
+        super().__init__(input_iterator, map_func, num_workers, deterministic)
         self._workers: list[_Worker] = []
-        self._pending: collections.deque[_Chunk] = collections.deque()
-        self._ready: collections.deque[tuple[int, Any, Exception | None]] = collections.deque()
-        self._ledger = OrderLedger(input_iterator.get_state())
-        self._chunk_size = 1
-        self._input_done = False
-
-    def __next__(self) -> Any:
-        while not self._ready:
-            self._dispatch()
-            if not self._pending:
-                raise StopIteration
-            chunk = self._pending.popleft() if self._deterministic else self._first_finished()
-            self._ready.extend(self._receive(chunk))
-        number, value, error = self._ready.popleft()
-        self._ledger.returned(number)
-        if error is not None:
-            raise error
-        return value
+        self._segments = _Segments(os.getpid(), secrets.token_hex(4))
 
     def _start(self) -> None:
-        # Workers share the parent's resource tracker, which removes leaked segments if the whole job dies.
-        resource_tracker.ensure_running()
+        _remove_segments_of_dead_owners()
         context = multiprocessing.get_context("fork")
-        self._workers = [_Worker(context, self._map_func, index) for index in range(self._num_workers)]
-        weakref.finalize(self, _shutdown, self._workers, self._pending)
+        self._workers = [_Worker(context, self._map_func, index, self._segments) for index in range(self._parallelism)]
+        weakref.finalize(self, _shutdown, self._workers, self._segments)
 
-    def _dispatch(self) -> None:
+    def _has_room(self) -> bool:
         if not self._workers:
             self._start()
-        while not self._input_done:
-            worker = min(range(len(self._workers)), key=lambda index: self._workers[index].in_flight)
-            if self._workers[worker].in_flight >= _CHUNKS_IN_FLIGHT_PER_WORKER:
-                return
-            self._send_chunk(worker)
+        return min(worker.in_flight for worker in self._workers) < _CHUNKS_IN_FLIGHT_PER_WORKER
 
-    def _send_chunk(self, worker: int) -> None:
-        elements: list[Any] = []
-        numbers: list[int] = []
-        failed: _Chunk | None = None
-        while len(elements) < self._chunk_size and failed is None:
-            error: Exception | None = None
-            try:
-                element = next(self._input)
-            except StopIteration:
-                self._input_done = True
-                break
-            except Exception as raised:
-                error = raised
-            number = self._ledger.produced(self._input.get_state())
-            if number is None:
-                continue
-            if error is not None:
-                # An input error keeps its place: the chunk so far goes first, then the error.
-                failed = _Chunk(None, [number], None, error)
-            else:
-                elements.append(element)
-                numbers.append(number)
-        if elements:
-            encoded = [codec.encode(element) for element in elements]
-            name, offsets = _write_segment(encoded)
-            self._workers[worker].send(msgpack.packb([name, [item.spec for item in encoded], offsets]))
-            self._pending.append(_Chunk(worker, numbers, name, None))
-        if failed is not None:
-            self._pending.append(failed)
+    def _submit(self, elements: list[Any]) -> int:
+        worker = min(range(len(self._workers)), key=lambda index: self._workers[index].in_flight)
+        encoded = [codec.encode(element) for element in elements]
+        name, offsets = self._segments.write(encoded)
+        self._workers[worker].send(msgpack.packb([name, [item.spec for item in encoded], offsets]))
+        return worker
 
-    def _first_finished(self) -> _Chunk:
-        for index, chunk in enumerate(self._pending):
-            if chunk.worker is None:
-                del self._pending[index]
-                return chunk
-        busy = {chunk.worker for chunk in self._pending}
-        connections = [self._workers[worker].connection for worker in busy if worker is not None]
-        ready = multiprocessing.connection.wait(connections, _POLL_S) or connections[:1]
-        worker = next(index for index, item in enumerate(self._workers) if item.connection is ready[0])
-        # A worker answers its chunks in the order it got them.
-        index = next(index for index, chunk in enumerate(self._pending) if chunk.worker == worker)
-        chunk = self._pending[index]
-        del self._pending[index]
-        return chunk
-
-    def _receive(self, chunk: _Chunk) -> list[tuple[int, Any, Exception | None]]:
-        if chunk.worker is None:
-            return [(chunk.numbers[0], None, chunk.error)]
-        worker = self._workers[chunk.worker]
-        name, specs, offsets, results, seconds = msgpack.unpackb(worker.receive())
-        values = iter(_read_segment(name, specs, offsets))
-        self._chunk_size = max(1, min(_MAX_CHUNK_ELEMENTS, int(_TARGET_CHUNK_S * len(results) / max(seconds, 1e-6))))
+    def _collect(self, handle: int) -> tuple[list[Outcome], float]:
+        worker = self._workers[handle]
+        name, specs, offsets, errors, seconds = msgpack.unpackb(worker.receive())
+        values = iter(self._segments.read(name, specs, offsets))
         pid = worker.process.pid or 0
-        return [
-            (number, None, _rebuild_error(result[0], result[1], result[2], pid))
-            if result is not None
-            else (number, next(values), None)
-            for number, result in zip(chunk.numbers, results, strict=True)
+        outcomes: list[Outcome] = [
+            (next(values), None) if error is None else (None, _rebuild_error(error[0], error[1], error[2], pid))
+            for error in errors
         ]
+        return outcomes, seconds
 
-    def get_state(self) -> State:
-        return self._ledger.state()
-
-    def set_state(self, state: State) -> None:
-        # In-flight chunks are received and dropped, which keeps the workers and their order intact.
-        while self._pending:
-            self._receive(self._pending.popleft())
-        self._ready.clear()
-        self._input.set_state(state["input"])
-        self._ledger = OrderLedger.from_state(state)
-        self._input_done = False
+    def _wait_any(self, handles: list[int]) -> int:
+        busy = set(handles)
+        ready = multiprocessing.connection.wait([self._workers[worker].connection for worker in busy])
+        worker = next(index for index in busy if self._workers[index].connection is ready[0])
+        # A worker answers its chunks in the order it got them.
+        return handles.index(worker)
 
     def close(self) -> None:
-        _shutdown(self._workers, self._pending)
+        _shutdown(self._workers, self._segments)
         self._workers = []
+        self._pending.clear()
         super().close()
 
 
-def _shutdown(workers: list[_Worker], pending: collections.deque[_Chunk]) -> None:
+def _shutdown(workers: list[_Worker], segments: _Segments) -> None:
     for worker in workers:
         with contextlib.suppress(OSError):
             worker.connection.send_bytes(b"")
@@ -292,24 +261,7 @@ def _shutdown(workers: list[_Worker], pending: collections.deque[_Chunk]) -> Non
         if worker.process.is_alive():
             worker.process.terminate()
             worker.process.join()
-        # Answers nobody read still own their output segments.
-        while worker.connection.poll(0):
-            try:
-                _unlink(msgpack.unpackb(worker.connection.recv_bytes())[0])
-            except (EOFError, OSError):
-                break
         worker.connection.close()
-    for chunk in pending:
-        if chunk.input_name is not None:
-            _unlink(chunk.input_name)
-    pending.clear()
     workers.clear()
-
-
-def _unlink(name: str) -> None:
-    try:
-        segment = shared_memory.SharedMemory(name=name)
-    except FileNotFoundError:
-        return
-    segment.close()
-    segment.unlink()
+    # Inputs no worker read and answers nobody read.
+    segments.remove_all()

@@ -56,8 +56,7 @@ class _ShuffleIterator(UnaryIterator[T]):
         self._buffer_size = buffer_size
         self._seed = seed
         self._epochs = epochs
-        self._window: list[Any] = []
-        self._order: list[int] = []
+        self._window: list[Any] = []  # already in shuffled order
         self._window_index = 0
         self._position = 0
         # The input's state where the current window starts; None while no window is open.
@@ -67,11 +66,11 @@ class _ShuffleIterator(UnaryIterator[T]):
     def __next__(self) -> T:
         if self._window_start is None:
             self._fill()
-        element = self._window[self._order[self._position]]
-        self._window[self._order[self._position]] = None
+        element = self._window[self._position]
+        self._window[self._position] = None  # let the consumer own the only reference
         self._position += 1
-        if self._position == len(self._order):
-            self._window, self._order, self._window_start = [], [], None
+        if self._position == len(self._window):
+            self._window, self._window_start = [], None
             self._window_index += 1
             self._position = 0
         if isinstance(element, _Raised):
@@ -94,8 +93,8 @@ class _ShuffleIterator(UnaryIterator[T]):
             self._exhausted = True
             raise StopIteration
         self._exhausted = len(window) < self._buffer_size
-        self._window, self._window_start = window, start
-        self._order = self._permutation(len(window))
+        self._window = [window[index] for index in self._permutation(len(window))]
+        self._window_start = start
 
     def _permutation(self, size: int) -> list[int]:
         entropy = [self._seed, *self._epochs, self._window_index]
@@ -115,7 +114,7 @@ class _ShuffleIterator(UnaryIterator[T]):
         self._seed = int(state["seed"])
         self._epochs = tuple(state["epochs"])
         self._window_index = int(state["window"])
-        self._window, self._order, self._window_start, self._exhausted = [], [], None, False
+        self._window, self._window_start, self._exhausted = [], None, False
         self._position = 0
         position = int(state["position"])
         if position:
