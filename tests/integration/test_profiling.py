@@ -112,3 +112,27 @@ def test_the_merged_trace_is_structurally_legal(capture):
     for event in trace["traceEvents"]:
         if event["ph"] == "X":
             assert isinstance(event["ts"], (int, float)) and isinstance(event["dur"], (int, float))
+
+
+def test_on_demand_capture_of_a_running_job(start_job, tmp_path):
+    job = start_job(
+        "regression.py", mode="async", num_workers=2, num_ps=1, epochs=1, num_batches=1500, step_delay_s=0.005
+    )
+    job.wait_for_file(tmp_path / "model" / "job.json")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardflow", "profile", "capture", str(tmp_path / "model"), "--steps", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    directory = Path(proc.stdout.strip())
+    with gzip.open(directory / "merged.trace.json.gz") as f:
+        trace = json.load(f)
+    first, last = (int(x) for x in directory.name.split("-")[-2:])
+    assert last - first == 3
+    applies = sorted(e["args"]["step"] for e in trace["traceEvents"] if e.get("name") == "apply")
+    assert applies == [first, first + 1, first + 2]
+    assert check_legal(trace) == []
+    returncode, out = job.finish(timeout_s=120)
+    assert returncode == 0, out
