@@ -31,8 +31,6 @@ from shardflow.data.example.wire import (
     single_fields,
 )
 
-_KIND_FIELDS = {1: "bytes_list", 2: "float_list", 3: "int64_list"}
-
 
 @dataclass(frozen=True)
 class Column:
