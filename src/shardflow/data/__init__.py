@@ -1,6 +1,9 @@
 """shardflow.data: a tf.data-style input pipeline of numpy elements with checkpointable iterators."""
 
-from typing import Any
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from shardflow.data.dataset import Dataset, DatasetIterator, State
 from shardflow.data.options import (
@@ -14,27 +17,93 @@ from shardflow.data.options import (
 from shardflow.data.sharding import auto_shard, auto_shard_for
 from shardflow.data.sources_basic import TensorSpec
 
+if TYPE_CHECKING:
+    from shardflow.data.example import (
+        FixedLenFeature,
+        SparseTensor,
+        VarLenFeature,
+        make_example,
+        parse_example,
+        parse_single_example,
+    )
+    from shardflow.data.sources import (
+        CsvDataset,
+        CsvRecordError,
+        DataLossError,
+        FixedLengthRecordDataset,
+        InvalidRecordError,
+        ParquetDataset,
+        TextLineDataset,
+        TFRecordDataset,
+        TFRecordOptions,
+        TFRecordWriter,
+        decode_csv,
+        make_csv_dataset,
+    )
+
+# File sources and the Example codec are imported on first use: they bring protobuf (and pyarrow for Parquet),
+# which a pipeline over in-memory data does not need.
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "CsvDataset",
+            "CsvRecordError",
+            "DataLossError",
+            "FixedLengthRecordDataset",
+            "InvalidRecordError",
+            "ParquetDataset",
+            "TFRecordDataset",
+            "TFRecordOptions",
+            "TFRecordWriter",
+            "TextLineDataset",
+            "decode_csv",
+            "make_csv_dataset",
+        ),
+        "shardflow.data.sources",
+    ),
+    **dict.fromkeys(
+        ("FixedLenFeature", "SparseTensor", "VarLenFeature", "make_example", "parse_example", "parse_single_example"),
+        "shardflow.data.example",
+    ),
+}
+
 __all__ = [
     "AUTOTUNE",
     "AutoShardPolicy",
     "AutotuneOptions",
+    "CsvDataset",
+    "CsvRecordError",
     "DataLossError",
     "Dataset",
     "DatasetIterator",
     "DistributeOptions",
+    "FixedLenFeature",
+    "FixedLengthRecordDataset",
+    "InvalidRecordError",
     "Options",
+    "ParquetDataset",
+    "SparseTensor",
     "State",
+    "TFRecordDataset",
+    "TFRecordOptions",
+    "TFRecordWriter",
     "TensorSpec",
+    "TextLineDataset",
     "ThreadingOptions",
+    "VarLenFeature",
     "auto_shard",
     "auto_shard_for",
+    "decode_csv",
+    "make_csv_dataset",
+    "make_example",
+    "parse_example",
+    "parse_single_example",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    # The file sources' errors are imported on first use, like the sources themselves.
-    if name == "DataLossError":
-        from shardflow.data.sources.errors import DataLossError
-
-        return DataLossError
-    raise AttributeError(f"module 'shardflow.data' has no attribute {name!r}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'shardflow.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
