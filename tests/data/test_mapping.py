@@ -79,3 +79,8 @@ def test_filter_accepts_numpy_booleans() -> None:
 def test_filter_names_a_non_scalar_predicate_result() -> None:
     with pytest.raises(TypeError, match=r"filter predicate must return a scalar bool, got ndarray \(2,\)"):
         list(D.from_tensors(np.arange(2)).filter(lambda x: x > 0))
+
+
+def test_map_converts_returned_string_arrays_to_object_arrays_of_bytes() -> None:
+    (names,) = list(D.range(1).map(lambda x: np.array(["a", "bc"])))
+    assert names.dtype == object and names.tolist() == [b"a", b"bc"]

@@ -51,7 +51,7 @@ class DistributeOptions:
 @dataclasses.dataclass
 class ThreadingOptions:
     private_threadpool_size: int | None = None
-    """Caps the threads of every parallel map; unset means the CPU budget."""
+    """Caps the parallelism AUTOTUNE picks; unset means the CPU budget."""
 
 
 @dataclasses.dataclass

@@ -23,25 +23,10 @@ class RangeDataset(Dataset[np.int64]):
         self._range = range(*(int(arg) for arg in args))
 
     def _iterator(self) -> DatasetIterator[np.int64]:
-        return _RangeIterator(self._range)
+        return _IndexIterator(len(self._range), self._element_at)
 
-
-class _RangeIterator(DatasetIterator[np.int64]):
-    def __init__(self, values: range) -> None:
-        self._values = values
-        self._index = 0
-
-    def __next__(self) -> np.int64:
-        if self._index >= len(self._values):
-            raise StopIteration
-        self._index += 1
-        return np.int64(self._values[self._index - 1])
-
-    def get_state(self) -> State:
-        return {"index": self._index}
-
-    def set_state(self, state: State) -> None:
-        self._index = int(state["index"])
+    def _element_at(self, index: int) -> np.int64:
+        return np.int64(self._range[index])
 
 
 class ElementsDataset(Dataset[Any]):

@@ -34,9 +34,7 @@ def _flatten_into(element: Any, leaves: list[Any]) -> TreeDef:
 
 def pack(treedef: TreeDef, leaves: Sequence[Any]) -> Any:
     """The inverse of `flatten`."""
-    iterator = iter(leaves)
-    element = _pack_from(treedef, iterator)
-    return element
+    return _pack_from(treedef, iter(leaves))
 
 
 def _pack_from(treedef: TreeDef, leaves: Any) -> Any:
@@ -47,16 +45,6 @@ def _pack_from(treedef: TreeDef, leaves: Any) -> Any:
         return {key: _pack_from(child, leaves) for key, child in zip(meta, children, strict=True)}
     items = [_pack_from(child, leaves) for child in children]
     return meta(*items) if hasattr(meta, "_fields") else meta(items)
-
-
-def map_structure(fn: Callable[..., Any], *elements: Any) -> Any:
-    """Applies `fn` to the corresponding leaves of elements that share one structure."""
-    flat = [flatten(element) for element in elements]
-    treedef = flat[0][1]
-    for index, (_, other) in enumerate(flat[1:], start=1):
-        if other != treedef:
-            raise ValueError(f"element {index} has structure {describe(other)}, expected {describe(treedef)}")
-    return pack(treedef, [fn(*leaves) for leaves in zip(*(leaves for leaves, _ in flat), strict=True)])
 
 
 def describe(treedef: TreeDef) -> str:
