@@ -172,10 +172,18 @@ class ParameterServer:
             self.stats["dropped_after_max_steps"] += 1
             self.server.reply(request, self._header(dropped=True))
             return
-        grads = self._buffers(request)
         mode = self.config.mode
+        if mode == "sync" and self._is_stale(request):
+            return
+        started = time.perf_counter_ns()
+        grads = self._buffers(request)
         if mode == "sync":
-            self._push_sync(request, grads)
+            self._accumulate(grads)
+        if (recorder := get_recorder()) is not None:
+            recorder.end("receive", self.step, started, worker, sum(g.nbytes for g in grads))
+        if mode == "sync":
+            self._waiting_for_update.append(request)
+            self._maybe_apply_sync()
             return
         self._apply(grads, [request])
         self.clocks[worker] = self.clocks.get(worker, 0) + 1
@@ -188,22 +196,24 @@ class ParameterServer:
             self.server.reply(request, self._header())
         self._release_pulls()
 
-    def _push_sync(self, request: Request, grads: list[torch.Tensor]) -> None:
+    def _is_stale(self, request: Request) -> bool:
+        """sync: a gradient computed on an older version is dropped and counted; its sender gets the current one."""
         base_step = int(request.header["base_step"])
-        if base_step < self.step:
-            self.stats["dropped_stale"] += 1
-            self._reply_params(request, stale=True)
-            return
         if base_step > self.step:
             raise ValueError(f"push for step {base_step} arrived before ps:{self.index} reached it (at {self.step})")
+        if base_step == self.step:
+            return False
+        self.stats["dropped_stale"] += 1
+        self._reply_params(request, stale=True)
+        return True
+
+    def _accumulate(self, grads: list[torch.Tensor]) -> None:
         if self._num_accumulated == 0:
             self._accumulated = grads
         else:
             for total, grad in zip(self._accumulated, grads, strict=True):
                 total.add_(grad)
         self._num_accumulated += 1
-        self._waiting_for_update.append(request)
-        self._maybe_apply_sync()
 
     def _maybe_apply_sync(self) -> None:
         needed = min(self.config.replicas, max(len(self.active), 1))
