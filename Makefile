@@ -14,17 +14,13 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)
 
-$(VENV)/.peers: $(STAMP)
-	$(PY) -m pip install -q -e '.[test,peers]'
-	touch $@
-
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(VENV)/.peers
+bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 lint: $(STAMP)
