@@ -80,3 +80,15 @@ def test_window_elements_are_datasets_per_component() -> None:
 def test_window_rejects_non_positive_arguments() -> None:
     with pytest.raises(ValueError, match="window shift must be a positive int, got 0"):
         D.range(3).window(2, shift=0)
+
+
+@pytest.mark.parametrize(("size", "shift", "stride"), [(3, 1, 1), (2, 5, 1), (3, 2, 2), (4, None, 1)])
+def test_window_restores_between_windows(size: int, shift: int | None, stride: int) -> None:
+    dataset = D.range(23).window(size, shift, stride).flat_map(lambda window: window.batch(size))
+    expected = [batch.tolist() for batch in dataset]
+    for k in range(len(expected)):
+        iterator = iter(dataset)
+        head = [next(iterator).tolist() for _ in range(k)]
+        restored = iter(dataset)
+        restored.set_state(json.loads(json.dumps(iterator.get_state())))
+        assert head + [batch.tolist() for batch in restored] == expected

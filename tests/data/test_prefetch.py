@@ -25,11 +25,31 @@ def wait_until(condition: Any) -> bool:
     return bool(condition())
 
 
-def test_prefetch_keeps_the_order_and_the_state_of_the_last_returned_element() -> None:
+def test_prefetch_state_is_where_the_consumer_is_not_where_the_thread_read_ahead_to() -> None:
     iterator = iter(D.range(100).prefetch(10))
     assert [next(iterator) for _ in range(3)] == [0, 1, 2]
-    assert iterator.get_state() == {"index": 3}  # not the position the thread has read ahead to
+    time.sleep(0.05)  # let the thread run ahead
+    state = iterator.get_state()
     iterator.close()
+    assert state["input"]["index"] + state["skip"] == 3
+    restored = iter(D.range(100).prefetch(10))
+    restored.set_state(state)
+    assert next(restored) == 3
+    restored.close()
+
+
+def test_prefetch_over_a_non_deterministic_map_records_exact_states() -> None:
+    def make() -> data.Dataset[Any]:
+        return D.range(50).map(lambda x: x, num_parallel_calls=3, deterministic=False).prefetch(8)
+
+    iterator = iter(make())
+    head = [next(iterator) for _ in range(7)]
+    state = iterator.get_state()
+    rest = list(iterator)
+    assert state["skip"] == 0  # a state after an element, not one to replay from
+    restored = iter(make())
+    restored.set_state(state)
+    assert sorted(head + list(restored)) == sorted(head + rest) == list(range(50))
 
 
 def test_prefetch_passes_errors_through_in_place() -> None:

@@ -45,9 +45,10 @@ def test_device_path_copies_ahead_and_keeps_the_state() -> None:
     assert first["x"].device.type == "meta"
     state = json.loads(json.dumps(iterator.get_state()))
     iterator.close()
-    restored = iter(records().as_torch())
+    restored = iter(records().as_torch(device="meta"))
     restored.set_state(state)
-    assert [batch["label"].tolist() for batch in restored] == [[2, 3], [4, 5]]
+    assert [tuple(batch["label"].shape) for batch in restored] == [(2,), (2,)]
+    restored.close()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on machines without CUDA")

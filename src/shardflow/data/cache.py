@@ -183,6 +183,10 @@ class _CacheIterator(DatasetIterator[Any]):
         self._index += 1
         return element
 
+    @property
+    def deterministic(self) -> bool:
+        return self._input is None or self._input.deterministic
+
     def get_state(self) -> State:
         if self._reader is not None:
             return {"mode": "read", "index": self._index}

@@ -42,6 +42,13 @@ class DatasetIterator(abc.ABC, Iterator[T], Generic[T]):
     def close(self) -> None:
         """Release threads, processes and files. Iterators without any keep this no-op."""
 
+    @property
+    def deterministic(self) -> bool:
+        """Whether a restored iterator yields the remaining elements in the same order. Stages that restore by
+        re-reading their input (prefetch replays, shuffle windows, unbatch) are exact only over deterministic
+        input; prefetch falls back to a state per element when this is False."""
+        return True
+
 
 class Dataset(abc.ABC, Generic[T]):
     """An immutable description of a stream of elements (nested dicts and tuples of numpy arrays; strings
@@ -296,6 +303,22 @@ class UnaryIterator(DatasetIterator[T]):
 
     def close(self) -> None:
         self._input.close()
+
+    @property
+    def deterministic(self) -> bool:
+        return self._input.deterministic
+
+
+def replay(iterator: DatasetIterator[Any], count: int) -> None:
+    """Advances `iterator` by `count` elements, counting those whose production raised, to reach a position saved
+    as (state, elements after it): cheaper than a state per element for the stages that run ahead."""
+    for _ in range(count):
+        try:
+            next(iterator)
+        except StopIteration:
+            return
+        except Exception:
+            continue
 
 
 def active_options() -> Options:

@@ -121,10 +121,11 @@ class _InterleaveIterator(UnaryIterator[Any]):
 
     def _iterate(self, dataset: Dataset[Any], state: State | None = None) -> DatasetIterator[Any]:
         iterator = self._scope.iter(dataset)
-        if state is not None:
-            iterator.set_state(state)
         if self._read_ahead:
             iterator = PrefetchIterator(iterator, AUTOTUNE)
+        if state is not None:
+            iterator.set_state(state)
+        if isinstance(iterator, PrefetchIterator):
             iterator.start()
         return iterator
 
@@ -134,6 +135,10 @@ class _InterleaveIterator(UnaryIterator[Any]):
             place.iterator.close()
             self._places[index] = None
             self._num_open -= 1
+
+    @property
+    def deterministic(self) -> bool:
+        return self._input.deterministic and all(place.iterator.deterministic for place in self._places if place)
 
     def get_state(self) -> State:
         places = [

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shardflow.data.dataset import DatasetIterator, State, UnaryIterator
+from shardflow.data.dataset import DatasetIterator, State, UnaryIterator, replay
 from shardflow.data.mapping import apply_map
 
 Outcome = tuple[Any, Exception | None]
@@ -23,30 +23,35 @@ Outcome = tuple[Any, Exception | None]
 _MAX_CHUNK_ELEMENTS = 64
 
 
+Position = tuple[State, int]
+"""An input position: the input's state followed by a number of elements to replay."""
+
+
 class OrderLedger:
     """Which produced elements the consumer has been given, as a resumable position.
 
-    Elements are numbered in the order the input produced them. The state is the input's state after the longest
+    Elements are numbered in the order the input produced them. The state is the input's position after the longest
     prefix of elements that were all returned, plus the offsets past that prefix of elements already returned out
     of order (at most the number in flight). A restore re-reads from the prefix and drops those offsets, so even a
     non-deterministic iterator resumes with exactly the elements it had not yet returned."""
 
-    def __init__(self, input_state: State, returned_offsets: list[int] | None = None) -> None:
+    def __init__(self, position: Position, returned_offsets: list[int] | None = None) -> None:
         self._prefix = 0
-        self._prefix_state = input_state
+        self._prefix_position = position
         self._next_number = 0
-        self._states: dict[int, State] = {}
+        self._positions: dict[int, Position] = {}
         self._returned = set(returned_offsets or ())
 
     @classmethod
     def from_state(cls, state: State) -> OrderLedger:
-        return cls(state["input"], state["returned"])
+        return cls((state["input"], state["skip"]), state["returned"])
 
-    def produced(self, input_state: State) -> int | None:
-        """Numbers the next input element; None if it was returned before a restore and must be dropped."""
+    def produced(self, position: Position) -> int | None:
+        """Numbers the next input element, which ends at `position`; None if it was returned before a restore
+        and must be dropped."""
         number = self._next_number
         self._next_number += 1
-        self._states[number] = input_state
+        self._positions[number] = position
         if number in self._returned:
             self._advance()
             return None
@@ -59,11 +64,13 @@ class OrderLedger:
     def _advance(self) -> None:
         while self._prefix in self._returned:
             self._returned.remove(self._prefix)
-            self._prefix_state = self._states.pop(self._prefix)
+            self._prefix_position = self._positions.pop(self._prefix)
             self._prefix += 1
 
     def state(self) -> State:
-        return {"input": self._prefix_state, "returned": sorted(number - self._prefix for number in self._returned)}
+        input_state, skip = self._prefix_position
+        returned = sorted(number - self._prefix for number in self._returned)
+        return {"input": input_state, "skip": skip, "returned": returned}
 
 
 def map_chunk(map_func: Callable[..., Any], elements: list[Any]) -> tuple[list[Outcome], float]:
@@ -103,7 +110,7 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
         self._deterministic = deterministic
         self._pending: collections.deque[_Chunk] = collections.deque()
         self._ready: collections.deque[tuple[int, Any, Exception | None]] = collections.deque()
-        self._ledger = OrderLedger(input_iterator.get_state())
+        self._ledger = OrderLedger((input_iterator.get_state(), 0))
         self._chunk_size = 1
         self._input_done = False
 
@@ -157,6 +164,9 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
             elements: list[Any] = []
             numbers: list[int] = []
             failed: _Chunk | None = None
+            # One get_state() per chunk: an element's position is the chunk's start plus the elements read since,
+            # unless the input may reorder on restore, where only a state per element is exact.
+            anchor, pulled, exact = self._input.get_state(), 0, self._input.deterministic
             while len(elements) < self._chunk_size and failed is None:
                 error: Exception | None = None
                 try:
@@ -166,7 +176,8 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
                     break
                 except Exception as raised:
                     error = raised
-                number = self._ledger.produced(self._input.get_state())
+                pulled += 1
+                number = self._ledger.produced((anchor, pulled) if exact else (self._input.get_state(), 0))
                 if number is None:
                     continue
                 if error is not None:
@@ -180,6 +191,10 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
             if failed is not None:
                 self._pending.append(failed)
 
+    @property
+    def deterministic(self) -> bool:
+        return self._deterministic and self._input.deterministic
+
     def get_state(self) -> State:
         return self._ledger.state()
 
@@ -187,6 +202,7 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
         self._drop_pending()
         self._ready.clear()
         self._input.set_state(state["input"])
+        replay(self._input, int(state["skip"]))
         self._ledger = OrderLedger.from_state(state)
         self._input_done = False
 

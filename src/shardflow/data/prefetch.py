@@ -1,9 +1,12 @@
 """prefetch(buffer_size): a thread runs the input ahead into a bounded buffer.
 
-Each buffered element carries the input's state after producing it, so the iterator's state is the one attached to
-the last element it returned: a restore re-runs what was buffered but not consumed. Elements cross between the
-threads in small lists (handed over early whenever the consumer has nothing), because a queue operation per element
-costs more than producing a simple element.
+Elements cross between the threads in small lists (handed over early whenever the consumer has nothing), because a
+queue operation per element costs more than producing a simple element. Each list carries the input's state before
+its first element and after its last, so the iterator's state is the state after the last list it finished, or the
+state before the current list plus the elements consumed from it: a restore sets the input there and replays those
+elements, re-running what was buffered but not consumed. One `get_state()` per list instead of one per element keeps
+the sources' state off the hot path; over an input that may reorder on restore, every list holds one element, so
+the state is always an exact one.
 """
 
 from __future__ import annotations
@@ -14,13 +17,23 @@ import weakref
 from typing import Any, TypeVar
 
 from shardflow.data import structure
-from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator, active_options
+from shardflow.data.dataset import (
+    Dataset,
+    DatasetIterator,
+    State,
+    UnaryDataset,
+    UnaryIterator,
+    active_options,
+    replay,
+)
 from shardflow.data.options import AUTOTUNE, Options, autotuned_buffer_size
 
 T = TypeVar("T")
 
 _VALUE, _ERROR, _END = 0, 1, 2
-Item = tuple[int, Any, State | None]
+Item = tuple[int, Any]
+Batch = tuple[State, list[Item], State]
+"""The input's state before the items, the items, and its state after them."""
 # How often a blocked producer checks whether it should stop.
 _POLL_S = 0.05
 # A buffer of n elements is handed over in lists of up to n / 4 elements (a queue of about 4 lists).
@@ -56,11 +69,14 @@ class PrefetchIterator(UnaryIterator[T]):
         super().__init__(input_iterator)
         self._buffer_size = buffer_size
         self._options = active_options()
-        self._state = input_iterator.get_state()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._queue: queue.Queue[list[Item]] = queue.Queue()
+        self._queue: queue.Queue[Batch] = queue.Queue()
+        # The state: the input's state `_base` followed by `_skip` elements.
+        self._base = input_iterator.get_state()
+        self._skip = 0
         self._items: list[Item] = []
+        self._end_state: State = self._base
         self._position = 0
         self._finished = False
 
@@ -83,29 +99,34 @@ class PrefetchIterator(UnaryIterator[T]):
         self._thread.start()
 
     def __next__(self) -> T:
+        if self._finished:
+            raise StopIteration
         if self._position == len(self._items):
-            if self._finished:
-                raise StopIteration
             self.start()
-            self._items, self._position = self._queue.get(), 0
-        kind, payload, state = self._items[self._position]
-        self._position += 1
+            self._base, self._items, self._end_state = self._queue.get()
+            self._skip, self._position = 0, 0
+        kind, payload = self._items[self._position]
         if kind == _END:
             self._finished = True
             self._join()
             raise StopIteration
-        self._state = state  # type: ignore[assignment]
+        self._position += 1
+        if self._position == len(self._items):
+            self._base, self._skip = self._end_state, 0
+        else:
+            self._skip += 1
         if kind == _ERROR:
             raise payload
         return payload  # type: ignore[no-any-return]
 
     def get_state(self) -> State:
-        return self._state
+        return {"input": self._base, "skip": self._skip}
 
     def set_state(self, state: State) -> None:
         self._join()
-        self._input.set_state(state)
-        self._state = state
+        self._input.set_state(state["input"])
+        replay(self._input, int(state["skip"]))
+        self._base, self._skip = state["input"], int(state["skip"])
         self._items, self._position = [], 0
         self._finished = False
 
@@ -133,35 +154,37 @@ def _drain(buffer: queue.Queue[Any]) -> None:
 
 def _produce(
     input_iterator: DatasetIterator[Any],
-    buffer: queue.Queue[list[Item]],
+    buffer: queue.Queue[Batch],
     stop: threading.Event,
     sizing: _Sizing,
     autotune_options: Options | None,
 ) -> None:
     items: list[Item] = []
+    before = input_iterator.get_state()
     while not stop.is_set():
         item: Item
         try:
-            element = next(input_iterator)
-            item = (_VALUE, element, input_iterator.get_state())
+            item = (_VALUE, next(input_iterator))
         except StopIteration:
-            item = (_END, None, None)
+            item = (_END, None)
         except BaseException as error:
-            item = (_ERROR, error, input_iterator.get_state())
+            item = (_ERROR, error)
         items.append(item)
         if autotune_options is not None and item[0] == _VALUE:
             sizing = _Sizing(autotuned_buffer_size(structure.leaf_nbytes(item[1]), autotune_options))
             with buffer.mutex:
                 buffer.maxsize = sizing.queue_length
             autotune_options = None
-        if item[0] == _VALUE and len(items) < sizing.list_length and buffer.qsize():
+        # Over an input that may reorder on restore, every element is its own list, so that the state is exact.
+        if item[0] == _VALUE and len(items) < sizing.list_length and buffer.qsize() and input_iterator.deterministic:
             continue
+        after = input_iterator.get_state()
         while not stop.is_set():
             try:
-                buffer.put(items, timeout=_POLL_S)
+                buffer.put((before, items, after), timeout=_POLL_S)
                 break
             except queue.Full:
                 continue
-        items = []
         if item[0] == _END:
             return
+        items, before = [], after

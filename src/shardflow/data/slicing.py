@@ -63,6 +63,10 @@ class _RepeatIterator(DatasetIterator[T]):
         self._epoch = self._count if epoch is None else epoch
         self._epoch_is_empty = True
 
+    @property
+    def deterministic(self) -> bool:
+        return self._input is None or self._input.deterministic
+
     def get_state(self) -> State:
         return {"epoch": self._epoch, "input": None if self._input is None else self._input.get_state()}
 
@@ -197,6 +201,10 @@ class _ConcatenateIterator(DatasetIterator[Any]):
             self._input.close()
             self._input = self._scope.iter(self._datasets[which])
             self._which = which
+
+    @property
+    def deterministic(self) -> bool:
+        return self._input.deterministic
 
     def get_state(self) -> State:
         return {"which": self._which, "input": self._input.get_state()}

@@ -228,6 +228,10 @@ class _ZipIterator(DatasetIterator[Any]):
     def __next__(self) -> Any:
         return structure.pack(self._treedef, [next(iterator) for iterator in self._iterators])
 
+    @property
+    def deterministic(self) -> bool:
+        return all(iterator.deterministic for iterator in self._iterators)
+
     def get_state(self) -> State:
         return {"inputs": [iterator.get_state() for iterator in self._iterators]}
 

@@ -34,15 +34,15 @@ class WindowDataset(UnaryDataset[Any]):
 
 
 class _WindowIterator(UnaryIterator[Any]):
-    """Buffers the span of the next window with the input's state before each element. State: where the next
-    window starts, as (input state, elements to skip from there)."""
+    """Buffers the span of the next window, with the input's state before each element that starts a window.
+    State: where the next window starts, as (input state, elements to skip from there)."""
 
     def __init__(self, input_iterator: DatasetIterator[Any], dataset: WindowDataset) -> None:
         super().__init__(input_iterator)
         self._size, self._shift, self._stride = dataset._size, dataset._shift, dataset._stride
         self._drop_remainder = dataset._drop_remainder
         self._span = (self._size - 1) * self._stride + 1
-        self._buffer: collections.deque[tuple[State, Any]] = collections.deque()
+        self._buffer: collections.deque[tuple[State | None, Any]] = collections.deque()
         self._to_skip = 0
         self._input_done = False
 
@@ -54,7 +54,8 @@ class _WindowIterator(UnaryIterator[Any]):
             except StopIteration:
                 self._input_done = True
         while len(self._buffer) < self._span and not self._input_done:
-            before = self._input.get_state()
+            # The front of the buffer always starts a window, and so does every shift-th element after it.
+            before = self._input.get_state() if len(self._buffer) % self._shift == 0 else None
             try:
                 self._buffer.append((before, next(self._input)))
             except StopIteration:
@@ -73,7 +74,7 @@ class _WindowIterator(UnaryIterator[Any]):
 
     def get_state(self) -> State:
         if self._buffer:
-            return {"input": self._buffer[0][0], "skip": 0}
+            return {"input": self._buffer[0][0], "skip": 0}  # the front starts a window, so it has a state
         return {"input": self._input.get_state(), "skip": self._to_skip}
 
     def set_state(self, state: State) -> None:
