@@ -1,11 +1,4 @@
-"""cache(filename): the first complete pass is kept in memory, or in a file, and later passes read it back.
-
-The file format is shardflow's own framing (codec.py), never pickle: a magic, then records of
-[u32 header length][u64 payload length][msgpack header][payload], then the records' offsets as int64 and a footer
-[u64 count][u64 offsets position][magic]. It is written to a temporary name and renamed when the pass completes,
-so a file that exists is whole. A pass restored from the middle of a fill passes elements through without
-caching (the next complete pass fills the cache).
-"""
+"""cache(filename): the first complete pass is kept in memory or in a file, and later passes read it back."""
 
 from __future__ import annotations
 
@@ -87,6 +80,12 @@ class _MemoryWriter:
 
 
 class _FileWriter:
+    """The file format is shardflow's own framing (codec.py), never pickle: a magic, then records of
+    [u32 header length][u64 payload length][msgpack header][payload], then the records' offsets as int64 and a footer
+    [u64 count][u64 offsets position][magic]. It is written to a temporary name and renamed when the pass completes,
+    so a file that exists is whole.
+    """
+
     def __init__(self, path: str) -> None:
         self._path = path
         self._temporary = f"{path}.tmp-{os.getpid()}-{id(self)}"
@@ -151,7 +150,8 @@ class _FileReader:
 
 class _CacheIterator(DatasetIterator[Any]):
     """Reads the cache when it is complete, else fills it from the input. State: the mode and the position,
-    plus the input's state for a fill."""
+    plus the input's state for a fill. A pass restored from the middle of a fill passes elements through without
+    caching them (the next complete pass fills the cache)."""
 
     def __init__(self, dataset: CacheDataset) -> None:
         self._dataset = dataset

@@ -1,5 +1,4 @@
-"""Elements as a small msgpack-able description plus raw buffers, so that worker processes (through shared memory)
-and the file cache move arrays without pickle. Decoding builds only numpy arrays, bytes, numbers and tuples."""
+"""Elements as a msgpack-able description plus raw buffers, so that processes and the file cache need no pickle."""
 
 from __future__ import annotations
 
@@ -103,7 +102,8 @@ def write(encoded: Encoded, target: memoryview, offset: int) -> None:
 
 
 def decode(spec: Sequence[Any], source: memoryview, offset: int, copy: bool = True) -> Any:
-    """The element `write` put at `offset` of `source`: copied out so that `source` can be released, or with
+    """The element `write` put at `offset` of `source` (only numpy arrays, bytes, numbers and tuples are built):
+    copied out so that `source` can be released, or with
     `copy=False` as views of a `source` that the caller hands over for good."""
     tree, leaf_specs = spec
     leaves = []

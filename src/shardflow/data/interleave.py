@@ -1,11 +1,4 @@
-"""interleave and flat_map: tf.data's cycle order over the datasets a function makes from input elements.
-
-`cycle_length` inputs are open at once; `block_length` consecutive elements come from each in turn; an exhausted
-input's place is refilled from the next input element before moving on. With `num_parallel_calls` each open input
-is read ahead on its own thread; the order stays tf.data's deterministic order whatever `deterministic` says.
-A place's state is the input's state before the element that opened it plus the opened dataset's own state, so a
-restore re-reads that element and reopens its dataset at the saved position.
-"""
+"""interleave and flat_map: tf.data's cycle order over the datasets a function makes from input elements."""
 
 from __future__ import annotations
 
@@ -19,6 +12,13 @@ from shardflow.data.prefetch import PrefetchIterator
 
 
 class InterleaveDataset(UnaryDataset[Any]):
+    """`cycle_length` inputs are open at once; `block_length` consecutive elements come from each in turn; an exhausted
+    input's place is refilled from the next input element before moving on. With `num_parallel_calls` each open input
+    is read ahead on its own thread; the order stays tf.data's deterministic order whatever `deterministic` says.
+    A place's state is the input's state before the element that opened it plus the opened dataset's own state, so a
+    restore re-reads that element and reopens its dataset at the saved position.
+    """
+
     def __init__(
         self,
         input_dataset: Dataset[Any],

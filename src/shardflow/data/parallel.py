@@ -1,9 +1,4 @@
-"""Parallel map: chunks of elements in flight on threads (here) or processes (processes.py), with exact state.
-
-Threads suit map functions that release the GIL (numpy, decoding, I/O); Python-heavy functions belong in
-processes. Both read the input on the consumer's thread, keep a bounded number of chunks in flight, and grow a chunk
-until it takes a few milliseconds, so that per-chunk overhead stays small next to the work.
-"""
+"""Parallel map: chunks of elements in flight on threads (here) or processes (processes.py), with exact state."""
 
 from __future__ import annotations
 
@@ -97,7 +92,12 @@ class _Chunk:
 class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
     """Keeps chunks in flight on workers and returns their elements in input order, or chunk by chunk as they
     finish when not `deterministic`. An error raised by the input or by `map_func` is raised at its element's
-    place; the iterator then goes on with the next element."""
+    place; the iterator then goes on with the next element.
+
+    Threads suit map functions that release the GIL (numpy, decoding, I/O); Python-heavy functions belong in
+    processes. Both read the input on the consumer's thread, keep a bounded number of chunks in flight, and grow a chunk
+    until it takes a few milliseconds, so that per-chunk overhead stays small next to the work.
+    """
 
     _target_chunk_s = 0.002
 

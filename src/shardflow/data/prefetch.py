@@ -1,13 +1,4 @@
-"""prefetch(buffer_size): a thread runs the input ahead into a bounded buffer.
-
-Elements cross between the threads in small lists (handed over early whenever the consumer has nothing), because a
-queue operation per element costs more than producing a simple element. Each list carries the input's state before
-its first element and after its last, so the iterator's state is the state after the last list it finished, or the
-state before the current list plus the elements consumed from it: a restore sets the input there and replays those
-elements, re-running what was buffered but not consumed. One `get_state()` per list instead of one per element keeps
-the sources' state off the hot path; over an input that may reorder on restore, every list holds one element, so
-the state is always an exact one.
-"""
+"""prefetch(buffer_size): a thread runs the input ahead into a bounded buffer."""
 
 from __future__ import annotations
 
@@ -63,7 +54,16 @@ class _Sizing:
 
 class PrefetchIterator(UnaryIterator[T]):
     """Runs `input_iterator` on a background thread, about `buffer_size` elements ahead (AUTOTUNE: sized from
-    the first element against the RAM budget). The thread starts on the first `next()` or on `start()`."""
+    the first element against the RAM budget). The thread starts on the first `next()` or on `start()`.
+
+    Elements cross between the threads in small lists (handed over early whenever the consumer has nothing), because a
+    queue operation per element costs more than producing a simple element. Each list carries the input's state before
+    its first element and after its last, so the iterator's state is the state after the last list it finished, or the
+    state before the current list plus the elements consumed from it: a restore sets the input there and replays those
+    elements, re-running what was buffered but not consumed. One `get_state()` per list instead of one per element keeps
+    the sources' state off the hot path; over an input that may reorder on restore, every list holds one element, so
+    the state is always an exact one.
+    """
 
     def __init__(self, input_iterator: DatasetIterator[T], buffer_size: int) -> None:
         super().__init__(input_iterator)

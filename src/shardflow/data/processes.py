@@ -1,11 +1,4 @@
-"""Parallel map in worker processes, for Python-heavy functions that hold the GIL.
-
-Workers are forked (Linux) on the first `next()`, so they inherit `map_func` and everything it refers to without
-pickling; a fork-unsafe parent (threads holding locks that map_func needs, an initialised CUDA context) is the
-usual caveat of fork, as with torch's DataLoader. Elements travel both ways in chunks through POSIX shared
-memory, encoded by codec.py; the pipe carries only a small msgpack header (segment name, dtypes, shapes). The
-consumer's thread reads the input and keeps two chunks in flight per worker; chunks grow until one takes ~5 ms.
-"""
+"""Parallel map in forked worker processes for Python-heavy functions, elements passing through shared memory."""
 
 from __future__ import annotations
 
@@ -195,6 +188,13 @@ def _rebuild_error(module: str, qualname: str, message: str, pid: int) -> Except
 
 
 class ProcessMapIterator(ChunkedMapIterator):
+    """Workers are forked (Linux) on the first `next()`, so they inherit `map_func` and everything it refers to without
+    pickling; a fork-unsafe parent (threads holding locks that map_func needs, an initialised CUDA context) is the
+    usual caveat of fork, as with torch's DataLoader. Elements travel both ways in chunks through POSIX shared
+    memory, encoded by codec.py; the pipe carries only a small msgpack header (segment name, dtypes, shapes). The
+    consumer's thread reads the input and keeps two chunks in flight per worker; chunks grow until one takes ~5 ms.
+    """
+
     _target_chunk_s = 0.005
 
     def __init__(

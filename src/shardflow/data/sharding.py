@@ -1,10 +1,4 @@
-"""auto_shard: rewrites a pipeline so that each worker reads its own share, with tf.data's policies.
-
-FILE shards the list of files at the source (each worker reads whole files; every source that reads files by name
-offers `_shard_files`), DATA keeps every element whose index modulo `num_workers` is `worker_index` (everyone reads
-everything), OFF leaves the pipeline alone, and AUTO is FILE when the pipeline reads files by name, else DATA.
-With FILE sharding a later `repeat(k)` makes k passes over each worker's files: k passes over the data in total.
-"""
+"""auto_shard: rewrites a pipeline so that each worker reads its own share, with tf.data's policies."""
 
 from __future__ import annotations
 
@@ -25,7 +19,13 @@ def auto_shard(
     dataset: Dataset[T], num_workers: int, worker_index: int, policy: AutoShardPolicy | None = None
 ) -> Dataset[T]:
     """The pipeline as worker `worker_index` of `num_workers` runs it. `policy` defaults to the pipeline's
-    `options().experimental_distribute.auto_shard_policy`, and that to AUTO."""
+    `options().experimental_distribute.auto_shard_policy`, and that to AUTO.
+
+    FILE shards the list of files at the source (each worker reads whole files; every source that reads files by name
+    offers `_shard_files`), DATA keeps every element whose index modulo `num_workers` is `worker_index` (everyone reads
+    everything), OFF leaves the pipeline alone, and AUTO is FILE when the pipeline reads files by name, else DATA.
+    With FILE sharding a later `repeat(k)` makes k passes over each worker's files: k passes over the data in total.
+    """
     if not isinstance(num_workers, int) or num_workers < 1:
         raise ValueError(f"auto_shard num_workers must be a positive int, got {num_workers!r}")
     if not isinstance(worker_index, int) or not 0 <= worker_index < num_workers:

@@ -1,10 +1,4 @@
-"""shuffle(buffer_size) as a windowed shuffle whose state is a position, not the buffered elements.
-
-The input is cut into windows of `buffer_size` elements; each window is permuted with a generator seeded by
-(seed, epoch, window index) and emitted. The state is the input's state at the window's start, the window index
-and the position in it, so a restore re-reads the window and permutes it again, as Grain does. Unlike tf.data's
-sliding buffer an element never leaves its window, which gives the same mixing within a window and none across.
-"""
+"""shuffle(buffer_size) as a windowed shuffle whose state is a position, not the buffered elements."""
 
 from __future__ import annotations
 
@@ -29,6 +23,12 @@ class _Raised:
 
 
 class ShuffleDataset(UnaryDataset[T]):
+    """A windowed shuffle: the input is cut into windows of `buffer_size` elements, and each window is permuted
+    with a generator seeded by (seed, epoch, window index) and emitted. The state is the input's state at the
+    window's start, the window index and the position in it, so a restore re-reads the window and permutes it
+    again, as Grain does. Unlike tf.data's sliding buffer an element never leaves its window: the same mixing within
+    a window and none across windows."""
+
     def __init__(
         self, input_dataset: Dataset[T], buffer_size: int, seed: int | None, reshuffle_each_iteration: bool
     ) -> None:

@@ -1,7 +1,4 @@
-"""as_torch(): numeric numpy leaves become torch tensors at the pipeline's edge, optionally copied ahead to a device.
-
-torch is imported only when such an iterator is built, so `shardflow.data` stays usable without it.
-"""
+"""as_torch(): numeric numpy leaves become torch tensors at the pipeline's edge, optionally copied to a device."""
 
 from __future__ import annotations
 
@@ -18,6 +15,8 @@ _DEVICE_PREFETCH = 2
 
 
 class TorchDataset(UnaryDataset[Any]):
+    """torch is imported only when such an iterator is built, so `shardflow.data` stays usable without it."""
+
     def __init__(self, input_dataset: Dataset[Any], device: Any, pin_memory: bool) -> None:
         super().__init__(input_dataset)
         self._device = device
