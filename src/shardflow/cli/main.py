@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from types import ModuleType
 
-from shardflow.cli import data, launch, profile
+from shardflow.cli import data, launch, plan, profile
 
 # Each module has add_arguments(parser) and run(args) -> int, and imports heavy dependencies
 # inside run() so that `shardflow --help` stays fast.
@@ -14,6 +14,7 @@ COMMANDS: dict[str, ModuleType] = {
     "launch": launch,
     "profile": profile,
     "data": data,
+    "plan": plan,
 }
 
 

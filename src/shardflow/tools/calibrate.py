@@ -1,0 +1,98 @@
+"""Fit the plan model's inputs (compute per step, bandwidth, PS apply time) to a profiled run's events."""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pyarrow.compute as pc
+
+from shardflow.profile.capture import capture_dir, finalize
+from shardflow.profile.events import load
+
+_COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes"]
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What a profiled run measured, in the plan model's terms, and what it achieved."""
+
+    capture: Path
+    num_workers: int
+    num_ps: int
+    model_bytes: float
+    """Bytes a worker pushes per step (all PS together): the model's size on the wire."""
+    step_compute_s: float
+    """Forward plus backward per worker step, without the pushes that backward's hooks start."""
+    bandwidth: float
+    """Bytes per second of the pushes, the PS's receives and the PS's replies, over their durations."""
+    ps_apply_s: float
+    """Seconds to apply one update of the whole model: the mean apply of each PS, summed over the PS."""
+    worker_step_s: float
+    """Measured mean worker step."""
+    global_steps_per_s: float
+    """Measured: updates ps:0 applied per second inside the capture."""
+
+
+def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
+    directory = capture_dir(model_dir, capture)
+    table = load(finalize(directory))
+    spans = table.filter(pc.equal(table["ph"], "X")).select(_COLUMNS).to_pylist()
+    by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for span in spans:
+        if span["step"] is not None:
+            by_name[span["name"]].append(span)
+    worker_steps = [s for s in by_name["step"] if s["role"].startswith("worker")]
+    applies = by_name["apply"]
+    if not worker_steps or not applies or not by_name["push"]:
+        raise ValueError(
+            f"{directory} has no worker steps, pushes or PS applies; profile a few steady steps of a training run "
+            "with Estimator(..., profile_steps=(a, b))"
+        )
+    num_steps = len(worker_steps)
+    pushes = by_name["push"]
+    compute_us = sum(s["dur"] for s in by_name["forward"] + by_name["backward"]) - _nested(pushes, by_name["backward"])
+    shard_bytes = {s["role"]: s["bytes"] or 0 for s in applies}
+    transfers = [(s["bytes"] or 0, s["dur"]) for s in pushes + by_name["receive"]]
+    transfers += [(shard_bytes.get(s["role"], 0), s["dur"]) for s in by_name["reply"]]
+    moved, moving_us = sum(b for b, _ in transfers), sum(d for _, d in transfers)
+    apply_us: dict[str, list[float]] = defaultdict(list)
+    for span in applies:
+        apply_us[span["role"]].append(span["dur"])
+    first_ps = min(apply_us, key=lambda role: int(role.partition(":")[2] or 0))
+    return Calibration(
+        capture=directory,
+        num_workers=len({s["role"] for s in worker_steps}),
+        num_ps=len(apply_us),
+        model_bytes=sum(s["bytes"] or 0 for s in pushes) / len({(s["role"], s["step"]) for s in pushes}),
+        step_compute_s=compute_us / num_steps / 1e6,
+        bandwidth=moved / (moving_us / 1e6) if moving_us > 0 else float("inf"),
+        ps_apply_s=sum(sum(d) / len(d) for d in apply_us.values()) / 1e6,
+        worker_step_s=sum(s["dur"] for s in worker_steps) / num_steps / 1e6,
+        global_steps_per_s=_rate([s for s in applies if s["role"] == first_ps]),
+    )
+
+
+def _nested(inner: list[dict[str, Any]], outer: list[dict[str, Any]]) -> float:
+    """µs of `inner` spans that lie inside an `outer` span of the same role and thread (outer spans never overlap)."""
+    by_thread: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for span in outer:
+        by_thread[(span["role"], span["tid"])].append((span["ts"], span["ts"] + span["dur"]))
+    for intervals in by_thread.values():
+        intervals.sort()
+    total = 0.0
+    for span in inner:
+        intervals = by_thread.get((span["role"], span["tid"]), [])
+        i = bisect.bisect_right(intervals, (span["ts"], float("inf"))) - 1
+        if i >= 0 and span["ts"] + span["dur"] <= intervals[i][1]:
+            total += span["dur"]
+    return total
+
+
+def _rate(applies: list[dict[str, Any]]) -> float:
+    """Updates per second between the first and the last apply of one PS."""
+    starts = sorted(s["ts"] for s in applies)
+    return (len(starts) - 1) / ((starts[-1] - starts[0]) / 1e6) if len(starts) > 1 and starts[-1] > starts[0] else 0.0

@@ -1,0 +1,145 @@
+"""An analytic model of one training step: compute, the links of workers and PS, PS apply, CPU cores, all-reduce."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+Mode = Literal["async", "sync"]
+# Ties go to the first term: a PS is named the bottleneck only when it is strictly the slowest part.
+TERMS = ("compute", "worker link", "CPU cores", "PS link", "PS apply")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """A cluster and a model, in the model's terms."""
+
+    num_params: float
+    """Parameters of the model; every step pushes all their gradients and pulls all their values."""
+    bytes_per_param: float = 4.0
+    """Bytes per parameter on the wire (4 for float32)."""
+    num_workers: int
+    """Workers, each computing one step at a time."""
+    num_ps: int
+    """Parameter servers; the model is split evenly across them."""
+    bandwidth: float
+    """Bytes per second of every machine's link, in each direction."""
+    step_compute_s: float
+    """Forward and backward of one worker step, in seconds."""
+    mode: Mode = "async"
+    """async: every worker update is a global step; sync: one aggregated update of all workers is."""
+    ps_apply_s: float = 0.0
+    """Seconds one PS needs to apply an update of the whole model (split over the PS); 0 leaves it out."""
+    cores: int | None = None
+    """A local run: every role shares this many CPU cores, and moving bytes is CPU work on both ends."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_params", "bytes_per_param", "bandwidth", "step_compute_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"PlanConfig.{name} must be positive, got {getattr(self, name)}")
+        for name in ("num_workers", "num_ps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"PlanConfig.{name} must be at least 1, got {getattr(self, name)}")
+        if self.mode not in ("async", "sync"):
+            raise ValueError(f"PlanConfig.mode must be 'async' or 'sync', got {self.mode!r}")
+        if self.ps_apply_s < 0:
+            raise ValueError(f"PlanConfig.ps_apply_s must be >= 0, got {self.ps_apply_s}")
+        if self.cores is not None and self.cores < 1:
+            raise ValueError(f"PlanConfig.cores must be at least 1, got {self.cores}")
+
+    @property
+    def model_bytes(self) -> float:
+        return self.num_params * self.bytes_per_param
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Seconds per worker step: each part, the step time with and without overlap, and the bottleneck."""
+
+    config: PlanConfig
+    parts: dict[str, float]
+    """Time per worker step of each part (TERMS) on its own resource."""
+    communication_s: float
+    """Push plus pull: 2 · max(M/B, n·M/(k·B))."""
+    step_s: float
+    """Compute, then communication and apply, one after the other."""
+    overlap_step_s: float
+    """Compute overlapped with the previous step's communication: the slowest resource."""
+    bottleneck: str
+    """The part that bounds the overlapped step (one of TERMS)."""
+
+    def global_steps_per_s(self, step_s: float) -> float:
+        """async: every worker's update is a global step; sync: one aggregated update per round is."""
+        return (self.config.num_workers if self.config.mode == "async" else 1) / step_s
+
+
+def predict(config: PlanConfig) -> Prediction:
+    n, k, model_bytes = config.num_workers, config.num_ps, config.model_bytes
+    worker_link = model_bytes / config.bandwidth
+    ps_link = n * model_bytes / (k * config.bandwidth)
+    communication = 2 * max(worker_link, ps_link)
+    updates_per_round = n if config.mode == "async" else 1
+    parts = {
+        "compute": config.step_compute_s,
+        "worker link": 2 * worker_link,
+        "CPU cores": 0.0,
+        "PS link": 2 * ps_link,
+        "PS apply": updates_per_round * config.ps_apply_s / k,
+    }
+    if config.cores is None:
+        # Links, the PS's CPU and the worker's device are separate resources that work at the same time.
+        bounds = [(parts[name], name) for name in TERMS]
+    else:
+        # Loopback: bytes move by memory copies done by the CPUs of sender and receiver, so a worker's copies add
+        # to its compute, a PS's copies add to its apply, and all roles compete for the same cores.
+        cluster_work = n * (config.step_compute_s + 4 * worker_link) + updates_per_round * config.ps_apply_s
+        parts["CPU cores"] = cluster_work / config.cores
+        bounds = [
+            (parts["compute"] + parts["worker link"], _larger(parts, "compute", "worker link")),
+            (parts["CPU cores"], "CPU cores"),
+            (parts["PS link"] + parts["PS apply"], _larger(parts, "PS link", "PS apply")),
+        ]
+    overlap_step, bottleneck = max(bounds, key=lambda bound: (bound[0], -bounds.index(bound)))
+    ps_busy = max(value for value, name in bounds if name.startswith("PS"))
+    step = max(config.step_compute_s + communication + config.ps_apply_s / k, ps_busy, parts["CPU cores"])
+    return Prediction(config, parts, communication, step, overlap_step, bottleneck)
+
+
+def num_ps_needed(config: PlanConfig) -> int:
+    """The fewest PS with which neither the PS link nor PS apply is the bottleneck."""
+    single = predict(replace(config, num_ps=1))
+    if not single.bottleneck.startswith("PS"):
+        return 1
+    # The PS's time falls as 1/k and nothing else depends on k, so the answer is a ceiling (checked around it);
+    # with a trillion PS their time vanishes and what is left is the bound of everything else.
+    rest = predict(replace(config, num_ps=10**12)).overlap_step_s
+    estimate = math.ceil(single.overlap_step_s / rest * (1 - 1e-9))
+    for num_ps in range(max(1, estimate - 1), estimate + 2):
+        if not predict(replace(config, num_ps=num_ps)).bottleneck.startswith("PS"):
+            return num_ps
+    raise AssertionError(f"no PS count near {estimate} removes the PS bottleneck for {config}")
+
+
+def _larger(parts: dict[str, float], first: str, second: str) -> str:
+    return first if parts[first] >= parts[second] else second
+
+
+@dataclass(frozen=True)
+class AllReducePrediction:
+    communication_s: float
+    """Ring all-reduce of the gradients: 2(n-1)/n · M/B."""
+    step_s: float
+    overlap_step_s: float
+
+
+def predict_allreduce(config: PlanConfig) -> AllReducePrediction:
+    n = config.num_workers
+    communication = 2 * (n - 1) / n * config.model_bytes / config.bandwidth
+    compute = config.step_compute_s
+    if config.cores is not None:
+        # Every worker both sends and receives 2(n-1)/n · M with its own CPU.
+        compute += communication
+        busy = n * compute / config.cores
+        return AllReducePrediction(communication, max(compute, busy), max(compute, busy))
+    return AllReducePrediction(communication, compute + communication, max(compute, communication))

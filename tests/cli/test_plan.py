@@ -1,0 +1,77 @@
+"""`shardflow plan` as users run it: the talk's example by flags, errors, and calibration from a real profiled run."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardflow.cli.main import main
+from shardflow.tools.calibrate import calibrate
+
+JOB = Path(__file__).parent / "jobs" / "tiny_classifier.py"
+# The job's MLP 16-32-4: (16·32 + 32 + 32·4 + 4) float32 parameters.
+TINY_MODEL_BYTES = (16 * 32 + 32 + 32 * 4 + 4) * 4
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    """One worker and one PS train the tiny job for 400 steps, profiling steps [100, 300)."""
+    directory = tmp_path_factory.mktemp("profiled")
+    env = {
+        **os.environ,
+        "SHARDFLOW_MODEL_DIR": str(directory / "model"),
+        "SHARDFLOW_RESULT_JSON": str(directory / "result.json"),
+        "SHARDFLOW_PROFILE_STEPS": "100,300",
+    }
+    command = [sys.executable, "-m", "shardflow", "launch", "--workers", "1", "--ps", "1", str(JOB), "400", "1000"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return directory / "model"
+
+
+def test_plan_prints_the_step_bottleneck_and_ps_needed_for_the_talks_example(capsys):
+    args = ["--params", "100M", "--workers", "64", "--ps", "8", "--bandwidth", "25Gbit", "--step-compute", "120ms"]
+    assert main(["plan", *args, "--allreduce"]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time      2.17 s" in out
+    assert "with overlap           2.05 s" in out
+    assert "bottleneck: PS link" in out
+    assert "PS needed: 64 PS stop the PS being the bottleneck" in out
+    assert "all-reduce (sync, 2(n-1)/n·M/B = 252 ms per step): step 372 ms" in out
+
+
+def test_plan_names_missing_flags_with_examples(capsys):
+    assert main(["plan", "--params", "100M"]) == 2
+    err = capsys.readouterr().err
+    assert "missing --workers, --ps, --bandwidth, --step-compute" in err
+    assert "--bandwidth 25Gbit" in err
+
+
+def test_plan_names_the_flag_of_a_bad_unit(capsys):
+    args = ["--params", "100M", "--workers", "4", "--ps", "1", "--bandwidth", "25GB", "--step-compute", "1ms"]
+    assert main(["plan", *args]) == 2
+    assert "--bandwidth: cannot read '25GB'" in capsys.readouterr().err
+
+
+def test_calibrate_measures_the_model_compute_bandwidth_and_apply_of_a_profiled_run(profiled_run):
+    measured = calibrate(profiled_run)
+    assert (measured.num_workers, measured.num_ps) == (1, 1)
+    assert measured.model_bytes == TINY_MODEL_BYTES
+    assert 0 < measured.step_compute_s < measured.worker_step_s
+    assert measured.bandwidth > 0 and measured.ps_apply_s > 0 and measured.global_steps_per_s > 0
+
+
+def test_plan_calibrate_prints_what_it_measured_and_predicts_with_it(profiled_run, capsys):
+    assert main(["plan", "--calibrate", str(profiled_run), "--workers", "2", "--cores", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "measured in" in out and "(1 worker, 1 PS)" in out
+    assert f"{TINY_MODEL_BYTES / 1e3:.3g} kB pushed per worker step" in out
+    assert "2 workers, 1 PS, async" in out and "2 shared CPU cores" in out
+    assert "bottleneck: " in out
+
+
+def test_plan_calibrate_without_a_capture_says_how_to_make_one(tmp_path, capsys):
+    assert main(["plan", "--calibrate", str(tmp_path)]) == 2
+    assert "profile_steps" in capsys.readouterr().err

@@ -1,0 +1,88 @@
+"""The step model against numbers computed by hand."""
+
+from dataclasses import replace
+
+import pytest
+
+from shardflow.tools.plan_model import PlanConfig, num_ps_needed, predict, predict_allreduce
+
+# 100M float32 parameters = 400 MB; 25 Gbit/s = 3.125 GB/s, so M/B = 0.128 s.
+TALK = PlanConfig(num_params=100e6, num_workers=64, num_ps=8, bandwidth=25e9 / 8, step_compute_s=0.120)
+
+
+def test_ps_link_bounds_the_talk_example():
+    p = predict(TALK)
+    assert p.parts["worker link"] == pytest.approx(2 * 0.128)
+    assert p.parts["PS link"] == pytest.approx(2 * 64 * 0.128 / 8)  # the busiest PS moves n·M/k each way
+    assert p.communication_s == pytest.approx(2.048)
+    assert p.step_s == pytest.approx(0.120 + 2.048)
+    assert p.overlap_step_s == pytest.approx(2.048)
+    assert p.bottleneck == "PS link"
+    assert p.global_steps_per_s(p.overlap_step_s) == pytest.approx(64 / 2.048)
+
+
+def test_as_many_ps_as_workers_stop_the_ps_link_bounding_a_link_bound_step():
+    # Compute (120 ms) is below the worker link (256 ms), so the PS link must fall to M/B: k = n = 64.
+    assert num_ps_needed(TALK) == 64
+    assert predict(replace(TALK, num_ps=63)).bottleneck == "PS link"
+    assert predict(replace(TALK, num_ps=64)).bottleneck == "worker link"
+
+
+def test_fewer_ps_suffice_when_compute_is_slower_than_the_links():
+    # PS link 2·64·0.128/k ≤ 0.5 s of compute  ⇔  k ≥ 32.77.
+    slow = replace(TALK, step_compute_s=0.5)
+    assert num_ps_needed(slow) == 33
+    assert predict(replace(slow, num_ps=32)).bottleneck == "PS link"
+    assert predict(replace(slow, num_ps=33)).bottleneck == "compute"
+
+
+def test_a_compute_bound_step_needs_one_ps():
+    # 4 MB at 10 GB/s: 0.4 ms each way; with 4 workers on 2 PS, the PS moves 0.8 ms each way.
+    config = PlanConfig(num_params=1e6, num_workers=4, num_ps=2, bandwidth=10e9, step_compute_s=0.010)
+    p = predict(config)
+    assert p.communication_s == pytest.approx(2 * 0.8e-3)
+    assert p.step_s == pytest.approx(0.010 + 1.6e-3)
+    assert p.overlap_step_s == pytest.approx(0.010)
+    assert p.bottleneck == "compute"
+    assert num_ps_needed(config) == 1
+
+
+def test_async_applies_every_worker_update_and_sync_one_per_round():
+    config = PlanConfig(
+        num_params=1e6, num_workers=8, num_ps=2, bandwidth=10e9, step_compute_s=0.010, ps_apply_s=0.040
+    )
+    assert predict(config).parts["PS apply"] == pytest.approx(8 * 0.040 / 2)
+    assert predict(config).bottleneck == "PS apply"
+    synchronous = predict(replace(config, mode="sync"))
+    assert synchronous.parts["PS apply"] == pytest.approx(0.040 / 2)
+    assert synchronous.global_steps_per_s(0.5) == pytest.approx(2.0)
+    # 8 updates of 40 ms must fit in 10 ms of compute once split: k ≥ 32.
+    assert num_ps_needed(config) == 32
+
+
+def test_cores_turn_copies_into_cpu_work_that_all_roles_share():
+    # M/B = 0.5 ms. Per round: 2 workers x (2 ms compute + 4 copies of 0.5 ms) + 2 applies of 0.5 ms = 9 ms on 2 cores.
+    config = PlanConfig(
+        num_params=250e3, num_workers=2, num_ps=1, bandwidth=2e9, step_compute_s=2e-3, ps_apply_s=0.5e-3, cores=2
+    )
+    p = predict(config)
+    assert p.parts["CPU cores"] == pytest.approx(4.5e-3)
+    assert p.overlap_step_s == pytest.approx(4.5e-3)
+    assert p.bottleneck == "CPU cores"
+    alone = predict(replace(config, num_workers=1))
+    assert alone.overlap_step_s == pytest.approx(2e-3 + 2 * 0.5e-3)  # the worker's own copies add to its compute
+    assert alone.bottleneck == "compute"
+
+
+def test_ring_allreduce_moves_2_n_minus_1_over_n_of_the_model():
+    ring = predict_allreduce(TALK)
+    assert ring.communication_s == pytest.approx(2 * 63 / 64 * 0.128)
+    assert ring.step_s == pytest.approx(0.120 + 0.252)
+    assert ring.overlap_step_s == pytest.approx(0.252)
+
+
+def test_a_config_names_its_bad_field():
+    with pytest.raises(ValueError, match="num_ps must be at least 1"):
+        replace(TALK, num_ps=0)
+    with pytest.raises(ValueError, match="bandwidth must be positive"):
+        replace(TALK, bandwidth=0)
