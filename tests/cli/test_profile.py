@@ -90,9 +90,9 @@ def test_report_writes_html_where_asked(capsys, fixture_model_dir, tmp_path):
     assert (tmp_path / "out.html").read_text().startswith("<!DOCTYPE html>")
 
 
-def test_capture_reports_that_the_runtime_hook_is_missing(capsys, tmp_path):
+def test_capture_without_a_running_job_says_so(capsys, tmp_path):
     code, _, err = profile(capsys, "capture", tmp_path, "--steps", "3")
-    assert code == 1 and "control plane" in err
+    assert code == 1 and "no running job" in err and "job.json" in err
 
 
 def test_a_model_dir_without_captures_says_how_to_make_one(capsys, tmp_path):

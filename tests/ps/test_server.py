@@ -11,6 +11,7 @@ import torch
 from shardflow.comm.client import Client
 from shardflow.comm.server import Server
 from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.checkpointing import fetch_state, init_servers
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
@@ -67,7 +68,7 @@ def test_a_partitioned_tensor_round_trips_exactly(cluster):
     placement = place(model.named_parameters(), 3, Partitioner(fixed_shards=3))
     assert sum(p.name == "0.weight" and p.partitioned for p in placement.pieces) == 3
     chief = cluster.client(model, placement)
-    chief.init_servers(SGD(lr=0.1), ApplyConfig(num_workers=1))
+    init_servers(chief, SGD(lr=0.1), ApplyConfig(num_workers=1))
 
     fresh = torch.nn.Sequential(torch.nn.Embedding(1000, 16), torch.nn.Flatten(), torch.nn.Linear(16 * 3, 5))
     worker = cluster.client(fresh, placement)
@@ -79,7 +80,7 @@ def test_a_partitioned_tensor_round_trips_exactly(cluster):
 def test_async_push_applies_sgd_on_the_ps_and_counts_one_step(cluster):
     model = _model()
     placement = place(model.named_parameters(), 3, Partitioner(fixed_shards=2))
-    cluster.client(model, placement).init_servers(SGD(lr=0.5), ApplyConfig(num_workers=1))
+    init_servers(cluster.client(model, placement), SGD(lr=0.5), ApplyConfig(num_workers=1))
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     worker = cluster.client(model, placement)
@@ -97,12 +98,12 @@ def test_adam_slots_live_on_the_ps_and_come_back_in_the_state(cluster):
     model = _model()
     placement = place(model.named_parameters(), 3)
     chief = cluster.client(model, placement)
-    chief.init_servers(Adam(lr=1e-2), ApplyConfig(num_workers=1))
+    init_servers(chief, Adam(lr=1e-2), ApplyConfig(num_workers=1))
     worker = cluster.client(model, placement)
     worker.begin_push({"base_step": 0})
     model(torch.tensor([[4, 5, 6]])).sum().backward()
     worker.wait_push(worker.end_push())
-    _, stats = chief.fetch_state()
+    stats = fetch_state(chief).stats
     assert all(s["applied"] == 1 for s in stats.values() if s["step"])
 
 
@@ -110,7 +111,7 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     placement = place(model.named_parameters(), 3)
-    cluster.client(model, placement).init_servers(
+    init_servers(cluster.client(model, placement), 
         SGD(lr=1.0), ApplyConfig(mode="sync", num_workers=3, replicas_to_aggregate=2)
     )
     workers = [cluster.client(torch.nn.Linear(2, 1, bias=False), placement, worker_index=i) for i in range(3)]
@@ -126,7 +127,7 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
     assert [r.step for r in replies] == [1, 1, 1]
     for w in workers:
         assert torch.equal(dict(w.named)["weight"].detach(), torch.full((1, 2), -1.5))
-    _, stats = workers[0].fetch_state()
+    stats = fetch_state(workers[0]).stats
     owner = next(s for s in stats.values() if s["applied"])
     assert owner["dropped_stale"] == 1
 
@@ -134,7 +135,7 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
 def test_pushes_after_max_steps_are_dropped_and_counted(cluster):
     model = torch.nn.Linear(2, 2)
     placement = place(model.named_parameters(), 3)
-    cluster.client(model, placement).init_servers(SGD(lr=0.1), ApplyConfig(num_workers=1, max_steps=2))
+    init_servers(cluster.client(model, placement), SGD(lr=0.1), ApplyConfig(num_workers=1, max_steps=2))
     worker = cluster.client(model, placement)
     replies = []
     for _ in range(3):
@@ -142,5 +143,5 @@ def test_pushes_after_max_steps_are_dropped_and_counted(cluster):
         model(torch.ones(1, 2)).sum().backward()
         replies.append(worker.wait_push(worker.end_push()))
     assert [(r.step, r.stop) for r in replies] == [(1, False), (2, True), (2, True)]
-    _, stats = worker.fetch_state()
+    stats = fetch_state(worker).stats
     assert stats["ps:0"]["dropped_after_max_steps"] == 1

@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, TextIO
 
@@ -48,6 +49,7 @@ class LocalLauncher:
         env: Mapping[str, str] | None = None,
         prefix_output: bool = True,
         output: TextIO | None = None,
+        log_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if not command or isinstance(command, str):
             raise ValueError(
@@ -60,6 +62,8 @@ class LocalLauncher:
         self._command = list(command)
         self._env = dict(env or {})
         self._prefix_output = prefix_output
+        # Each role's output is also kept, unprefixed, in log_dir/<role>.log.
+        self._log_dir = Path(log_dir) if log_dir is not None else None
         self._output = output if output is not None else sys.stdout
         self._write_lock = threading.Lock()
         self._state = threading.Condition()
@@ -194,13 +198,20 @@ class LocalLauncher:
     def _copy_output(self, task: TaskSpec, stream: IO[bytes]) -> None:
         prefix = f"[{task.name}] " if self._prefix_output else ""
         writable = True
-        with stream:
+        log: contextlib.AbstractContextManager[IO[str] | None] = contextlib.nullcontext()
+        if self._log_dir is not None:
+            self._log_dir.mkdir(parents=True, exist_ok=True)
+            log = open(self._log_dir / f"{task.name.replace(':', '_')}.log", "a", encoding="utf-8")  # noqa: SIM115
+        with stream, log as log_file:
             for raw in iter(stream.readline, b""):
-                if not writable:
-                    continue  # keep draining, or the child blocks on a full pipe
                 line = raw.decode("utf-8", errors="replace")
                 if not line.endswith("\n"):
                     line += "\n"
+                if log_file is not None:
+                    log_file.write(line)
+                    log_file.flush()
+                if not writable:
+                    continue  # keep draining, or the child blocks on a full pipe
                 with self._write_lock:
                     try:
                         self._output.write(prefix + line)

@@ -38,7 +38,7 @@ class ControlPlane:
             ) from error
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.store.set(key, value)
+        self.store.set(key, value)  # type: ignore[arg-type]  # TCPStore takes bytes too
 
     def is_set(self, key: str) -> bool:
         return bool(self.store.check([key]))

@@ -25,6 +25,8 @@ class ApplyConfig:
     """ssp only: how many steps a worker may run ahead of the slowest active worker."""
     max_steps: int | None = None
     """Global step at which every PS stops applying updates; later pushes are dropped and counted."""
+    snapshot_every_n_steps: int | None = None
+    """Every PS snapshots its state when the global step is a multiple of this, for exact checkpoints."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -52,6 +54,7 @@ class ApplyConfig:
             "replicas_to_aggregate": self.replicas_to_aggregate,
             "max_staleness": self.max_staleness,
             "max_steps": self.max_steps,
+            "snapshot_every_n_steps": self.snapshot_every_n_steps,
         }
 
     @classmethod

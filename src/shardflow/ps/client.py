@@ -11,8 +11,6 @@ import torch
 
 from shardflow.comm.client import Client
 from shardflow.profile.recorder import flow_id, get_recorder
-from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.placement import Piece, Placement
 
 
@@ -66,6 +64,7 @@ class ParameterClient:
         self._remaining: list[int] = []
         self._push_header: dict[str, Any] = {}
         self._step = 0
+        self.input_state: dict[str, Any] | None = None
 
     # -- moving tensors ---------------------------------------------------------------------------
 
@@ -122,34 +121,12 @@ class ParameterClient:
             self._load(replies)
         return StepReply(step, stop)
 
-    # -- chief ----------------------------------------------------------------------------------
+    # -- chief (see ps/checkpointing.py for state) ------------------------------------------------
 
-    def init_servers(self, optimizer: OptimizerSpec, apply: ApplyConfig, step: int = 0) -> None:
-        """Send each PS its initial shard values, optimizer and update rule."""
-        seqs = {}
-        for k, peer in enumerate(self.peers):
-            header = {
-                "op": "init",
-                "dtypes": self.dtypes[k],
-                "optimizer": optimizer.to_json(),
-                "apply": apply.to_json(),
-                "step": step,
-            }
-            frames, header["n"] = self._frames(k, use_grads=False)
-            seqs[peer] = self.client.send(peer, header, frames)
-        self._wait(seqs, load_params=False)
-
-    def fetch_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Every variable reassembled from its pieces, plus the PS' counters; loads them into the model too."""
-        seqs = {peer: self.client.send(peer, {"op": "state"}) for peer in self.peers}
-        stats: dict[str, Any] = {}
-        replies: dict[int, Sequence[torch.Tensor]] = {}
-        for k, peer in enumerate(self.peers):
-            header, tensors = self.client.recv(peer, seqs[peer], self.timeout_s)
-            replies[k] = tensors[: len(self.dtypes[k])]
-            stats[peer] = {"step": header["step"], **header["stats"]}
-        self._load(replies)
-        return {name: p.detach().clone() for name, p in self.named.items()}, stats
+    def broadcast(self, header: dict[str, Any]) -> list[dict[str, Any]]:
+        """Send one small request to every PS and return their reply headers, in PS order."""
+        seqs = {peer: self.client.send(peer, dict(header)) for peer in self.peers}
+        return [self.client.recv(peer, seq, self.timeout_s)[0] for peer, seq in seqs.items()]
 
     def shutdown(self) -> None:
         seqs = {peer: self.client.send(peer, {"op": "shutdown"}) for peer in self.peers}
@@ -195,7 +172,11 @@ class ParameterClient:
             recorder = get_recorder()
             started = time.perf_counter_ns()
             frames, counts = self._frames(ps, use_grads=True)
-            seq = self.client.send(peer, {**self._push_header, "n": counts}, frames)
+            header = {**self._push_header, "n": counts}
+            if ps == 0 and self.input_state is not None:
+                # ps:0 keeps each worker's input position with the update it belongs to, for checkpoints.
+                header["it"] = self.input_state
+            seq = self.client.send(peer, header, frames)
             self._pending[peer] = seq
             if recorder is not None:
                 recorder.flow("push", self._step, flow_id(self.client.sender_id, seq), start=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -13,6 +14,7 @@ from shardflow.comm.server import Request, Server
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.optimizers import OptimizerSpec
+from shardflow.ps.state import ShardState, capture, load_slots
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,7 @@ class ParameterServer:
         self.initialized = False
         self.active: set[int] = set()
         self.clocks: dict[int, int] = {}
-        self.stats = {"applied": 0, "dropped_stale": 0, "dropped_after_max_steps": 0}
+        self.stats: dict[str, float] = {"applied": 0, "dropped_stale": 0, "dropped_after_max_steps": 0, "apply_s": 0.0}
         # sync: gradients of the current version, summed, and the pushes waiting for that version's update.
         self._accumulated: list[torch.Tensor] = []
         self._num_accumulated = 0
@@ -41,6 +43,10 @@ class ParameterServer:
         # sync: pulls waiting for a version that has not been applied yet; (request, min_step).
         self._pulls: list[tuple[Request, int]] = []
         self._snapshot: list[torch.Tensor] | None = None
+        # Checkpoint snapshots taken at exact steps, the last two kept; ps:0 also tracks input positions.
+        self.snapshots: dict[int, ShardState] = {}
+        self.snapshot_at: int | None = None
+        self.iterators: dict[str, Any] = {}
         self._shutdown = False
         self._handlers: dict[str, Callable[[Request], None]] = {
             "init": self._on_init,
@@ -49,6 +55,8 @@ class ParameterServer:
             "done": self._on_done,
             "step": self._on_step,
             "state": self._on_state,
+            "snapshot_at": self._on_snapshot_at,
+            "stop": self._on_stop,
             "shutdown": self._on_shutdown,
         }
 
@@ -122,17 +130,23 @@ class ParameterServer:
             self.optimizer.step()
             for param in self.params:
                 param.grad = None
+        self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
             worker = int(requests[0].header["w"]) if len(requests) == 1 else -1
             recorder.end("apply", self.step, started, worker, sum(g.nbytes for g in grads))
         self.step += 1
         self.stats["applied"] += 1
         self._snapshot = None
+        every = self.config.snapshot_every_n_steps
+        if (every and self.step % every == 0) or self.step == self.snapshot_at:
+            self.snapshots[self.step] = capture(self.step, self.params, self.optimizer, self.iterators)
+            for old in sorted(self.snapshots)[:-2]:
+                del self.snapshots[old]
 
     def _buffers(self, request: Request) -> list[torch.Tensor]:
         """One flat tensor per dtype from the pieces the sender sent as separate frames (always a fresh copy)."""
         counts = request.header.get("n", [])
-        if len(counts) != len(self.dtypes) or sum(counts) != len(request.tensors):
+        if len(counts) < len(self.dtypes) or sum(counts) != len(request.tensors):
             raise ValueError(
                 f"{request.op!r} from {request.sender} carries {len(request.tensors)} pieces in groups {counts}; "
                 f"ps:{self.index} holds the dtypes {self.dtypes}"
@@ -150,8 +164,12 @@ class ParameterServer:
         header = request.header
         self.config = ApplyConfig.from_json(header["apply"])
         self.dtypes = list(header["dtypes"])
-        self.params = [torch.nn.Parameter(t, requires_grad=False) for t in self._buffers(request)]
+        buffers = self._buffers(request)
+        self.params = [torch.nn.Parameter(t, requires_grad=False) for t in buffers[: len(self.dtypes)]]
         self.optimizer = OptimizerSpec.from_json(header["optimizer"]).build(list(self.params)) if self.params else None
+        if "slots" in header:
+            load_slots(self.params, self.optimizer, header["slots"], header["scalars"], buffers[len(self.dtypes) :])
+        self.iterators = dict(header.get("iterators", {}))
         self.step = int(header.get("step", 0))
         self.active = set(range(self.config.num_workers))
         self.clocks = dict.fromkeys(self.active, 0)
@@ -177,6 +195,8 @@ class ParameterServer:
             return
         started = time.perf_counter_ns()
         grads = self._buffers(request)
+        if "it" in request.header:
+            self.iterators[f"worker:{worker}"] = request.header["it"]
         if mode == "sync":
             self._accumulate(grads)
         if (recorder := get_recorder()) is not None:
@@ -257,24 +277,42 @@ class ParameterServer:
         self._release_held()
 
     def _on_step(self, request: Request) -> None:
-        self.server.reply(request, self._header(initialized=self.initialized))
+        header = self._header(initialized=self.initialized, snapshots=sorted(self.snapshots), stats=self.stats)
+        self.server.reply(request, header)
 
     def _on_state(self, request: Request) -> None:
-        """Parameters and optimizer slots, for checkpoints: slot tensors follow the parameters."""
-        tensors: list[torch.Tensor] = [p.detach().clone() for p in self.params]
-        slots: list[dict[str, Any]] = []
-        for param in self.params:
-            entry: dict[str, Any] = {}
-            state = self.optimizer.state.get(param, {}) if self.optimizer is not None else {}
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    entry[key] = {"tensor": len(tensors)}
-                    tensors.append(value.detach().clone())
-                else:
-                    entry[key] = {"value": float(value)}
-            slots.append(entry)
+        """Parameters, optimizer slots and input positions: now, or as snapshotted at `snapshot` (for checkpoints)."""
+        wanted = request.header.get("snapshot")
+        if wanted is None:
+            state = capture(self.step, self.params, self.optimizer, self.iterators)
+        elif wanted in self.snapshots:
+            state = self.snapshots[wanted]
+        else:
+            raise ValueError(f"no snapshot at step {wanted}; ps:{self.index} holds {sorted(self.snapshots)}")
         stats = {**self.stats, "duplicates": self.server.duplicates}
-        self.server.reply(request, self._header(dtypes=self.dtypes, slots=slots, stats=stats), tensors)
+        self.server.reply(request, self._header(dtypes=self.dtypes, stats=stats, **state.header()), state.tensors())
+
+    def _on_snapshot_at(self, request: Request) -> None:
+        """Snapshot when the global step reaches `step` (a time-based checkpoint picks a step just ahead)."""
+        step = int(request.header["step"])
+        if step < self.step:
+            raise ValueError(f"snapshot step {step} already passed; ps:{self.index} is at {self.step}")
+        if step == self.step:
+            self.snapshots[step] = capture(self.step, self.params, self.optimizer, self.iterators)
+        else:
+            self.snapshot_at = step
+        self.server.reply(request, self._header())
+
+    def _on_stop(self, request: Request) -> None:
+        """End training at the current step (early stopping): later pushes are dropped, workers told to stop."""
+        self.config = dataclasses.replace(self.config, max_steps=self.step)
+        self.server.reply(request, self._header())
+        self._release_held()
+        self._release_pulls()
+        if self.config.mode == "sync":
+            for waiting in self._waiting_for_update:
+                self._reply_params(waiting)
+            self._waiting_for_update, self._accumulated, self._num_accumulated = [], [], 0
 
     def _on_shutdown(self, request: Request) -> None:
         self.server.reply(request, self._header())

@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from shardflow.ps.checkpointing import ModelState
+
 _LATEST = "latest"
 
 
@@ -27,8 +29,10 @@ def save(
     step: int,
     tensors: dict[str, torch.Tensor],
     manifest: dict[str, Any],
+    keep: int | None = None,
 ) -> Path:
-    """Write checkpoint `ckpt-<step>` atomically: a crash leaves either the old latest or the new one, never half."""
+    """Write checkpoint `ckpt-<step>` atomically: a crash leaves either the old latest or the new one, never half.
+    With `keep`, only the newest `keep` checkpoints stay."""
     root = Path(model_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"ckpt-{step:09d}"
@@ -48,6 +52,9 @@ def save(
     pointer.write_text(final.name)
     os.replace(pointer, root / _LATEST)
     _fsync_dir(root)
+    if keep is not None:
+        for old in sorted(root.glob("ckpt-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 
@@ -64,3 +71,36 @@ def load(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[st
     with open(path / "manifest.json") as f:
         manifest = json.load(f)
     return load_file(str(path / "model.safetensors")), manifest
+
+
+SLOT_SEPARATOR = "::"
+
+
+def save_state(
+    model_dir: str | os.PathLike[str], state: ModelState, manifest: dict[str, Any], keep: int | None = None
+) -> Path:
+    """A checkpoint of whole variables: parameters under their own names, slots as `slot::<key>::<name>`."""
+    tensors = dict(state.params)
+    for key, by_name in state.slots.items():
+        for name, tensor in by_name.items():
+            tensors[SLOT_SEPARATOR.join(("slot", key, name))] = tensor
+    return save(
+        model_dir, state.step, tensors, {"scalars": state.scalars, "iterators": state.iterators, **manifest}, keep
+    )
+
+
+def load_state(path: str | os.PathLike[str]) -> tuple[ModelState, dict[str, Any]]:
+    tensors, manifest = load(path)
+    state = ModelState(
+        step=int(manifest["global_step"]),
+        params={},
+        scalars=dict(manifest.get("scalars", {})),
+        iterators=dict(manifest.get("iterators", {})),
+    )
+    for name, tensor in tensors.items():
+        if name.startswith("slot" + SLOT_SEPARATOR):
+            _, key, variable = name.split(SLOT_SEPARATOR, 2)
+            state.slots.setdefault(key, {})[variable] = tensor
+        else:
+            state.params[name] = tensor
+    return state, manifest

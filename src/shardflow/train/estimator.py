@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -49,6 +50,9 @@ class Estimator:
         seed: int = 0,
         profile_steps: tuple[int, int] | None = None,
         profile_ops: bool = False,
+        save_checkpoints_steps: int | None = None,
+        save_checkpoints_secs: float | None = 600.0,
+        keep_checkpoint_max: int | None = 5,
     ) -> None:
         if not callable(model_fn):
             raise ValueError("Estimator.model_fn must be a callable returning a torch.nn.Module")
@@ -58,8 +62,12 @@ class Estimator:
         self.loss_fn = loss_fn
         self.optimizer = optimizer or SGD(lr=0.01)
         self.strategy = strategy or ParameterServerStrategy()
-        self.model_dir = Path(model_dir)
+        # Tools (shardflow scale) point each run at its own directory and capture window.
+        self.model_dir = Path(os.environ.get("SHARDFLOW_MODEL_DIR") or model_dir)
         self.seed = seed
+        if os.environ.get("SHARDFLOW_PROFILE_STEPS"):
+            first, _, last = os.environ["SHARDFLOW_PROFILE_STEPS"].partition(",")
+            profile_steps = (int(first), int(last))
         if profile_steps is not None and not (len(profile_steps) == 2 and 0 <= profile_steps[0] < profile_steps[1]):
             raise ValueError(
                 f"Estimator.profile_steps must be (first, last) with 0 <= first < last, got {profile_steps}"
@@ -68,6 +76,20 @@ class Estimator:
         """Global steps [first, last) captured on every role into model_dir/profile/."""
         self.profile_ops = profile_ops
         """Also record torch ops, shapes, memory and Python source in the capture (costly; off by default)."""
+        for name, value in (
+            ("save_checkpoints_steps", save_checkpoints_steps),
+            ("keep_checkpoint_max", keep_checkpoint_max),
+        ):
+            if value is not None and value < 1:
+                raise ValueError(f"Estimator.{name} must be >= 1 or None, got {value}")
+        if save_checkpoints_secs is not None and save_checkpoints_secs <= 0:
+            raise ValueError(f"Estimator.save_checkpoints_secs must be positive or None, got {save_checkpoints_secs}")
+        self.save_checkpoints_steps = save_checkpoints_steps
+        """Checkpoint exactly at every multiple of this global step (then save_checkpoints_secs is ignored)."""
+        self.save_checkpoints_secs = save_checkpoints_secs
+        """Checkpoint at most this often; a final checkpoint is always written."""
+        self.keep_checkpoint_max = keep_checkpoint_max
+        """Keep only the newest checkpoints; None keeps all."""
         self._live_parameters: ParameterClient | None = None
 
     def build_model(self) -> torch.nn.Module:
@@ -95,12 +117,15 @@ class Estimator:
         path = checkpoint.latest(self.model_dir)
         if path is None:
             raise FileNotFoundError(f"no checkpoint in {self.model_dir}/checkpoints; train first")
-        return checkpoint.load(path)[0]
+        return checkpoint.load_state(path)[0].params
 
-    def evaluate(self, eval_spec: EvalSpec) -> dict[str, float]:
-        """Evaluate the latest checkpoint in this process."""
+    def evaluate(self, eval_spec: EvalSpec, checkpoint_path: str | os.PathLike[str] | None = None) -> dict[str, float]:
+        """Evaluate a checkpoint (the latest by default) in this process."""
         model = self.build_model()
-        model.load_state_dict(self.state_dict())
+        if checkpoint_path is None:
+            model.load_state_dict(self.state_dict())
+        else:
+            model.load_state_dict(checkpoint.load_state(checkpoint_path)[0].params)
         return self.evaluate_model(model, eval_spec)
 
     def evaluate_model(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:
@@ -150,8 +175,11 @@ def _run_chief(
     failures: list[RoleExit] | None = None,
 ) -> TrainResult:
     role = _connect(est, spec, task)
+    log_handler = _log_to(est.model_dir / "logs" / "chief.log")
     try:
-        return run_chief(est, train_spec, eval_spec, role)
+        result = run_chief(est, train_spec, eval_spec, role)
+        _write_result(est, role, result)
+        return result
     except KeyboardInterrupt:
         if not failures:
             raise
@@ -162,6 +190,8 @@ def _run_chief(
     finally:
         # Tell every role the job is over so none waits for a chief that is gone.
         role.control.set("shutdown", "1")
+        logging.getLogger("shardflow").removeHandler(log_handler)
+        log_handler.close()
 
 
 def _run_other_role(
@@ -180,15 +210,37 @@ def _run_other_role(
         elif task.type == "worker":
             run_worker(est, train_spec, role)
         elif task.type == "evaluator":
-            run_evaluator(est, role)
-            if eval_spec is not None:
-                log.warning("evaluator: final metrics %s", est.evaluate(eval_spec))
+            run_evaluator(est, eval_spec, role)
     except Exception as error:
         if task.type == "worker":
             role.control.set(f"failed/{task.name}", f"{type(error).__name__}: {error}")
         raise
     sys.stdout.flush()
     raise SystemExit(0)
+
+
+def _log_to(path: Path) -> logging.Handler:
+    """The chief's log records also go to model_dir/logs/chief.log, beside the other roles' logs."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("shardflow")
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handler
+
+
+def _write_result(est: Estimator, role: RoleContext, result: TrainResult) -> None:
+    """SHARDFLOW_RESULT_JSON: where tools such as `shardflow scale` read what the run did."""
+    path = os.environ.get("SHARDFLOW_RESULT_JSON")
+    if not path:
+        return
+    fields = ("global_step", "training_s", "elapsed_s", "worker_steps", "metrics", "eval_history", "profile_dir")
+    payload = {name: getattr(result, name) for name in fields}
+    payload.update(num_workers=role.num_workers, num_ps=role.num_ps, mode=est.strategy.mode)
+    payload.update(first_loss=result.first_loss, final_loss=result.final_loss, checkpoint=result.checkpoint)
+    Path(path).write_text(json.dumps(payload, indent=1))
 
 
 def _embedded_command() -> list[str]:
@@ -204,10 +256,16 @@ def _embedded_command() -> list[str]:
 def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | None) -> TrainResult:
     """No cluster in the environment: this process becomes the chief and starts the other roles itself."""
     strategy = est.strategy
-    spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps)
+    spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps, evaluator=strategy.evaluator)
     chief = TaskSpec("chief", 0)
     threads = max(1, (os.cpu_count() or 1) // (strategy.num_workers + strategy.num_ps))
-    launcher = LocalLauncher(spec, _embedded_command(), skip=[chief], env={"SHARDFLOW_LOCAL_THREADS": str(threads)})
+    launcher = LocalLauncher(
+        spec,
+        _embedded_command(),
+        skip=[chief],
+        env={"SHARDFLOW_LOCAL_THREADS": str(threads)},
+        log_dir=est.model_dir / "logs",
+    )
     failures: list[RoleExit] = []
     main_thread = threading.main_thread().ident
 

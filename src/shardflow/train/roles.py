@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import socket
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -12,10 +15,15 @@ from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
 from shardflow.comm.server import Server
 from shardflow.ps.server import ParameterServer
+from shardflow.train import checkpoint
 from shardflow.train.profiling import RoleProfiler
+from shardflow.train.specs import EvalSpec
+from shardflow.train.summaries import Summaries
 
 if TYPE_CHECKING:
     from shardflow.train.estimator import Estimator
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -74,6 +82,31 @@ def run_ps(role: RoleContext) -> None:
         server.close()
 
 
-def run_evaluator(est: Estimator, role: RoleContext) -> None:
-    """Until evaluation follows checkpoints (side-car mode), the evaluator waits for the job's end."""
-    role.control.get("shutdown", waiting_for="the chief to finish the job", timeout_s=7 * 24 * 3600)
+def run_evaluator(est: Estimator, eval_spec: EvalSpec | None, role: RoleContext) -> None:
+    """The side-car evaluator: evaluate each new checkpoint as the chief writes it, until the job ends."""
+    evaluated: str | None = None
+    summaries = None
+    history = est.model_dir / "eval" / "history.jsonl"
+    while True:
+        over = role.control.is_set("shutdown")
+        path = checkpoint.latest(est.model_dir)
+        if eval_spec is not None and path is not None and path.name != evaluated:
+            evaluated = path.name
+            step = int(json.loads((path / "manifest.json").read_text())["global_step"])
+            metrics = est.evaluate(eval_spec, path)
+            history.parent.mkdir(parents=True, exist_ok=True)
+            with open(history, "a") as f:
+                f.write(json.dumps({"global_step": step, "checkpoint": path.name, "metrics": metrics}) + "\n")
+            if summaries is None:
+                summaries = Summaries(est.model_dir)
+            summaries.evaluation(step, metrics)
+            log.info("evaluator: %s at global step %d: %s", path.name, step, metrics)
+            continue
+        if over:
+            # The chief writes its final checkpoint before it says the job is over, so this one is the last.
+            final = {"metrics": {}} if evaluated is None else {"checkpoint": evaluated, "metrics": metrics}
+            role.control.set("eval/final", json.dumps(final))
+            break
+        time.sleep(0.5)
+    if summaries is not None:
+        summaries.close()

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 import torch
+
+from shardflow.train.hooks import Hook
 
 InputFn = Callable[["InputContext"], Iterable[Any]]
 MetricFn = Callable[[torch.nn.Module, Any], Any]
@@ -39,6 +41,8 @@ class TrainSpec:
     """Stop at this global step (exact: the PS apply no update beyond it)."""
     epochs: int | None = None
     """Every record is seen this many times across all workers, when input_fn shards by worker."""
+    hooks: Sequence[Hook] = ()
+    """Per-step logic run in every worker (see shardflow.train.hooks.Hook)."""
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.epochs is None:
@@ -60,6 +64,52 @@ class EvalSpec:
     """Evaluate at most this many batches; None means the whole input."""
     metrics: Mapping[str, MetricFn] = field(default_factory=dict)
     """name -> fn(model, batch) returning a number or scalar tensor, averaged over batches."""
+    every_n_steps: int | None = None
+    """Also evaluate while training, each time the global step passes a multiple of this."""
+    every_n_secs: float | None = None
+    """Also evaluate while training, at most this often."""
+    early_stopping: EarlyStopping | None = None
+    """Stop training when an evaluated metric stops improving."""
+
+    def __post_init__(self) -> None:
+        if self.every_n_steps is not None and self.every_n_steps < 1:
+            raise ValueError(f"EvalSpec.every_n_steps must be >= 1, got {self.every_n_steps}")
+        if self.every_n_secs is not None and self.every_n_secs <= 0:
+            raise ValueError(f"EvalSpec.every_n_secs must be positive, got {self.every_n_secs}")
+        if self.early_stopping is not None and self.every_n_steps is None and self.every_n_secs is None:
+            raise ValueError(
+                "EvalSpec.early_stopping needs every_n_steps or every_n_secs, so evaluation runs during training"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
+class EarlyStopping:
+    """Stop when `metric` has not improved by `min_delta` for `patience` evaluations in a row."""
+
+    metric: str = "loss"
+    """The EvalSpec metric to watch ("loss" is always there)."""
+    mode: str = "min"
+    """"min" if lower is better, "max" if higher is better."""
+    patience: int = 3
+    """Evaluations without improvement before stopping."""
+    min_delta: float = 0.0
+    """The least change that counts as an improvement."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("min", "max"):
+            raise ValueError(f"EarlyStopping.mode must be 'min' or 'max', got {self.mode!r}")
+        if self.patience < 1:
+            raise ValueError(f"EarlyStopping.patience must be >= 1, got {self.patience}")
+
+    def should_stop(self, history: Sequence[float]) -> bool:
+        """Whether the last `patience` values all failed to beat the best one before them."""
+        if len(history) <= self.patience:
+            return False
+        best_before = min(history[: -self.patience]) if self.mode == "min" else max(history[: -self.patience])
+        recent = history[-self.patience :]
+        if self.mode == "min":
+            return all(v > best_before - self.min_delta for v in recent)
+        return all(v < best_before + self.min_delta for v in recent)
 
 
 @dataclass(frozen=True)
@@ -81,6 +131,9 @@ class TrainResult:
     ps_stats: dict[str, Any]
     profile_dir: str | None = None
     """The merged capture of Estimator(profile_steps=...), if one was taken."""
+    eval_history: list[dict[str, Any]] = field(default_factory=list)
+    """Evaluations during training: {"global_step", "elapsed_s", "metrics"}."""
+    stopped_early: bool = False
 
     @property
     def global_steps_per_s(self) -> float:

@@ -24,6 +24,8 @@ class ParameterServerStrategy:
     """ssp: steps a worker may run ahead of the slowest."""
     partitioner: Partitioner = field(default_factory=Partitioner)
     """How large variables are cut along dim 0 across the PS."""
+    evaluator: bool = False
+    """The embedded local cluster also starts an evaluator process that follows checkpoints."""
     overlap: bool = True
     """async: compute the next step while the previous push is in flight (one step of extra staleness)."""
     request_timeout_s: float = 60.0

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -14,6 +13,8 @@ from shardflow.comm.client import Client
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import Placement
 from shardflow.train.batches import to_torch
+from shardflow.train.hooks import StepHooks
+from shardflow.train.input import InputPosition
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.specs import InputContext, TrainSpec
 
@@ -22,13 +23,6 @@ if TYPE_CHECKING:
     from shardflow.train.roles import RoleContext
 
 _REPORT_EVERY_S = 1.0
-
-
-def _epochs(spec: TrainSpec, ctx: InputContext) -> Iterator[Any]:
-    epoch = 0
-    while spec.epochs is None or epoch < spec.epochs:
-        yield from spec.input_fn(ctx)
-        epoch += 1
 
 
 def connect_parameters(est: Estimator, role: RoleContext, model: torch.nn.Module) -> ParameterClient:
@@ -49,6 +43,15 @@ def connect_parameters(est: Estimator, role: RoleContext, model: torch.nn.Module
     )
 
 
+def _restored_position(role: RoleContext) -> dict[str, Any] | None:
+    """This worker's input position from the checkpoint the chief restored, if any."""
+    if not role.control.is_set("restore/iterators"):
+        return None
+    positions = json.loads(role.control.get("restore/iterators", waiting_for="the restored input positions"))
+    position: dict[str, Any] | None = positions.get(role.task.name)
+    return position
+
+
 def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
     control = role.control
     profiler = RoleProfiler(role.task.name, control)
@@ -60,26 +63,25 @@ def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
     mode = est.strategy.mode
     # Async only: push step t, then compute step t+1 while the PS applies it (the result is one step staler).
     depth = 1 if mode == "async" and est.strategy.overlap else 0
-    ctx = InputContext(role.num_workers, role.task.index)
+    position = InputPosition(spec, InputContext(role.num_workers, role.task.index), _restored_position(role))
     profiler.check_requests()
+    hooks = StepHooks(spec.hooks, role.task.name, role.task.index)
 
     reply = params.pull()
     step, stop = reply.step, reply.stop
     in_flight: deque[dict[str, int]] = deque()
-    local_step = 0
-    first_loss: float | None = None
-    last_loss = 0.0
-    started = last_report = time.monotonic()
+    report = Report(role)
     try:
-        batches = _epochs(spec, ctx)
         while not stop:
             step_started = time.perf_counter_ns()
-            batch = next(batches, None)
+            batch = position.next()
             recorder.end("input_wait", step, step_started)
+            report.input_wait_ns += time.perf_counter_ns() - step_started
             if batch is None:
                 break
             batch = to_torch(batch)
             model.zero_grad(set_to_none=True)
+            params.input_state = position.get_state()
             params.begin_push({"base_step": step}, step)
             t = time.perf_counter_ns()
             loss = est.loss_fn(model, batch)
@@ -88,20 +90,16 @@ def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
             loss.backward()
             recorder.end("backward", step, t)
             in_flight.append(params.end_push())
-            local_step += 1
-            last_loss = float(loss.detach())
-            if first_loss is None:
-                first_loss = last_loss
             recorded_step = step
             while len(in_flight) > depth:
                 reply = params.wait_push(in_flight.popleft())
                 step, stop = reply.step, stop or reply.stop
             recorder.end("step", recorded_step, step_started)
+            report.step(float(loss.detach()), position.epoch)
+            stop = hooks.after_step(report.local_step, step, report.last_loss) or stop
             profiler.at_step(step)
-            now = time.monotonic()
-            if now - last_report >= _REPORT_EVERY_S:
-                last_report = now
-                _report(role, local_step, first_loss, last_loss, started)
+            if report.due():
+                report.send()
                 profiler.check_requests()
         while in_flight:
             params.wait_push(in_flight.popleft(), load_params=False)
@@ -109,25 +107,44 @@ def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
     finally:
         params.close()
         profiler.finish()
-    _report(role, local_step, first_loss, last_loss, started, done=True)
+    hooks.end(report.local_step, step)
+    report.send(done=True)
     control.add("workers_done", 1)
 
 
-def _report(
-    role: RoleContext,
-    local_step: int,
-    first_loss: float | None,
-    loss: float,
-    started: float,
-    done: bool = False,
-) -> None:
-    elapsed = time.monotonic() - started
-    progress = {
-        "local_step": local_step,
-        "first_loss": first_loss,
-        "loss": loss,
-        "steps_per_s": local_step / elapsed if elapsed > 0 else 0.0,
-        "time": time.time(),
-        "done": done,
-    }
-    role.control.set(f"progress/{role.task.name}", json.dumps(progress))
+class Report:
+    """The worker's progress, sent to the chief about once a second (also its heartbeat)."""
+
+    def __init__(self, role: RoleContext) -> None:
+        self.role = role
+        self.started = self.last_sent = time.monotonic()
+        self.local_step = 0
+        self.epoch = 0
+        self.first_loss: float | None = None
+        self.last_loss = 0.0
+        self.input_wait_ns = 0
+
+    def step(self, loss: float, epoch: int) -> None:
+        self.local_step += 1
+        self.last_loss = loss
+        self.epoch = epoch
+        if self.first_loss is None:
+            self.first_loss = loss
+
+    def due(self) -> bool:
+        return time.monotonic() - self.last_sent >= _REPORT_EVERY_S
+
+    def send(self, done: bool = False) -> None:
+        self.last_sent = time.monotonic()
+        elapsed = self.last_sent - self.started
+        progress = {
+            "local_step": self.local_step,
+            "epoch": self.epoch,
+            "first_loss": self.first_loss,
+            "loss": self.last_loss,
+            "steps_per_s": self.local_step / elapsed if elapsed > 0 else 0.0,
+            "input_wait_share": self.input_wait_ns / 1e9 / elapsed if elapsed > 0 else 0.0,
+            "time": time.time(),
+            "done": done,
+        }
+        self.role.control.set(f"progress/{self.role.task.name}", json.dumps(progress))
