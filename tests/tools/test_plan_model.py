@@ -48,9 +48,7 @@ def test_a_compute_bound_step_needs_one_ps():
 
 
 def test_async_applies_every_worker_update_and_sync_one_per_round():
-    config = PlanConfig(
-        num_params=1e6, num_workers=8, num_ps=2, bandwidth=10e9, step_compute_s=0.010, ps_apply_s=0.040
-    )
+    config = PlanConfig(num_params=1e6, num_workers=8, num_ps=2, bandwidth=10e9, step_compute_s=0.010, ps_apply_s=0.040)
     assert predict(config).parts["PS apply"] == pytest.approx(8 * 0.040 / 2)
     assert predict(config).bottleneck == "PS apply"
     synchronous = predict(replace(config, mode="sync"))

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from types import ModuleType
 
-from shardflow.cli import data, launch, plan, profile
+from shardflow.cli import data, launch, plan, profile, scale
 
 # Each module has add_arguments(parser) and run(args) -> int, and imports heavy dependencies
 # inside run() so that `shardflow --help` stays fast.
@@ -15,6 +15,7 @@ COMMANDS: dict[str, ModuleType] = {
     "profile": profile,
     "data": data,
     "plan": plan,
+    "scale": scale,
 }
 
 

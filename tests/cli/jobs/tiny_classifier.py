@@ -48,7 +48,7 @@ def accuracy(model, batch):
 est = sf.Estimator(
     model_fn=lambda: torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)),
     loss_fn=loss_fn,
-    optimizer=sf.optim.SGD(lr=0.05),
+    optimizer=sf.optim.SGD(lr=0.02),
     strategy=sf.ParameterServerStrategy(num_ps=1, mode="async"),
     model_dir="runs/tiny_classifier",
 )

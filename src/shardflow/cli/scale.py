@@ -1,0 +1,117 @@
+"""Run a training script at several cluster sizes; table, plot and explanation of how it scales."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+EPILOG = """\
+example:
+  shardflow scale examples/digits.py --workers 1,2,4 --target 'accuracy>=0.95' -- --epochs 5
+
+Each size runs `shardflow launch --workers N --ps M SCRIPT ARGS` in a fresh model dir (OUT/workers-N/),
+with SHARDFLOW_MODEL_DIR, SHARDFLOW_RESULT_JSON and SHARDFLOW_PROFILE_STEPS set, and reads the result the
+chief writes. The time to the target comes from the chief's periodic evaluations, so give the script
+EvalSpec(every_n_steps=...). OUT gets scale.json, scale.png and scale.html.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    parser.add_argument("--workers", type=_sizes, default=[1, 2, 4], metavar="N,N,...", help="sizes to run (1,2,4)")
+    parser.add_argument("--ps", type=int, default=1, metavar="M", help="parameter servers at every size (1)")
+    parser.add_argument("--target", metavar="EXPR", help="e.g. 'accuracy>=0.95' or 'loss<0.1' (quoted)")
+    parser.add_argument("--mode", choices=["async", "sync", "ssp"], help="fail unless the script trains in this mode")
+    parser.add_argument("--batch-size", type=int, metavar="B", help="the script's batch per worker, for the text")
+    parser.add_argument("--profile-steps", type=_step_range, default=(50, 150), metavar="A,B", help="(50,150)")
+    parser.add_argument("--no-profile", action="store_true", help="skip the capture and the time breakdown")
+    parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per run (600)")
+    parser.add_argument("--out", type=Path, metavar="DIR", help="where runs and reports go (runs/scale-SCRIPT)")
+    parser.add_argument("script", help="the training script")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from shardflow.tools.scale_report import explain, format_table, plot, table_rows, write_html
+    from shardflow.tools.scaling import ScaleConfig, ScaleRunError, run_size, summarize
+    from shardflow.tools.target import TargetError, parse_target
+
+    script = Path(args.script)
+    if not script.is_file():
+        return _error(f"script {args.script!r} does not exist")
+    if args.ps < 1:
+        return _error(f"--ps must be at least 1, e.g. --ps 2; got {args.ps}")
+    try:
+        target = parse_target(args.target) if args.target else None
+    except TargetError as error:
+        return _error(str(error))
+    out = args.out or Path("runs") / f"scale-{script.stem}"
+    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    config = ScaleConfig(
+        script=script,
+        script_args=tuple(script_args),
+        num_ps=args.ps,
+        out=out,
+        profile_steps=None if args.no_profile else args.profile_steps,
+        timeout_s=args.timeout,
+    )
+    rows = []
+    try:
+        for num_workers in args.workers:
+            row = summarize(run_size(config, num_workers), target)
+            if args.mode and row.mode != args.mode:
+                return _error(
+                    f"the script trains in {row.mode!r} mode, not {args.mode!r}; "
+                    f"set ParameterServerStrategy(mode={args.mode!r}) in {script} or drop --mode"
+                )
+            rows.append(row)
+    except (ScaleRunError, TargetError) as error:
+        return _error(str(error))
+    table = table_rows(rows, target)
+    paragraphs = explain(rows, target, args.batch_size)
+    png = plot(rows, target, out / "scale.png")
+    page = write_html(table, paragraphs, png, out / "scale.html", f"shardflow scale: {script.name}")
+    summary = {
+        "script": str(script),
+        "target": str(target) if target else None,
+        "rows": [{k: v for k, v in asdict(row).items() if k != "result"} for row in rows],
+        "explanation": paragraphs,
+    }
+    (out / "scale.json").write_text(json.dumps(summary, indent=1))
+    print()
+    print(format_table(table))
+    print()
+    for paragraph in paragraphs:
+        print(paragraph)
+        print()
+    print(f"plot: {png}\nreport: {page}")
+    return 0
+
+
+def _error(message: str) -> int:
+    print(f"shardflow scale: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected worker counts like 1,2,4; got {text!r}") from None
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"expected worker counts of at least 1, like 1,2,4; got {text!r}")
+    return sizes
+
+
+def _step_range(text: str) -> tuple[int, int]:
+    first, _, last = text.partition(",")
+    try:
+        steps = (int(first), int(last))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A,B (global steps [A, B)), like 50,150; got {text!r}") from None
+    if not 0 <= steps[0] < steps[1]:
+        raise argparse.ArgumentTypeError(f"expected 0 <= A < B, like 50,150; got {text!r}")
+    return steps
