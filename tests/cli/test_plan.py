@@ -75,3 +75,8 @@ def test_plan_calibrate_prints_what_it_measured_and_predicts_with_it(profiled_ru
 def test_plan_calibrate_without_a_capture_says_how_to_make_one(tmp_path, capsys):
     assert main(["plan", "--calibrate", str(tmp_path)]) == 2
     assert "profile_steps" in capsys.readouterr().err
+
+
+def test_calibrate_also_reads_a_capture_directory_itself(profiled_run):
+    (capture,) = (profiled_run / "profile").iterdir()
+    assert calibrate(capture).step_compute_s == calibrate(profiled_run).step_compute_s

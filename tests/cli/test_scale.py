@@ -20,7 +20,7 @@ def scaled(tmp_path_factory):
     args = ["--workers", "1,2", "--target", "accuracy>=0.9", "--batch-size", "16", "--profile-steps", "50,150"]
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        code = main(["scale", *args, "--out", str(out), str(JOB), "--", "300", "50"])
+        code = main(["scale", str(JOB), *args, "--out", str(out), "--", "300", "50"])
     print(printed.getvalue())  # shown by pytest when a test fails
     return code, out, printed.getvalue()
 
@@ -72,6 +72,12 @@ def test_scale_explains_batch_staleness_and_where_the_time_went(scaled):
 
 
 def test_scale_rejects_an_unreadable_target_before_running_anything(tmp_path, capsys):
-    assert main(["scale", "--target", "accuracy=0.9", "--out", str(tmp_path), str(JOB)]) == 2
+    assert main(["scale", str(JOB), "--target", "accuracy=0.9", "--out", str(tmp_path)]) == 2
     assert "e.g. --target 'accuracy>=0.95'" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
+
+
+def test_scale_says_that_the_scripts_own_arguments_go_after_a_double_dash(tmp_path, capsys):
+    assert main(["scale", str(JOB), "--workers", "1", "--epochs", "3", "--out", str(tmp_path)]) == 2
+    assert "the script's own arguments go after --" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["async", "sync"], default="async", help="(async)")
     parser.add_argument("--bytes-per-param", type=float, default=4.0, metavar="B", help="bytes on the wire (4)")
     parser.add_argument("--ps-apply", metavar="TIME", help="time to apply one update of the whole model on one PS")
-    parser.add_argument("--cores", type=int, metavar="C", help="a local run: all roles share C CPU cores")
+    parser.add_argument("--cores", type=float, metavar="C", help="a local run: all roles share C CPU cores")
     parser.add_argument("--allreduce", action="store_true", help="show the all-reduce prediction in full")
     parser.add_argument("--calibrate", metavar="MODEL_DIR", help="measure the inputs from a profiled run's capture")
     parser.add_argument("--capture", metavar="NAME", help="with --calibrate: the capture to use (latest)")
@@ -84,9 +84,11 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
                 f"missing {', '.join(missing)}, e.g. {' '.join(f'{f} {examples[f]}' for f in missing)}; "
                 "or measure them with --calibrate MODEL_DIR"
             )
-    for flag, value in (("--workers", args.workers), ("--ps", args.ps), ("--cores", args.cores)):
+    for flag, value in (("--workers", args.workers), ("--ps", args.ps)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, e.g. {flag} 4; got {value}")
+    if args.cores is not None and not args.cores > 0:
+        raise ValueError(f"--cores must be positive, e.g. --cores 2; got {args.cores}")
     if args.bytes_per_param <= 0:
         raise ValueError(f"--bytes-per-param must be positive, e.g. --bytes-per-param 2; got {args.bytes_per_param}")
 
@@ -133,7 +135,7 @@ def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
     print(
         f"{config.num_params:.4g} parameters x {config.bytes_per_param:g} B = {format_bytes(config.model_bytes)}; "
         f"{_plural(n, 'worker')}, {k} PS, {config.mode}; links {format_bandwidth(config.bandwidth)}"
-        + (f"; {config.cores} shared CPU cores" if config.cores else "")
+        + (f"; {config.cores:g} shared CPU cores" if config.cores else "")
     )
     print()
     explain = {

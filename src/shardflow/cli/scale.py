@@ -10,28 +10,36 @@ from pathlib import Path
 
 EPILOG = """\
 example:
-  shardflow scale examples/digits.py --workers 1,2,4 --target 'accuracy>=0.95' -- --epochs 5
+  shardflow scale train.py --workers 1,2,4 --target 'accuracy>=0.95' --batch-size 64 -- --epochs 5
 
-Each size runs `shardflow launch --workers N --ps M SCRIPT ARGS` in a fresh model dir (OUT/workers-N/),
-with SHARDFLOW_MODEL_DIR, SHARDFLOW_RESULT_JSON and SHARDFLOW_PROFILE_STEPS set, and reads the result the
-chief writes. The time to the target comes from the chief's periodic evaluations, so give the script
+Options may come before or after SCRIPT; the script's own arguments come after --. Each size runs
+`shardflow launch --workers N --ps M SCRIPT ARGS` in a fresh model dir (OUT/workers-N/), with
+SHARDFLOW_MODEL_DIR, SHARDFLOW_RESULT_JSON and SHARDFLOW_PROFILE_STEPS set, and reads the result the chief
+writes. Steps and time to the target come from the chief's periodic evaluations, so give the script
 EvalSpec(every_n_steps=...). OUT gets scale.json, scale.png and scale.html.
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
+    _add_options(parser)
+    parser.add_argument(
+        "script_and_args", nargs=argparse.REMAINDER, metavar="SCRIPT [OPTIONS] [-- ARGS]", help="the training script"
+    )
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", type=_sizes, default=[1, 2, 4], metavar="N,N,...", help="sizes to run (1,2,4)")
     parser.add_argument("--ps", type=int, default=1, metavar="M", help="parameter servers at every size (1)")
     parser.add_argument("--target", metavar="EXPR", help="e.g. 'accuracy>=0.95' or 'loss<0.1' (quoted)")
     parser.add_argument("--mode", choices=["async", "sync", "ssp"], help="fail unless the script trains in this mode")
     parser.add_argument("--batch-size", type=int, metavar="B", help="the script's batch per worker, for the text")
-    parser.add_argument("--profile-steps", type=_step_range, default=(50, 150), metavar="A,B", help="(50,150)")
+    parser.add_argument(
+        "--profile-steps", type=_step_range, default=(50, 150), metavar="A,B", help="global steps profiled (50,150)"
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the capture and the time breakdown")
     parser.add_argument("--timeout", type=float, default=600.0, metavar="SECONDS", help="per run (600)")
     parser.add_argument("--out", type=Path, metavar="DIR", help="where runs and reports go (runs/scale-SCRIPT)")
-    parser.add_argument("script", help="the training script")
-    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script (after --)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,25 +47,20 @@ def run(args: argparse.Namespace) -> int:
     from shardflow.tools.scaling import ScaleConfig, ScaleRunError, run_size, summarize
     from shardflow.tools.target import TargetError, parse_target
 
-    script = Path(args.script)
-    if not script.is_file():
-        return _error(f"script {args.script!r} does not exist")
-    if args.ps < 1:
-        return _error(f"--ps must be at least 1, e.g. --ps 2; got {args.ps}")
     try:
+        script, script_args = _split_command(args)
         target = parse_target(args.target) if args.target else None
-    except TargetError as error:
+        out = args.out or Path("runs") / f"scale-{script.stem}"
+        config = ScaleConfig(
+            script=script,
+            script_args=tuple(script_args),
+            num_ps=args.ps,
+            out=out,
+            profile_steps=None if args.no_profile else args.profile_steps,
+            timeout_s=args.timeout,
+        )
+    except ValueError as error:  # TargetError included
         return _error(str(error))
-    out = args.out or Path("runs") / f"scale-{script.stem}"
-    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
-    config = ScaleConfig(
-        script=script,
-        script_args=tuple(script_args),
-        num_ps=args.ps,
-        out=out,
-        profile_steps=None if args.no_profile else args.profile_steps,
-        timeout_s=args.timeout,
-    )
     rows = []
     try:
         for num_workers in args.workers:
@@ -89,6 +92,27 @@ def run(args: argparse.Namespace) -> int:
         print()
     print(f"plot: {png}\nreport: {page}")
     return 0
+
+
+def _split_command(args: argparse.Namespace) -> tuple[Path, list[str]]:
+    """SCRIPT [OPTIONS] [-- ARGS]: reads the options after SCRIPT into args; returns the script and its arguments."""
+    command = args.script_and_args[1:] if args.script_and_args[:1] == ["--"] else args.script_and_args
+    if not command:
+        raise ValueError("name the training script, e.g. shardflow scale train.py --workers 1,2,4")
+    rest = command[1:]
+    options, script_args = (rest[: rest.index("--")], rest[rest.index("--") + 1 :]) if "--" in rest else (rest, [])
+    parser = argparse.ArgumentParser(prog="shardflow scale", add_help=False, exit_on_error=False)
+    _add_options(parser)
+    try:
+        _, unknown = parser.parse_known_args(options, namespace=args)
+    except argparse.ArgumentError as error:
+        raise ValueError(str(error)) from None
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {' '.join(unknown)}; the script's own arguments go after --, "
+            f"e.g. shardflow scale {command[0]} --workers 1,2 -- {' '.join(unknown)}"
+        )
+    return Path(command[0]), script_args
 
 
 def _error(message: str) -> int:

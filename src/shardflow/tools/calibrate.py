@@ -38,7 +38,9 @@ class Calibration:
 
 
 def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
-    directory = capture_dir(model_dir, capture)
+    """From MODEL_DIR's latest (or named) capture, or from a capture directory itself."""
+    path = Path(model_dir)
+    directory = path if capture is None and any(path.glob("*.trace.json.gz")) else capture_dir(path, capture)
     table = load(finalize(directory))
     spans = table.filter(pc.equal(table["ph"], "X")).select(_COLUMNS).to_pylist()
     by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)

@@ -31,8 +31,9 @@ class PlanConfig:
     """async: every worker update is a global step; sync: one aggregated update of all workers is."""
     ps_apply_s: float = 0.0
     """Seconds one PS needs to apply an update of the whole model (split over the PS); 0 leaves it out."""
-    cores: int | None = None
-    """A local run: every role shares this many CPU cores, and moving bytes is CPU work on both ends."""
+    cores: float | None = None
+    """A local run: every role shares this many CPU cores (fewer if other programs use some), and moving bytes is
+    CPU work on both ends."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "bytes_per_param", "bandwidth", "step_compute_s"):
@@ -45,8 +46,8 @@ class PlanConfig:
             raise ValueError(f"PlanConfig.mode must be 'async' or 'sync', got {self.mode!r}")
         if self.ps_apply_s < 0:
             raise ValueError(f"PlanConfig.ps_apply_s must be >= 0, got {self.ps_apply_s}")
-        if self.cores is not None and self.cores < 1:
-            raise ValueError(f"PlanConfig.cores must be at least 1, got {self.cores}")
+        if self.cores is not None and not self.cores > 0:
+            raise ValueError(f"PlanConfig.cores must be positive, got {self.cores}")
 
     @property
     def model_bytes(self) -> float:

@@ -41,6 +41,14 @@ class ScaleConfig:
     timeout_s: float = 600.0
     """A run taking longer than this is stopped and reported."""
 
+    def __post_init__(self) -> None:
+        if not self.script.is_file():
+            raise ValueError(f"script {str(self.script)!r} does not exist")
+        if self.num_ps < 1:
+            raise ValueError(f"--ps must be at least 1, e.g. --ps 2; got {self.num_ps}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout must be positive, e.g. --timeout 600; got {self.timeout_s}")
+
 
 @dataclass(frozen=True)
 class Breakdown:
