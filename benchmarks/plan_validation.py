@@ -1,0 +1,179 @@
+"""`shardflow plan` against measured loopback runs: calibrate on 1 worker, predict 2 and 4 (target: within 25%).
+
+The job is the async benchmark's MLP 64-512-512-10 (301k parameters), batch 32, 1 PS, SGD. Each run is profiled in
+the middle of training; the plan model is calibrated from the 1-worker capture (compute per step, bandwidth of the
+copies, PS apply time) and, as every role of a local run shares this machine's cores, run with --cores = the core
+count. The measurement compared is the steady rate inside each capture (ps:0's updates per second); the whole-run rate
+(global_step / training_s, start-up ramp included) is shown beside it.
+
+Other programs on a shared machine take cores from the job and stretch every span, the calibration's included. Each
+run waits (a while) for the machine to be quiet and reports the cores other processes used while it ran: figures
+taken with others using a good part of a core are not clean, whichever way their error falls.
+
+Usage: python benchmarks/plan_validation.py [--quick] [--workers 1,2,4] [--steps N] [--repeats R] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+JOB_FLAG = "--job"
+TARGET_ERROR = 0.25
+
+
+def job(max_steps: int) -> None:
+    """Every role runs this; the model dir, result file and profiled steps come from the scale hooks."""
+    import torch
+
+    import shardflow as sf
+
+    torch.set_num_threads(1)  # the roles share the machine's cores; more threads per role only contend
+
+    def model_fn() -> torch.nn.Module:
+        return torch.nn.Sequential(
+            torch.nn.Linear(64, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 10),
+        )
+
+    def input_fn(ctx: sf.InputContext) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        generator = torch.Generator().manual_seed(ctx.worker_index)
+        x, y = torch.rand(4096, 64, generator=generator), torch.randint(0, 10, (4096,), generator=generator)
+        while True:
+            for i in range(0, 4096, 32):
+                yield x[i : i + 32], y[i : i + 32]
+
+    def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
+
+    strategy = sf.ParameterServerStrategy(num_ps=1, mode="async")
+    est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=0.01), strategy, "runs/plan_validation")
+    est.train(input_fn, max_steps=max_steps)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer steps per run (a smoke test)")
+    parser.add_argument("--workers", default="1,2,4", help="sizes; the first one calibrates (1,2,4)")
+    parser.add_argument("--steps", type=int, help="global steps per run (6000; 1500 with --quick)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per size; the fastest one counts (1)")
+    parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the roles share (all)")
+    parser.add_argument("--quiet-wait", type=float, default=30.0, help="seconds to wait for a quiet machine (30)")
+    parser.add_argument("--out", type=Path, help="where runs and plan_validation.json go (a temporary dir)")
+    args = parser.parse_args()
+    sizes = [int(n) for n in args.workers.split(",")]
+    steps = args.steps or (1500 if args.quick else 6000)
+    if args.out is None:
+        with tempfile.TemporaryDirectory(prefix="plan-validation-") as directory:
+            return validate(sizes, steps, args, Path(directory))
+    return validate(sizes, steps, args, args.out)
+
+
+def validate(sizes: list[int], steps: int, args: argparse.Namespace, out: Path) -> int:
+    from shardflow.tools.plan_model import PlanConfig, predict
+
+    runs = {n: fastest([measure(n, steps, args, out / f"repeat-{r}") for r in range(args.repeats)]) for n in sizes}
+    base = runs[sizes[0]]["calibration"]
+    plan = PlanConfig(
+        num_params=base.model_bytes / 4,
+        num_workers=base.num_workers,
+        num_ps=base.num_ps,
+        bandwidth=base.bandwidth,
+        step_compute_s=base.step_compute_s,
+        ps_apply_s=base.ps_apply_s,
+        cores=args.cores,
+    )
+    print(f"calibrated on {sizes[0]} worker(s): compute {base.step_compute_s * 1e3:.3f} ms/step, bandwidth ", end="")
+    print(f"{base.bandwidth / 1e9:.2f} GB/s, PS apply {base.ps_apply_s * 1e3:.3f} ms/update; {args.cores} cores")
+    print()
+    header = (
+        f"{'workers':>7}  {'predicted':>9}  {'measured':>8}  {'error':>6}  {'whole run':>9}  {'bottleneck':<11}  "
+        f"{'others used':>11}"
+    )
+    print(header + "\n" + "-" * len(header))
+    rows, worst = [], 0.0
+    for n in sizes:
+        run = runs[n]
+        prediction = predict(replace(plan, num_workers=n))
+        predicted = prediction.global_steps_per_s(prediction.overlap_step_s)
+        steady = run["calibration"].global_steps_per_s
+        error = predicted / steady - 1
+        if n != sizes[0]:
+            worst = max(worst, abs(error))
+        rows.append(
+            {"workers": n, "predicted": predicted, "measured": steady, "error": error, "whole_run": run["whole"]}
+            | {"bottleneck": prediction.bottleneck, "others_cores": run["others_cores"]}
+        )
+        print(
+            f"{n:>7}  {predicted:>9.1f}  {steady:>8.1f}  {error:>+6.1%}  {run['whole']:>9.1f}  "
+            f"{prediction.bottleneck:<11}  {run['others_cores']:>5.2f} cores"
+        )
+    verdict = "within" if worst <= TARGET_ERROR else "OUTSIDE"
+    print(f"\nglobal steps/s; worst error of the predicted sizes {worst:.1%}: {verdict} the {TARGET_ERROR:.0%} target")
+    calibration = {**vars(base), "capture": str(base.capture)}
+    report = {"steps": steps, "cores": args.cores, "calibration": calibration, "rows": rows}
+    (out / "plan_validation.json").write_text(json.dumps(report, indent=1))
+    return 0 if worst <= TARGET_ERROR else 1
+
+
+def measure(num_workers: int, steps: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    """One profiled run, with the CPU that other processes used meanwhile (machine busy time minus the job's)."""
+    from shardflow.tools.calibrate import calibrate
+    from shardflow.tools.scaling import ScaleConfig, run_size
+
+    # Profile the middle of each run: past the start-up ramp, before the first workers finish.
+    window = (int(steps * 0.4), int(steps * 0.7))
+    config = ScaleConfig(
+        script=Path(__file__).resolve(), script_args=(JOB_FLAG, str(steps)), out=out, profile_steps=window
+    )
+    wait_for_quiet(args.cores, args.quiet_wait)
+    machine_before, job_before, started = _busy_s(), _children_cpu_s(), time.monotonic()
+    result = run_size(config, num_workers, log=lambda line: print(line, file=sys.stderr))
+    wall = time.monotonic() - started
+    others = (_busy_s() - machine_before) - (_children_cpu_s() - job_before)
+    return {
+        "calibration": calibrate(result["profile_dir"]),
+        "whole": result["global_step"] / result["training_s"],
+        "others_cores": max(0.0, others / wall),
+    }
+
+
+def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    return max(runs, key=lambda run: run["calibration"].global_steps_per_s)
+
+
+def wait_for_quiet(cores: int, max_wait_s: float, busy_cores: float = 0.3) -> None:
+    deadline = time.monotonic() + max_wait_s
+    while (busy := psutil.cpu_percent(interval=1.0) / 100 * cores) > busy_cores and time.monotonic() < deadline:
+        print(f"  waiting for a quiet machine ({busy:.2f} cores busy)", file=sys.stderr)
+
+
+def _busy_s() -> float:
+    times = psutil.cpu_times()
+    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+
+
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == [JOB_FLAG]:
+        job(int(sys.argv[2]))
+    else:
+        sys.exit(main())
