@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shardflow import optim
     from shardflow.train.estimator import Estimator, RoleFailedError, train_and_evaluate
-    from shardflow.train.specs import EvalSpec, InputContext, TrainResult, TrainSpec
+    from shardflow.ps.placement import Partitioner
+    from shardflow.train.hooks import Hook, StepInfo
+    from shardflow.train.specs import EarlyStopping, EvalSpec, InputContext, TrainResult, TrainSpec
     from shardflow.train.strategy import ParameterServerStrategy
 
 # Imported on first use, so that the command-line tool and `shardflow.data` start without torch's import cost.
@@ -17,7 +19,11 @@ _LAZY = {
     "Estimator": "shardflow.train.estimator",
     "RoleFailedError": "shardflow.train.estimator",
     "train_and_evaluate": "shardflow.train.estimator",
+    "EarlyStopping": "shardflow.train.specs",
     "EvalSpec": "shardflow.train.specs",
+    "Hook": "shardflow.train.hooks",
+    "StepInfo": "shardflow.train.hooks",
+    "Partitioner": "shardflow.ps.placement",
     "InputContext": "shardflow.train.specs",
     "TrainResult": "shardflow.train.specs",
     "TrainSpec": "shardflow.train.specs",

@@ -18,6 +18,10 @@ from shardflow.ps.state import ShardState, capture, load_slots
 
 log = logging.getLogger(__name__)
 
+# Snapshots the chief has not saved yet; at this many the PS stops applying pushes until it catches up, so
+# every checkpoint and evaluation happens at its exact step, as TF's synchronous checkpoint hooks do.
+_MAX_SNAPSHOTS = 4
+
 
 class ParameterServer:
     """Serves one PS's variables. Single-threaded: requests are handled in arrival order, replies may be deferred."""
@@ -43,10 +47,11 @@ class ParameterServer:
         # sync: pulls waiting for a version that has not been applied yet; (request, min_step).
         self._pulls: list[tuple[Request, int]] = []
         self._snapshot: list[torch.Tensor] | None = None
-        # Checkpoint snapshots taken at exact steps, the last two kept; ps:0 also tracks input positions.
+        # Checkpoint snapshots taken at exact steps, until the chief saved them; ps:0 also tracks input positions.
         self.snapshots: dict[int, ShardState] = {}
         self.snapshot_at: int | None = None
         self.iterators: dict[str, Any] = {}
+        self._deferred_pushes: list[Request] = []
         self._shutdown = False
         self._handlers: dict[str, Callable[[Request], None]] = {
             "init": self._on_init,
@@ -57,6 +62,7 @@ class ParameterServer:
             "state": self._on_state,
             "snapshot_at": self._on_snapshot_at,
             "stop": self._on_stop,
+            "release_snapshots": self._on_release_snapshots,
             "shutdown": self._on_shutdown,
         }
 
@@ -79,6 +85,9 @@ class ParameterServer:
             if request is None:
                 if should_stop():
                     return
+                continue
+            if request.op == "push" and len(self.snapshots) >= _MAX_SNAPSHOTS:
+                self._deferred_pushes.append(request)
                 continue
             handler = self._handlers.get(request.op)
             if handler is None:
@@ -140,8 +149,7 @@ class ParameterServer:
         every = self.config.snapshot_every_n_steps
         if (every and self.step % every == 0) or self.step == self.snapshot_at:
             self.snapshots[self.step] = capture(self.step, self.params, self.optimizer, self.iterators)
-            for old in sorted(self.snapshots)[:-2]:
-                del self.snapshots[old]
+            # Held until the chief has saved them; see _MAX_SNAPSHOTS for what happens when it falls behind.
 
     def _buffers(self, request: Request) -> list[torch.Tensor]:
         """One flat tensor per dtype from the pieces the sender sent as separate frames (always a fresh copy)."""
@@ -302,6 +310,14 @@ class ParameterServer:
         else:
             self.snapshot_at = step
         self.server.reply(request, self._header())
+
+    def _on_release_snapshots(self, request: Request) -> None:
+        """The chief saved every snapshot up to `step`."""
+        for step in [s for s in self.snapshots if s <= int(request.header["step"])]:
+            del self.snapshots[step]
+        self.server.reply(request, self._header())
+        while self._deferred_pushes and len(self.snapshots) < _MAX_SNAPSHOTS:
+            self._on_push(self._deferred_pushes.pop(0))
 
     def _on_stop(self, request: Request) -> None:
         """End training at the current step (early stopping): later pushes are dropped, workers told to stop."""

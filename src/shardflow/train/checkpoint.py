@@ -53,7 +53,9 @@ def save(
     os.replace(pointer, root / _LATEST)
     _fsync_dir(root)
     if keep is not None:
-        for old in sorted(root.glob("ckpt-*"))[:-keep]:
+        # Oldest written first, so a directory that already held higher steps never loses the newest.
+        written = sorted((p for p in root.glob("ckpt-*") if p != final), key=lambda p: p.stat().st_mtime)
+        for old in written[: max(len(written) - (keep - 1), 0)]:
             shutil.rmtree(old, ignore_errors=True)
     return final
 

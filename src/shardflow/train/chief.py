@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from pathlib import Path
@@ -50,6 +51,13 @@ def _restore(est: Estimator, model: torch.nn.Module, role: RoleContext) -> Model
     return state
 
 
+def _snapshot_every(est: Estimator, eval_spec: EvalSpec | None, role: RoleContext) -> int | None:
+    """The PS snapshot at every step that is a checkpoint or an inline evaluation."""
+    every_eval = eval_spec.every_n_steps if eval_spec is not None and not role.spec.num("evaluator") else None
+    counts = [n for n in (est.save_checkpoints_steps, every_eval) if n]
+    return math.gcd(*counts) if counts else None
+
+
 def run_chief(est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role: RoleContext) -> TrainResult:
     control = role.control
     strategy = est.strategy
@@ -67,7 +75,7 @@ def run_chief(est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role:
         replicas_to_aggregate=strategy.replicas_to_aggregate,
         max_staleness=strategy.max_staleness,
         max_steps=spec.max_steps,
-        snapshot_every_n_steps=est.save_checkpoints_steps,
+        snapshot_every_n_steps=_snapshot_every(est, eval_spec, role),
     )
     init_servers(client, est.optimizer, apply, restored)
     profiler = ChiefProfiler(control, role.spec.address(role.task).rpartition(":")[0], est.model_dir)

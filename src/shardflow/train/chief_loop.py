@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardflow.cluster.rendezvous import ControlPlane
-from shardflow.ps.checkpointing import fetch_state
+from shardflow.ps.checkpointing import ModelState, fetch_state
 from shardflow.ps.client import ParameterClient
 from shardflow.train import checkpoint
 from shardflow.train.profiling import REQUEST, ChiefProfiler
@@ -58,17 +58,13 @@ class ChiefLoop:
         self.progress: dict[str, dict[str, Any]] = {}
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
-        self.last_checkpoint_step = start_step
+        self.last_snapshot_step = start_step
+        self.requested_snapshot: int | None = None
         self.last_checkpoint_time = time.monotonic()
-        self.next_eval_step = self._next_multiple(start_step, eval_spec.every_n_steps if eval_spec else None)
         self.last_eval_time = time.monotonic()
         self.summaries = Summaries(est.model_dir)
         self.display = ProgressDisplay(spec.max_steps, spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
-
-    @staticmethod
-    def _next_multiple(step: int, every: int | None) -> int | None:
-        return None if every is None else (step // every + 1) * every
 
     def run(self) -> None:
         last_seen = dict.fromkeys(self.workers, time.monotonic())
@@ -78,6 +74,8 @@ class ChiefLoop:
                 done = self._watch_workers(last_seen)
                 now = time.monotonic()
                 if done:
+                    # Snapshots taken since the last poll are still saved, before the final checkpoint.
+                    self._save_snapshots(self.client.broadcast({"op": "step"}))
                     return
                 if now >= next_ps_poll:
                     next_ps_poll = now + _PS_POLL_S
@@ -90,6 +88,8 @@ class ChiefLoop:
                     self.display.update(self.global_step, self.progress)
                 time.sleep(_POLL_S)
         finally:
+            # The workers' final reports, however short the run.
+            self.summaries.training(self.global_step, self.progress, self._ps_stats)
             self.display.update(self.global_step, self.progress)
             self.display.close()
 
@@ -118,41 +118,57 @@ class ChiefLoop:
         replies = self.client.broadcast({"op": "step"})
         self.global_step = int(replies[0]["step"])
         self._ps_stats = [r["stats"] for r in replies]
-        common = set.intersection(*(set(r["snapshots"]) for r in replies))
-        ready = [s for s in common if s > self.last_checkpoint_step]
         by_time = self.est.save_checkpoints_secs is not None and not self.est.save_checkpoints_steps
-        if ready:
-            self.save_checkpoint(max(ready))
+        if self._save_snapshots(replies):
+            pass
         elif by_time and time.monotonic() - self.last_checkpoint_time >= (self.est.save_checkpoints_secs or 0):
             self._request_snapshot(max(int(r["step"]) for r in replies))
         self._evaluate_if_due()
+
+    def _save_snapshots(self, replies: list[dict[str, Any]]) -> bool:
+        """Checkpoint and evaluate, oldest first, every snapshot all PS hold that is not handled yet: so both
+        happen at exact multiples of their step counts, however late the chief looks."""
+        common = set.intersection(*(set(r["snapshots"]) for r in replies))
+        ready = sorted(s for s in common if s > self.last_snapshot_step)
+        every_checkpoint = self.est.save_checkpoints_steps
+        every_eval = self.eval_spec.every_n_steps if self.eval_spec is not None else None
+        for step in ready:
+            state = fetch_state(self.client, step)
+            if (every_checkpoint and step % every_checkpoint == 0) or step == self.requested_snapshot:
+                self._save(state)
+            if every_eval is not None and step % every_eval == 0 and not self.stopped_early:
+                self._evaluate_and_maybe_stop(step)
+            self.last_snapshot_step = step
+        if ready:
+            self.client.broadcast({"op": "release_snapshots", "step": ready[-1]})
+        return bool(ready)
 
     def _request_snapshot(self, highest_step: int) -> None:
         # Ahead of every PS, so each snapshots exactly this step (async PS may be a few updates apart).
         target = highest_step + (1 if self.est.strategy.mode == "sync" else len(self.workers) + 1)
         self.client.broadcast({"op": "snapshot_at", "step": target})
+        self.requested_snapshot = target
         self.last_checkpoint_time = time.monotonic()
 
-    def save_checkpoint(self, snapshot: int | None) -> str:
-        state = fetch_state(self.client, snapshot)
+    def _save(self, state: ModelState) -> str:
         with self.profiler.recorder.span("checkpoint", state.step):
             path = checkpoint.save_state(self.est.model_dir, state, self.manifest, keep=self.est.keep_checkpoint_max)
-        self.last_checkpoint_step = state.step
         self.last_checkpoint_time = time.monotonic()
         return str(path)
 
     def _evaluate_if_due(self) -> None:
+        """Time-based evaluation, of the parameters as they are now (step-based ones use exact snapshots)."""
         spec = self.eval_spec
-        if spec is None:
+        if spec is None or spec.every_n_secs is None or self.stopped_early:
             return
-        by_steps = self.next_eval_step is not None and self.global_step >= self.next_eval_step
-        by_time = spec.every_n_secs is not None and time.monotonic() - self.last_eval_time >= spec.every_n_secs
-        if not (by_steps or by_time):
-            return
-        self.next_eval_step = self._next_multiple(self.global_step, spec.every_n_steps)
-        self.evaluate(fetch_state(self.client).step)
-        stopping = spec.early_stopping
-        if stopping is not None and not self.stopped_early:
+        if time.monotonic() - self.last_eval_time >= spec.every_n_secs:
+            self._evaluate_and_maybe_stop(fetch_state(self.client).step)
+
+    def _evaluate_and_maybe_stop(self, step: int) -> None:
+        assert self.eval_spec is not None
+        self.evaluate(step)
+        stopping = self.eval_spec.early_stopping
+        if stopping is not None:
             values = [e["metrics"][stopping.metric] for e in self.eval_history]
             if stopping.should_stop(values):
                 self.stopped_early = True
