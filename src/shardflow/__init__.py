@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from shardflow import optim
-    from shardflow.train.estimator import Estimator, RoleFailedError, train_and_evaluate
     from shardflow.ps.placement import Partitioner
+    from shardflow.train.estimator import Estimator, RoleFailedError, train_and_evaluate
     from shardflow.train.hooks import Hook, StepInfo
     from shardflow.train.specs import EarlyStopping, EvalSpec, InputContext, TrainResult, TrainSpec
     from shardflow.train.strategy import ParameterServerStrategy
@@ -31,8 +31,12 @@ _LAZY = {
 }
 
 __all__ = [
+    "EarlyStopping",
     "Estimator",
     "EvalSpec",
+    "Hook",
+    "Partitioner",
+    "StepInfo",
     "InputContext",
     "ParameterServerStrategy",
     "RoleFailedError",
