@@ -111,8 +111,8 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     placement = place(model.named_parameters(), 3)
-    init_servers(cluster.client(model, placement), 
-        SGD(lr=1.0), ApplyConfig(mode="sync", num_workers=3, replicas_to_aggregate=2)
+    init_servers(
+        cluster.client(model, placement), SGD(lr=1.0), ApplyConfig(mode="sync", num_workers=3, replicas_to_aggregate=2)
     )
     workers = [cluster.client(torch.nn.Linear(2, 1, bias=False), placement, worker_index=i) for i in range(3)]
     requests = []
