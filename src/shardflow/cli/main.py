@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from types import ModuleType
 
-from shardflow.cli import data, launch, plan, profile, scale
+from shardflow.cli import data, export, launch, plan, profile, scale
 
 # Each module has add_arguments(parser) and run(args) -> int, and imports heavy dependencies
 # inside run() so that `shardflow --help` stays fast.
@@ -16,6 +16,7 @@ COMMANDS: dict[str, ModuleType] = {
     "data": data,
     "plan": plan,
     "scale": scale,
+    "export": export,
 }
 
 
