@@ -116,7 +116,7 @@ def test_the_merged_trace_is_structurally_legal(capture):
 
 def test_on_demand_capture_of_a_running_job(start_job, tmp_path):
     job = start_job(
-        "regression.py", mode="async", num_workers=2, num_ps=1, epochs=1, num_batches=1500, step_delay_s=0.005
+        "regression.py", mode="async", num_workers=2, num_ps=1, epochs=1, num_batches=4000, step_delay_s=0.005
     )
     job.wait_for_file(tmp_path / "model" / "job.json")
     proc = subprocess.run(
@@ -126,6 +126,8 @@ def test_on_demand_capture_of_a_running_job(start_job, tmp_path):
         timeout=120,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Merged while the job goes on, not at its end.
+    assert job.proc.poll() is None
     directory = Path(proc.stdout.strip())
     with gzip.open(directory / "merged.trace.json.gz") as f:
         trace = json.load(f)

@@ -149,16 +149,16 @@ class ChiefProfiler(RoleProfiler):
         """Write and merge every pending capture whose roles all reported; with `final`, wait for them."""
         done = []
         for capture in list(self.pending):
-            keys = {role: _part_key(capture["name"], role) for role in roles}
+            keys = {role: _part_key(capture["name"], role) for role in roles if role != "chief"}
             if not final and not all(self.control.is_set(key) for key in keys.values()):
                 continue
+            started = time.monotonic()
             if capture["name"] not in self._finished:
+                self.capture = dict(capture)
                 self.dump()
             directory = self.model_dir / "profile" / capture["name"]
             directory.mkdir(parents=True, exist_ok=True)
             for role, key in keys.items():
-                if role == "chief":
-                    continue
                 try:
                     data = self.control.get_bytes(
                         key, waiting_for=f"{role}'s part of capture {capture['name']}", timeout_s=timeout_s
@@ -169,7 +169,10 @@ class ChiefProfiler(RoleProfiler):
                 (directory / role_file_name(role)).write_bytes(data)
             chief_part = self.control.get_bytes(_part_key(capture["name"], "chief"), waiting_for="the chief's part")
             (directory / role_file_name("chief")).write_bytes(chief_part)
+            collected = time.monotonic()
             finalize(directory)
+            timing = {"collect_s": collected - started, "merge_s": time.monotonic() - collected, "roles": len(roles)}
+            (directory / "capture.json").write_text(json.dumps(timing))
             self.control.set(f"capture/{capture['name']}/done", str(directory))
             self.pending.remove(capture)
             done.append(directory)
