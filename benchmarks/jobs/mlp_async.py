@@ -56,6 +56,7 @@ with open(result_path, "w") as f:
             "steps_per_s": result.global_steps_per_s,
             "training_s": result.training_s,
             "worker_steps": result.worker_steps,
+            "profile_dir": result.profile_dir,
         },
         f,
     )

@@ -35,6 +35,23 @@ def _injected_skew_ns(role: str) -> int:
     return int(float(micros) * 1000) if target == role else 0
 
 
+# "off" disables the always-on recorder: benchmarks/profiler_overhead.py measures what it costs a real run.
+RECORDER_ENV = "SHARDFLOW_RECORDER"
+
+
+class _NoRecorder(SpanRecorder):
+    """Records nothing, at the cost of a method call."""
+
+    def __init__(self, role: str) -> None:
+        super().__init__(role, capacity=1)
+
+    def end(self, name: str, step: int, start: int, arg0: int = -1, arg1: int = -1, thread: str | None = None) -> None:
+        return None
+
+    def flow(self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None) -> None:
+        return None
+
+
 def _part_key(name: str, role: str) -> str:
     return f"capture/{name}/part/{role}"
 
@@ -45,10 +62,10 @@ class RoleProfiler:
     def __init__(self, role: str, control: ControlPlane) -> None:
         self.role = role
         self.control = control
-        self.recorder = SpanRecorder(role)
+        self.recorder = SpanRecorder(role) if os.environ.get(RECORDER_ENV) != "off" else _NoRecorder(role)
         self.skew_ns = _injected_skew_ns(role)
         self.recorder.base_time_ns += self.skew_ns
-        set_recorder(self.recorder)
+        set_recorder(None if isinstance(self.recorder, _NoRecorder) else self.recorder)
         self.capture: dict[str, Any] | None = None
         self._finished: set[str] = set()
         self._sampler: MemorySampler | None = None

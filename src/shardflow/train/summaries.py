@@ -2,20 +2,48 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from pathlib import Path
 from typing import Any
+
+from tensorboard.compat.proto.event_pb2 import Event
+from tensorboard.compat.proto.summary_pb2 import Summary
+
+from shardflow.data import TFRecordWriter
+
+
+class EventWriter:
+    """One TensorBoard event file: TFRecords of Event protos. Written directly, because importing
+    torch.utils.tensorboard also imports TensorFlow when it is installed, which costs seconds per job."""
+
+    def __init__(self, directory: Path) -> None:
+        directory.mkdir(parents=True, exist_ok=True)
+        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.shardflow"
+        self._writer = TFRecordWriter(str(directory / name))
+        self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
+
+    def _write(self, event: Event) -> None:
+        self._writer.write(event.SerializeToString())
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
+        self._write(Event(wall_time=time.time(), step=step, summary=summary))
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
 
 
 class Summaries:
     """Scalars under model_dir/tensorboard (train) and model_dir/tensorboard/eval."""
 
     def __init__(self, model_dir: Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.directory = model_dir / "tensorboard"
-        self.train = SummaryWriter(str(self.directory))
-        self.eval = SummaryWriter(str(self.directory / "eval"))
+        self.train = EventWriter(self.directory)
+        self.eval = EventWriter(self.directory / "eval")
         self._last: tuple[float, int] | None = None
         self._last_apply: dict[str, tuple[float, float]] = {}
 
@@ -31,6 +59,7 @@ class Summaries:
         if self._last is not None and now > self._last[0]:
             self.train.add_scalar("global_step/sec", (step - self._last[1]) / (now - self._last[0]), step)
         self._last = (now, step)
+        self.train.flush()
         for k, stats in enumerate(ps_stats):
             applied, apply_s = float(stats.get("applied", 0)), float(stats.get("apply_s", 0.0))
             previous = self._last_apply.get(f"ps:{k}")
