@@ -75,6 +75,13 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(error))
     table = table_rows(rows, target)
     paragraphs = explain(rows, target, args.batch_size)
+    unprofiled = [row for row in rows if row.breakdown is None]
+    if config.profile_steps is not None and unprofiled:
+        first, last = config.profile_steps
+        paragraphs.append(
+            f"No capture of the run with {unprofiled[0].num_workers} worker(s), which ended at global step "
+            f"{unprofiled[0].global_step}: choose --profile-steps A,B inside every run (now {first},{last})."
+        )
     png = plot(rows, target, out / "scale.png")
     page = write_html(table, paragraphs, png, out / "scale.html", f"shardflow scale: {script.name}")
     summary = {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +27,11 @@ class Calibration:
     model_bytes: float
     """Bytes a worker pushes per step (all PS together): the model's size on the wire."""
     step_compute_s: float
-    """Forward plus backward per worker step, without the pushes that backward's hooks start."""
+    """Median of forward plus backward per worker step, without the pushes that backward's hooks start."""
     bandwidth: float
-    """Bytes per second of the pushes, the PS's receives and the PS's replies, over their durations."""
+    """Bytes per second of the pushes, the PS's receives and the PS's replies, over their median durations."""
     ps_apply_s: float
-    """Seconds to apply one update of the whole model: the mean apply of each PS, summed over the PS."""
+    """Seconds to apply one update of the whole model: the median apply of each PS, summed over the PS."""
     worker_step_s: float
     """Measured mean worker step."""
     global_steps_per_s: float
@@ -56,42 +57,52 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         )
     num_steps = len(worker_steps)
     pushes = by_name["push"]
-    compute_us = sum(s["dur"] for s in by_name["forward"] + by_name["backward"]) - _nested(pushes, by_name["backward"])
+    # Medians, not means: on a shared machine other programs preempt the roles now and then, and a preempted span
+    # measures that wait, not the work.
+    compute_us: dict[tuple[str, int], float] = defaultdict(float)
+    for span in by_name["forward"] + by_name["backward"]:
+        compute_us[(span["role"], span["step"])] += span["dur"]
+    for span in _nested(pushes, by_name["backward"]):
+        compute_us[(span["role"], span["step"])] -= span["dur"]
     shard_bytes = {s["role"]: s["bytes"] or 0 for s in applies}
-    transfers = [(s["bytes"] or 0, s["dur"]) for s in pushes + by_name["receive"]]
-    transfers += [(shard_bytes.get(s["role"], 0), s["dur"]) for s in by_name["reply"]]
-    moved, moving_us = sum(b for b, _ in transfers), sum(d for _, d in transfers)
-    apply_us: dict[str, list[float]] = defaultdict(list)
+    moved = sum(s["bytes"] or 0 for s in pushes + by_name["receive"])
+    moved += sum(shard_bytes.get(s["role"], 0) for s in by_name["reply"])
+    moving_us = sum(len(by_name[name]) * _median(by_name[name]) for name in ("push", "receive", "reply"))
+    apply_us: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in applies:
-        apply_us[span["role"]].append(span["dur"])
+        apply_us[span["role"]].append(span)
     first_ps = min(apply_us, key=lambda role: int(role.partition(":")[2] or 0))
     return Calibration(
         capture=directory,
         num_workers=len({s["role"] for s in worker_steps}),
         num_ps=len(apply_us),
         model_bytes=sum(s["bytes"] or 0 for s in pushes) / len({(s["role"], s["step"]) for s in pushes}),
-        step_compute_s=compute_us / num_steps / 1e6,
+        step_compute_s=statistics.median(compute_us.values()) / 1e6,
         bandwidth=moved / (moving_us / 1e6) if moving_us > 0 else float("inf"),
-        ps_apply_s=sum(sum(d) / len(d) for d in apply_us.values()) / 1e6,
+        ps_apply_s=sum(_median(spans) for spans in apply_us.values()) / 1e6,
         worker_step_s=sum(s["dur"] for s in worker_steps) / num_steps / 1e6,
-        global_steps_per_s=_rate([s for s in applies if s["role"] == first_ps]),
+        global_steps_per_s=_rate(apply_us[first_ps]),
     )
 
 
-def _nested(inner: list[dict[str, Any]], outer: list[dict[str, Any]]) -> float:
-    """µs of `inner` spans that lie inside an `outer` span of the same role and thread (outer spans never overlap)."""
+def _median(spans: list[dict[str, Any]]) -> float:
+    return statistics.median(s["dur"] for s in spans) if spans else 0.0
+
+
+def _nested(inner: list[dict[str, Any]], outer: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The `inner` spans that lie inside an `outer` span of the same role and thread (outer spans never overlap)."""
     by_thread: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
     for span in outer:
         by_thread[(span["role"], span["tid"])].append((span["ts"], span["ts"] + span["dur"]))
     for intervals in by_thread.values():
         intervals.sort()
-    total = 0.0
+    nested = []
     for span in inner:
         intervals = by_thread.get((span["role"], span["tid"]), [])
         i = bisect.bisect_right(intervals, (span["ts"], float("inf"))) - 1
         if i >= 0 and span["ts"] + span["dur"] <= intervals[i][1]:
-            total += span["dur"]
-    return total
+            nested.append(span)
+    return nested
 
 
 def _rate(applies: list[dict[str, Any]]) -> float:

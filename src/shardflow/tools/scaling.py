@@ -84,7 +84,7 @@ class SizeRow:
 
 def run_size(config: ScaleConfig, num_workers: int, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train once with `num_workers` workers in a fresh model dir; returns what the chief wrote."""
-    directory = config.out / f"workers-{num_workers}"
+    directory = config.out.resolve() / f"workers-{num_workers}"
     result_path, log_path, model_dir = directory / "result.json", directory / "log.txt", directory / "model"
     directory.mkdir(parents=True, exist_ok=True)
     result_path.unlink(missing_ok=True)
@@ -116,6 +116,10 @@ def run_size(config: ScaleConfig, num_workers: int, log: Callable[[str], None] =
         raise ScaleRunError(f"the run with {num_workers} workers {reason}{hint}; {log_path} ends with:\n{tail}")
     log(f"  done in {time.monotonic() - started:.1f}s")
     result: dict[str, Any] = json.loads(result_path.read_text())
+    if not result.get("profile_dir") and config.profile_steps is not None:
+        # A capture that completes while training runs is on disk even when the result does not name it.
+        captures = sorted((model_dir / "profile").glob("*/*.trace.json.gz"), key=lambda p: p.stat().st_mtime)
+        result["profile_dir"] = str(captures[-1].parent) if captures else None
     return result
 
 
