@@ -157,7 +157,15 @@ def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
         f"global steps/s       {p.global_steps_per_s(p.step_s):10.4g}  ({p.global_steps_per_s(p.overlap_step_s):.4g} "
         f"with overlap; {'every worker update is one' if config.mode == 'async' else 'one per round of all workers'})"
     )
-    print(f"bottleneck: {p.bottleneck}")
+    why = {
+        "compute": "forward and backward take longer than moving the model; with overlap, communication hides",
+        "worker link": f"every worker moves the whole model ({format_bytes(config.model_bytes)}) each way per step;"
+        " more PS cannot help, fewer bytes (e.g. --bytes-per-param 2) or faster links can",
+        "CPU cores": "the roles' CPU work per round exceeds the cores they share; more workers here add no speed",
+        "PS link": f"the busiest PS moves n·M/k = {format_bytes(n * config.model_bytes / k)} each way per step; add PS",
+        "PS apply": "applying every update takes the PS longer than a step; add PS",
+    }
+    print(f"bottleneck: {p.bottleneck} ({why[p.bottleneck]})")
     needed = num_ps_needed(config)
     at_needed = predict(replace(config, num_ps=needed))
     if p.bottleneck.startswith("PS"):

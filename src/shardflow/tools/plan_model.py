@@ -7,7 +7,7 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 Mode = Literal["async", "sync"]
-# Ties go to the first term: a PS is named the bottleneck only when it is strictly the slowest part.
+# In this order ties go to the first: a PS is named the bottleneck only when it is strictly the slowest part.
 TERMS = ("compute", "worker link", "CPU cores", "PS link", "PS apply")
 
 
@@ -101,7 +101,7 @@ def predict(config: PlanConfig) -> Prediction:
             (parts["CPU cores"], "CPU cores"),
             (parts["PS link"] + parts["PS apply"], _larger(parts, "PS link", "PS apply")),
         ]
-    overlap_step, bottleneck = max(bounds, key=lambda bound: (bound[0], -bounds.index(bound)))
+    overlap_step, bottleneck = max(bounds, key=lambda bound: bound[0])  # the first of equals, as TERMS orders them
     ps_busy = max(value for value, name in bounds if name.startswith("PS"))
     step = max(config.step_compute_s + communication + config.ps_apply_s / k, ps_busy, parts["CPU cores"])
     return Prediction(config, parts, communication, step, overlap_step, bottleneck)

@@ -11,12 +11,12 @@ from pathlib import Path
 from shardflow.tools.scaling import SizeRow
 from shardflow.tools.target import Target
 
-HEADER = ("workers", "sec/step per worker", "global_step/s", "steps to target", "time to target", "final")
+HEADER = ("workers", "sec/step per worker", "global_step/s", "steps to target", "time to target")
 
 
 def table_rows(rows: Sequence[SizeRow], target: Target | None) -> list[list[str]]:
-    final = f"final {target.metric}" if target else "final loss"
-    lines = [[*HEADER[:-1], final]]
+    """The header (the last column is the target's metric, or the loss) and one line per cluster size."""
+    lines = [[*HEADER, f"final {target.metric if target else 'loss'}"]]
     for row in rows:
         lines.append(
             [
