@@ -6,9 +6,10 @@ copies, PS apply time) and, as every role of a local run shares this machine's c
 count. The measurement compared is the steady rate inside each capture (ps:0's updates per second); the whole-run rate
 (global_step / training_s, start-up ramp included) is shown beside it.
 
-Other programs on a shared machine take cores from the job and stretch every span, the calibration's included. Each
-run waits (a while) for the machine to be quiet and reports the cores other processes used while it ran: figures
-taken with others using a good part of a core are not clean, whichever way their error falls.
+Other programs on a shared machine take cores from the job. The calibration takes medians of the spans, so occasional
+preemption is not counted as work, but a run that shares the cores with others all along is slower than a model of
+the whole machine predicts. Each run therefore waits (a while) for the machine to be quiet and reports the cores other
+processes used while it ran: figures taken while others used a good part of a core are not clean.
 
 Usage: python benchmarks/plan_validation.py [--quick] [--workers 1,2,4] [--steps N] [--repeats R] [--out DIR]
 """
@@ -163,8 +164,9 @@ def wait_for_quiet(cores: int, max_wait_s: float, busy_cores: float = 0.3) -> No
 
 
 def _busy_s() -> float:
+    """CPU seconds the machine spent on any process so far (guest time is already inside user time)."""
     times = psutil.cpu_times()
-    return float(sum(times) - times.idle - getattr(times, "iowait", 0.0))
+    return float(sum(getattr(times, field, 0.0) for field in ("user", "nice", "system", "irq", "softirq")))
 
 
 def _children_cpu_s() -> float:
