@@ -68,20 +68,20 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     moved = sum(s["bytes"] or 0 for s in pushes + by_name["receive"])
     moved += sum(shard_bytes.get(s["role"], 0) for s in by_name["reply"])
     moving_us = sum(len(by_name[name]) * _median(by_name[name]) for name in ("push", "receive", "reply"))
-    apply_us: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    applies_by_ps: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in applies:
-        apply_us[span["role"]].append(span)
-    first_ps = min(apply_us, key=lambda role: int(role.partition(":")[2] or 0))
+        applies_by_ps[span["role"]].append(span)
+    first_ps = min(applies_by_ps, key=lambda role: int(role.partition(":")[2] or 0))
     return Calibration(
         capture=directory,
         num_workers=len({s["role"] for s in worker_steps}),
-        num_ps=len(apply_us),
+        num_ps=len(applies_by_ps),
         model_bytes=sum(s["bytes"] or 0 for s in pushes) / len({(s["role"], s["step"]) for s in pushes}),
         step_compute_s=statistics.median(compute_us.values()) / 1e6,
         bandwidth=moved / (moving_us / 1e6) if moving_us > 0 else float("inf"),
-        ps_apply_s=sum(_median(spans) for spans in apply_us.values()) / 1e6,
+        ps_apply_s=sum(_median(spans) for spans in applies_by_ps.values()) / 1e6,
         worker_step_s=sum(s["dur"] for s in worker_steps) / num_steps / 1e6,
-        global_steps_per_s=_rate(apply_us[first_ps]),
+        global_steps_per_s=_rate(applies_by_ps[first_ps]),
     )
 
 
