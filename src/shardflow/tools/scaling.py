@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -177,7 +177,3 @@ def breakdown(capture: Path) -> Breakdown | None:
     ps_busy, busiest = max(servers) if servers else (0.0, None)
     findings = diagnose(table)
     return Breakdown(fractions, busiest, ps_busy, findings[0].message if findings else "")
-
-
-def run_all(config: ScaleConfig, sizes: Sequence[int], target: Target | None) -> list[SizeRow]:
-    return [summarize(run_size(config, n), target) for n in sizes]
