@@ -54,3 +54,13 @@ def test_hung_ps_fails_within_the_deadline_naming_the_peer_and_its_address(start
     assert "worker:0" in out
     time.sleep(0.5)
     assert job.leftovers() == []
+
+
+def test_training_over_encrypted_authenticated_connections(run_job, monkeypatch):
+    # Loopback is not encrypted by default; "always" exercises the path every non-loopback address takes.
+    monkeypatch.setenv("SHARDFLOW_ENCRYPT", "always")
+    monkeypatch.setenv("SHARDFLOW_CLUSTER_SECRET", "integration-secret")
+    proc, result = run_job("regression.py", mode="async", num_workers=2, num_ps=2, epochs=1, num_batches=40)
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == 40
+    assert "[ps:1] ps:1 serving at tcp://127.0.0.1:" in proc.stdout and "(CURVE-encrypted)" in proc.stdout

@@ -35,7 +35,7 @@ class Cluster:
     def client(self, model: torch.nn.Module, placement, worker_index: int = 0) -> ParameterClient:
         return ParameterClient(
             Client(f"worker:{worker_index}"),
-            self.addresses,
+            [(address, None) for address in self.addresses],
             placement,
             model,
             timeout_s=5,

@@ -58,5 +58,16 @@ class ControlPlane:
             time.sleep(0.02)
         return bytes(self.store.get(key))
 
+    def publish_endpoint(self, name: str, address: str, public_key: bytes | None) -> None:
+        """Where `name` (e.g. "ps/0") listens, and its CURVE key when it encrypts."""
+        if public_key is not None:
+            self.set(f"{name}/curve", public_key)
+        self.set(f"{name}/address", address)
+
+    def endpoint(self, name: str, *, waiting_for: str) -> tuple[str, bytes | None]:
+        address = self.get(f"{name}/address", waiting_for=waiting_for)
+        key = self.get_bytes(f"{name}/curve", waiting_for=waiting_for) if self.is_set(f"{name}/curve") else None
+        return address, key
+
     def add(self, key: str, amount: int) -> int:
         return int(self.store.add(key, amount))

@@ -14,6 +14,7 @@ import zmq
 
 from shardflow.comm.errors import CommError, DeadlineExceeded, ProtocolError
 from shardflow.comm.framing import NOBLOCK, Receiver, decode, encode, send_frames, timeout_ms
+from shardflow.comm.security import CurveKeys, client_keys, secure_client
 
 Reply = tuple[dict[str, Any], list[torch.Tensor]]
 
@@ -51,10 +52,13 @@ class Client:
         self._peers: dict[str, _Peer] = {}
         self._next_seq = 1
 
-    def connect(self, peer: str, address: str) -> None:
+    def connect(self, peer: str, address: str, server_key: bytes | None = None, keys: CurveKeys | None = None) -> None:
         """Open a socket to `peer` (a role name such as "ps:0") at `address`; a second call for
-        the same peer replaces its socket and forgets the requests in flight on it."""
+        the same peer replaces its socket and forgets the requests in flight on it. With the server's
+        CURVE `server_key`, the connection is encrypted (with `keys`, or a fresh key pair)."""
         socket = self._context.socket(zmq.DEALER)
+        if server_key is not None:
+            secure_client(socket, server_key, keys or client_keys())
         socket.linger = 0
         socket.sndhwm = _SEND_QUEUE_LIMIT
         socket.rcvhwm = _SEND_QUEUE_LIMIT

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import time
 from collections.abc import Sequence
@@ -15,6 +16,15 @@ import zmq
 
 from shardflow.comm.errors import CommError, ProtocolError
 from shardflow.comm.framing import SNDMORE, Receiver, decode, encode, send_frames, timeout_ms
+from shardflow.comm.security import (
+    ENCRYPT_ENV,
+    SECRET_ENV,
+    CurveKeys,
+    client_keys,
+    is_loopback,
+    secure_socket,
+    server_keys,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,8 +73,19 @@ class Server:
     Replies may be sent in any order and at any later time. A Server belongs to one thread.
     """
 
-    def __init__(self, bind: str, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self,
+        bind: str,
+        context: zmq.Context[Any] | None = None,
+        curve: CurveKeys | None = None,
+        allowed_client: bytes | None = None,
+    ) -> None:
+        """With `curve`, traffic is encrypted (CURVE) and, with `allowed_client`, only that key may connect;
+        `public_key` then says what clients must pass to Client.connect."""
         self._socket: zmq.Socket[bytes] = (context or zmq.Context.instance()).socket(zmq.ROUTER)
+        self.public_key = curve.public if curve is not None else None
+        if curve is not None:
+            secure_socket(self._socket, curve, allowed_client)
         self._socket.linger = 0
         self._socket.sndhwm = _QUEUE_LIMIT
         self._socket.rcvhwm = _QUEUE_LIMIT
@@ -179,6 +200,15 @@ class Server:
             self._send(identity, encode(reply))
         except (zmq.ZMQError, TypeError, ValueError):
             logger.warning("could not answer the malformed request from %s", sender)
+
+
+def secure_server(bind: str) -> Server:
+    """A Server that encrypts (CURVE) unless it binds to loopback; with SHARDFLOW_CLUSTER_SECRET set, it also
+    accepts only clients that hold the secret."""
+    if is_loopback(bind) and os.environ.get(ENCRYPT_ENV) != "always":
+        return Server(bind)
+    allowed = client_keys().public if os.environ.get(SECRET_ENV) else None
+    return Server(bind, curve=server_keys(), allowed_client=allowed)
 
 
 def _connectable(endpoint: str) -> str:

@@ -30,7 +30,11 @@ class ModelState:
 
 
 def init_servers(
-    client: ParameterClient, optimizer: OptimizerSpec, apply: ApplyConfig, restore: ModelState | None = None
+    client: ParameterClient,
+    optimizer: OptimizerSpec,
+    apply: ApplyConfig,
+    restore: ModelState | None = None,
+    timeout_s: float | None = None,
 ) -> None:
     """Send each PS its shard values (the model's current parameters), optimizer, update rule and, when
     restoring, its slots cut from whole-variable slots by this placement: so any number of PS can load
@@ -52,8 +56,9 @@ def init_servers(
             counts += [1] * len(slot_frames)
         header["n"] = counts
         seqs[peer] = client.client.send(peer, header, frames)
+    # A PS that just started may still be starting up: this wait may be the start-up deadline.
     for peer, seq in seqs.items():
-        client.client.recv(peer, seq, client.timeout_s)
+        client.client.recv(peer, seq, timeout_s or client.timeout_s)
 
 
 def _cut_slots(

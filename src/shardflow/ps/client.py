@@ -28,22 +28,23 @@ class ParameterClient:
     def __init__(
         self,
         client: Client,
-        ps_addresses: Sequence[str],
+        ps_endpoints: Sequence[tuple[str, bytes | None]],
         placement: Placement,
         model: torch.nn.Module,
         *,
         timeout_s: float = 60.0,
         worker_index: int = -1,
     ) -> None:
-        if len(ps_addresses) != placement.num_ps:
-            raise ValueError(f"placement is for {placement.num_ps} PS but {len(ps_addresses)} addresses were given")
+        if len(ps_endpoints) != placement.num_ps:
+            raise ValueError(f"placement is for {placement.num_ps} PS but {len(ps_endpoints)} addresses were given")
         self.client = client
         self.placement = placement
         self.timeout_s = timeout_s
         self.worker_index = worker_index
         self.peers = [f"ps:{k}" for k in range(placement.num_ps)]
-        for peer, address in zip(self.peers, ps_addresses, strict=True):
-            client.connect(peer, address)
+        # A PS that is not on loopback encrypts (CURVE); its key came with its address.
+        for peer, (address, server_key) in zip(self.peers, ps_endpoints, strict=True):
+            client.connect(peer, address, server_key=server_key)
         named = dict(model.named_parameters())
         missing = [p.name for p in placement.pieces if p.name not in named]
         if missing:

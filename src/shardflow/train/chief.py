@@ -66,7 +66,7 @@ def run_chief(est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role:
     restored = _restore(est, model, role)
     start_step = restored.step if restored else 0
     placement = place(model.named_parameters(), role.num_ps, strategy.partitioner)
-    addresses = [control.get(f"ps/{k}/address", waiting_for=f"ps:{k} to start") for k in range(role.num_ps)]
+    addresses = [control.endpoint(f"ps/{k}", waiting_for=f"ps:{k} to start") for k in range(role.num_ps)]
     client = ParameterClient(Client("chief"), addresses, placement, model, timeout_s=strategy.request_timeout_s)
     est._live_parameters = client
     apply = ApplyConfig(
@@ -77,7 +77,7 @@ def run_chief(est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role:
         max_steps=spec.max_steps,
         snapshot_every_n_steps=_snapshot_every(est, eval_spec, role),
     )
-    init_servers(client, est.optimizer, apply, restored)
+    init_servers(client, est.optimizer, apply, restored, timeout_s=strategy.startup_timeout_s)
     profiler = ChiefProfiler(control, role.spec.address(role.task).rpartition(":")[0], est.model_dir)
     if est.profile_steps is not None:
         profiler.request(*est.profile_steps, ops=est.profile_ops)

@@ -16,7 +16,7 @@ import orjson
 
 from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.comm.client import Client
-from shardflow.comm.server import Server
+from shardflow.comm.server import secure_server
 from shardflow.profile import ClockEstimate, SpanRecorder, estimate_offset, set_recorder
 from shardflow.profile.capture import finalize
 from shardflow.profile.memory import MemorySampler
@@ -119,9 +119,9 @@ class RoleProfiler:
         self._finished.add(capture["name"])
 
     def _clock_offset(self) -> ClockEstimate:
-        address = self.control.get("chief/clock", waiting_for="the chief's clock service")
+        address, key = self.control.endpoint("chief/clock", waiting_for="the chief's clock service")
         with Client(f"{self.role}-clock") as client:
-            client.connect("chief", address)
+            client.connect("chief", address, server_key=key)
 
             def ping() -> tuple[int, int, int]:
                 t0 = time.time_ns() + self.skew_ns
@@ -137,11 +137,11 @@ class ChiefProfiler(RoleProfiler):
     def __init__(self, control: ControlPlane, host: str, model_dir: Path) -> None:
         super().__init__("chief", control)
         self.model_dir = model_dir
-        self._server = Server(f"tcp://{host}:0")
+        self._server = secure_server(f"tcp://{host}:0")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_clock, name="chief-clock", daemon=True)
         self._thread.start()
-        control.set("chief/clock", self._server.address)
+        control.publish_endpoint("chief/clock", self._server.address, self._server.public_key)
         self.pending: list[dict[str, Any]] = []
 
     def _serve_clock(self) -> None:
@@ -217,7 +217,8 @@ def request_capture(
     job = json.loads(job_file.read_text())
     control = ControlPlane(job["control"], is_chief=False, timeout_s=10.0)
     with Client("profile-capture") as client:
-        client.connect("ps:0", control.get("ps/0/address", waiting_for="ps:0's address"))
+        address, key = control.endpoint("ps/0", waiting_for="ps:0's address")
+        client.connect("ps:0", address, server_key=key)
         header, _ = client.request("ps:0", {"op": "step"}, timeout_s=10.0)
     first = int(header["step"]) + 1
     name = f"on-demand-{first}-{first + num_steps}"

@@ -13,7 +13,8 @@ import torch
 
 from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
-from shardflow.comm.server import Server
+from shardflow.comm.security import is_loopback
+from shardflow.comm.server import secure_server
 from shardflow.ps.server import ParameterServer
 from shardflow.train import checkpoint
 from shardflow.train.profiling import RoleProfiler
@@ -43,10 +44,11 @@ class RoleContext:
         return self.spec.num("ps")
 
 
-def _bind_address(address: str) -> str:
-    if address == DYNAMIC:
-        return "tcp://0.0.0.0:0"
-    return f"tcp://{address}"
+def _bind_address(address: str, chief_address: str) -> str:
+    if address != DYNAMIC:
+        return f"tcp://{address}"
+    # torchrun gives no per-rank address: on one machine stay on loopback, else listen on every interface.
+    return "tcp://127.0.0.1:0" if is_loopback(f"tcp://{chief_address}") else "tcp://0.0.0.0:0"
 
 
 def _connect_address(bound: str) -> str:
@@ -58,9 +60,13 @@ def _connect_address(bound: str) -> str:
 
 def run_ps(role: RoleContext) -> None:
     torch.set_num_threads(1)
-    server = Server(_bind_address(role.spec.address(role.task)))
+    chief = role.spec.address(TaskSpec("chief", 0))
+    server = secure_server(_bind_address(role.spec.address(role.task), chief))
     try:
-        role.control.set(f"ps/{role.task.index}/address", _connect_address(server.address))
+        address = _connect_address(server.address)
+        role.control.publish_endpoint(f"ps/{role.task.index}", address, server.public_key)
+        encryption = "CURVE-encrypted" if server.public_key is not None else "plaintext on loopback"
+        print(f"{role.task.name} serving at {address} ({encryption})", flush=True)
         ps = ParameterServer(server, role.task.index)
         profiler = RoleProfiler(role.task.name, role.control)
 

@@ -32,7 +32,7 @@ def connect_parameters(est: Estimator, role: RoleContext, model: torch.nn.Module
     placement = Placement.from_json(
         json.loads(control.get("placement", waiting_for="the chief to place the variables"))
     )
-    addresses = [control.get(f"ps/{k}/address", waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)]
+    addresses = [control.endpoint(f"ps/{k}", waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)]
     return ParameterClient(
         Client(role.task.name),
         addresses,
