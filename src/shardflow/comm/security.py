@@ -41,21 +41,21 @@ def _derived(secret: str, purpose: str) -> CurveKeys:
     return CurveKeys(zmq.curve_public(secret_key), secret_key)
 
 
-def server_keys(secret: str | None = None) -> CurveKeys:
-    """The server's key pair: derived from the cluster secret when there is one, else fresh."""
+def _keys(purpose: str, secret: str | None) -> CurveKeys:
+    """Derived from the cluster secret when there is one (so every holder can prove it), else fresh."""
     secret = secret if secret is not None else os.environ.get(SECRET_ENV)
     if secret:
-        return _derived(secret, "server")
+        return _derived(secret, purpose)
     public, secret_key = zmq.curve_keypair()
     return CurveKeys(public, secret_key)
+
+
+def server_keys(secret: str | None = None) -> CurveKeys:
+    return _keys("server", secret)
 
 
 def client_keys(secret: str | None = None) -> CurveKeys:
-    secret = secret if secret is not None else os.environ.get(SECRET_ENV)
-    if secret:
-        return _derived(secret, "client")
-    public, secret_key = zmq.curve_keypair()
-    return CurveKeys(public, secret_key)
+    return _keys("client", secret)
 
 
 def secure_socket(socket: zmq.Socket[Any], keys: CurveKeys, allowed_client: bytes | None) -> None:
