@@ -50,6 +50,7 @@ def steps(table: pa.Table, step_range: Filter | None = None) -> list[StepRow]:
     step_spans = {(r["role"], r["step"]): r for r in rows if r["name"] == "step"}
     stepping_roles = {role for role, _ in step_spans}
     parts: dict[tuple[str, int], dict[str, float]] = {}
+    backwards = {(r["role"], r["step"], r["tid"]): r for r in rows if r["name"] == "backward"}
     for r in rows:
         category = CATEGORY.get(r["name"])
         owner = step_spans.get((r["role"], r["step"]))
@@ -57,6 +58,10 @@ def steps(table: pa.Table, step_range: Filter | None = None) -> list[StepRow]:
             continue
         bucket = parts.setdefault((r["role"], r["step"]), dict.fromkeys(CATEGORIES, 0.0))
         bucket[category] += r["dur"]
+        # A push sent from inside backward (as soon as a PS's gradients are ready) is communication, not compute.
+        around = backwards.get((r["role"], r["step"], r["tid"])) if r["name"] == "push" else None
+        if around is not None and around["ts"] <= r["ts"] and r["ts"] + r["dur"] <= around["ts"] + around["dur"]:
+            bucket["compute"] -= r["dur"]
     result = []
     for role, step in sorted(
         {(r["role"], r["step"]) for r in rows if r["role"] not in stepping_roles} | set(step_spans)

@@ -109,7 +109,8 @@ def run_chief(est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role:
         if role.spec.num("evaluator") and eval_spec is not None:
             final = control.get("eval/final", waiting_for="the evaluator's last evaluation", timeout_s=600)
             metrics = json.loads(final)["metrics"]
-        captures = profiler.collect(loop.capture_roles, timeout_s=30.0, final=True)
+        profiler.collect(loop.capture_roles, timeout_s=30.0, final=True)
+        captures = profiler.completed
     finally:
         job_file.unlink(missing_ok=True)
         loop.summaries.close()

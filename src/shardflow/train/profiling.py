@@ -143,6 +143,8 @@ class ChiefProfiler(RoleProfiler):
         self._thread.start()
         control.publish_endpoint("chief/clock", self._server.address, self._server.public_key)
         self.pending: list[dict[str, Any]] = []
+        self.completed: list[Path] = []
+        """Every capture merged in this job, during training or at its end."""
 
     def _serve_clock(self) -> None:
         while not self._stop.is_set():
@@ -193,6 +195,7 @@ class ChiefProfiler(RoleProfiler):
             self.control.set(f"capture/{capture['name']}/done", str(directory))
             self.pending.remove(capture)
             done.append(directory)
+            self.completed.append(directory)
         return done
 
     def close(self) -> None:
