@@ -67,6 +67,7 @@ class ChiefLoop:
         self._ps_stats: list[dict[str, Any]] = []
 
     def run(self) -> None:
+        self.started = time.monotonic()  # evaluation times count from the start of training, not start-up
         last_seen = dict.fromkeys(self.workers, time.monotonic())
         next_ps_poll = next_slow = time.monotonic()
         try:
