@@ -1,0 +1,60 @@
+"""What every example prints at the end, in the chief: what training did and where its outputs are."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import shardflow as sf
+
+
+def profile_capture(est: sf.Estimator, result: sf.TrainResult) -> Path | None:
+    """The directory of the run's capture (Estimator(profile_steps=...)), if it took one."""
+    if result.profile_dir is not None:
+        return Path(result.profile_dir)
+    if est.profile_steps is None:
+        return None
+    # result.profile_dir is None when the capture was merged while training still ran; it is the latest one.
+    from shardflow.profile.capture import capture_dir
+
+    return capture_dir(est.model_dir)
+
+
+def write_profile_report(capture: Path) -> Path:
+    """The HTML report of a capture, beside its merged trace."""
+    from shardflow.profile.capture import finalize
+    from shardflow.profile.events import load
+    from shardflow.profile.report import write_report
+
+    return write_report(load(finalize(capture)), capture / "report.html", title=f"shardflow profile: {capture}")
+
+
+def print_summary(title: str, est: sf.Estimator, result: sf.TrainResult, lines: Iterable[str] = ()) -> None:
+    print(f"\n{title}")
+    if result.start_step:
+        print(
+            f"  resumed          from the checkpoint at global step {result.start_step} in {est.model_dir}"
+            " (pass a new --model-dir to start over)"
+        )
+    print(f"  global step      {result.global_step}  (worker steps: {_worker_steps(result)})")
+    if result.first_loss is not None and result.final_loss is not None:
+        print(f"  training loss    {result.first_loss:.3f} at the start -> {result.final_loss:.3f} at the end")
+    else:
+        print("  training loss    -  (no step left to train: the checkpoint is already at max_steps)")
+    print(
+        f"  throughput       {result.global_steps_per_s:.1f} global steps/s over {result.training_s:.1f} s of "
+        f"training ({result.elapsed_s:.0f} s with start-up)"
+    )
+    for line in lines:
+        print(f"  {line}")
+    print(f"  checkpoint       {result.checkpoint}")
+    print(f"  TensorBoard      {est.model_dir / 'tensorboard'}  (tensorboard --logdir {est.model_dir / 'tensorboard'})")
+    print(f"  logs             {est.model_dir / 'logs'}")
+    capture = profile_capture(est, result)
+    if capture is not None:
+        print(f"  merged trace     {capture / 'merged.trace.json.gz'}  (open in ui.perfetto.dev)")
+        print(f"  profile report   {write_profile_report(capture)}  (or: shardflow profile steps {est.model_dir})")
+
+
+def _worker_steps(result: sf.TrainResult) -> str:
+    return ", ".join(f"{name} {steps}" for name, steps in sorted(result.worker_steps.items()))
