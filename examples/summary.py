@@ -8,18 +8,6 @@ from pathlib import Path
 import shardflow as sf
 
 
-def profile_capture(est: sf.Estimator, result: sf.TrainResult) -> Path | None:
-    """The directory of the run's capture (Estimator(profile_steps=...)), if it took one."""
-    if result.profile_dir is not None:
-        return Path(result.profile_dir)
-    if est.profile_steps is None:
-        return None
-    # result.profile_dir is None when the capture was merged while training still ran; it is the latest one.
-    from shardflow.profile.capture import capture_dir
-
-    return capture_dir(est.model_dir)
-
-
 def write_profile_report(capture: Path) -> Path:
     """The HTML report of a capture, beside its merged trace."""
     from shardflow.profile.capture import finalize
@@ -47,11 +35,12 @@ def print_summary(title: str, est: sf.Estimator, result: sf.TrainResult, lines: 
     )
     for line in lines:
         print(f"  {line}")
-    print(f"  checkpoint       {result.checkpoint}")
+    checkpoint = Path(str(result.checkpoint))
+    print(f"  checkpoints      {checkpoint.parent}  (latest: {checkpoint.name})")
     print(f"  TensorBoard      {est.model_dir / 'tensorboard'}  (tensorboard --logdir {est.model_dir / 'tensorboard'})")
     print(f"  logs             {est.model_dir / 'logs'}")
-    capture = profile_capture(est, result)
-    if capture is not None:
+    if result.profile_dir is not None:
+        capture = Path(result.profile_dir)
         print(f"  merged trace     {capture / 'merged.trace.json.gz'}  (open in ui.perfetto.dev)")
         print(f"  profile report   {write_profile_report(capture)}  (or: shardflow profile steps {est.model_dir})")
 
