@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -41,3 +43,11 @@ def test_char_lm_trains_on_sharded_stdlib_files_and_writes_the_profile_report(tm
     assert "<html" in report.read_text().lower()
     assert (report.parent / "merged.trace.json.gz").exists()
     assert str(report) in output
+
+
+def test_digits_evaluates_accuracy_during_training_for_shardflow_scale(tmp_path):
+    pytest.importorskip("sklearn")
+    output, result = run_example("digits.py", tmp_path, "--epochs", "2", "--eval-every", "20", "--workers", "1")
+    assert [e["global_step"] for e in result["eval_history"]][:2] == [20, 40]
+    assert "accuracy" in result["metrics"]
+    assert "test accuracy" in output
