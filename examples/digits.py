@@ -92,7 +92,7 @@ def main() -> None:
 
     reached = next((e for e in result.eval_history if e["metrics"]["accuracy"] >= TARGET_ACCURACY), None)
     when = (
-        f"first reached at global step {reached['global_step']}, {reached['elapsed_s']:.1f} s into the job"
+        f"first reached at global step {reached['global_step']}, {reached['elapsed_s']:.1f} s into training"
         if reached
         else "not reached"
     )

@@ -51,3 +51,12 @@ def test_digits_evaluates_accuracy_during_training_for_shardflow_scale(tmp_path)
     assert [e["global_step"] for e in result["eval_history"]][:2] == [20, 40]
     assert "accuracy" in result["metrics"]
     assert "test accuracy" in output
+
+
+def test_click_through_writes_tfrecord_logs_and_reports_auc(tmp_path):
+    data_dir = tmp_path / "logs"
+    args = ("--records", "4000", "--epochs", "1", "--data-dir", str(data_dir))
+    output, result = run_example("click_through.py", tmp_path, *args)
+    assert len(list(data_dir.glob("train-*.tfrecord"))) == 8
+    assert 0.0 <= result["metrics"]["auc"] <= 1.0
+    assert "test AUC" in output and "rows 0-" in output

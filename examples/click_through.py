@@ -1,0 +1,238 @@
+"""Click-through prediction on generated click logs, with embedding tables partitioned across the parameter servers.
+
+On first run it writes click logs as TFRecord files of tf.train.Example: user and item ids drawn from Zipf
+distributions (a few are very frequent, most are rare, as in real logs), with clicks drawn from a hidden model:
+user, item and category effects, each user's taste for categories, the ad's position, the hour and the device.
+Training reads them back with TFRecordDataset and parse_example; each categorical feature has an nn.Embedding,
+and the large tables are cut into slices across the 2 PS.
+
+    python examples/click_through.py                  # a local cluster: chief, 2 PS, 2 workers
+    shardflow launch --workers 4 --ps 2 examples/click_through.py
+
+The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from summary import print_summary
+
+import shardflow as sf
+from shardflow import data
+
+# Categorical features: (ids, embedding size). Item ids decide the category.
+VOCABULARIES = {"user_id": (10_000, 16), "item_id": (2_000, 16), "category": (50, 8), "hour": (24, 4), "device": (3, 2)}
+FEATURES = {
+    **{name: data.FixedLenFeature([], np.int64) for name in VOCABULARIES},
+    "position": data.FixedLenFeature([], np.float32),
+    "click": data.FixedLenFeature([], np.int64),
+}
+BATCH_SIZE = 256
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=100_000, help="training click records to generate (100000)")
+    # More passes overfit the rare ids' rows (the "one-epoch phenomenon" of click models).
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the training logs, cluster-wide (1)")
+    parser.add_argument("--data-dir", default="runs/click_logs", help="where the TFRecord files are written")
+    parser.add_argument("--model-dir", default="runs/click_through", help="checkpoints, logs, TensorBoard")
+    return parser.parse_args()
+
+
+def generate_click_logs(directory: Path, num_train: int, seed: int = 0) -> dict[str, Any]:
+    """Writes train-*.tfrecord and test-*.tfrecord (a fifth of num_train) once; returns what it wrote."""
+    directory.mkdir(parents=True, exist_ok=True)
+    meta_path = directory / "meta.json"
+    # Every role runs this script: one process writes the files while the others wait for it.
+    with open(directory / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if meta_path.exists():
+            meta = json.loads(meta_path.read_text())
+            if meta["num_train"] != num_train:
+                raise ValueError(
+                    f"{directory} holds {meta['num_train']} training records, not --records {num_train}: "
+                    "pass another --data-dir or delete it"
+                )
+            return meta
+        rng = np.random.default_rng(seed)
+        hidden = _hidden_model(rng)
+        meta = {"num_train": num_train, "num_test": num_train // 5}
+        for split, count, num_files in (("train", num_train, 8), ("test", meta["num_test"], 2)):
+            logs, click_probability = _click_logs(rng, hidden, count)
+            columns = [column.tolist() for column in logs.values()]
+            records = [dict(zip(logs, values, strict=True)) for values in zip(*columns, strict=True)]
+            for index in range(num_files):
+                with data.TFRecordWriter(str(directory / f"{split}-{index:02d}.tfrecord")) as writer:
+                    for record in records[index::num_files]:
+                        writer.write(data.make_example(record))
+            meta[f"{split}_click_rate"] = float(logs["click"].mean())
+            meta[f"{split}_baseline_log_loss"] = _log_loss(logs["click"], meta["train_click_rate"])
+            meta[f"{split}_oracle_log_loss"] = _log_loss(logs["click"], click_probability)
+        meta_path.write_text(json.dumps(meta))
+        return meta
+
+
+def _hidden_model(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """What makes people click, in the generator only: the model has to learn it from the logs."""
+    num_users, num_items, num_categories = (VOCABULARIES[name][0] for name in ("user_id", "item_id", "category"))
+    return {
+        "user_bias": rng.normal(0, 0.5, num_users),
+        "item_bias": rng.normal(0, 0.5, num_items),
+        "item_category": rng.integers(0, num_categories, num_items),
+        "category_bias": rng.normal(0, 0.8, num_categories),
+        # How much each user likes each category: an interaction, which a sum of per-feature biases cannot fit.
+        "user_taste": rng.normal(0, 0.7, (num_users, 4)),
+        "category_style": rng.normal(0, 0.7, (num_categories, 4)),
+        "hour_effect": 0.5 * np.sin(np.arange(24) / 24 * 2 * np.pi),
+        "device_effect": np.array([0.0, -0.4, 0.3]),
+    }
+
+
+def _click_logs(rng: np.random.Generator, hidden: dict[str, np.ndarray], count: int) -> tuple[dict, np.ndarray]:
+    users = _zipf(rng, VOCABULARIES["user_id"][0], count)
+    items = _zipf(rng, VOCABULARIES["item_id"][0], count)
+    categories = hidden["item_category"][items]
+    hours = rng.integers(0, 24, count)
+    devices = rng.choice(3, count, p=[0.6, 0.3, 0.1])
+    positions = rng.integers(1, 6, count).astype(np.float32)
+    logit = (
+        -1.5
+        + hidden["user_bias"][users]
+        + hidden["item_bias"][items]
+        + hidden["category_bias"][categories]
+        + (hidden["user_taste"][users] * hidden["category_style"][categories]).sum(axis=1)
+        + hidden["hour_effect"][hours]
+        + hidden["device_effect"][devices]
+        - 0.3 * (positions - 1)
+    )
+    probability = 1 / (1 + np.exp(-logit))
+    logs = {
+        "user_id": users,
+        "item_id": items,
+        "category": categories,
+        "hour": hours,
+        "device": devices,
+        "position": positions,
+        "click": (rng.random(count) < probability).astype(np.int64),
+    }
+    return logs, probability
+
+
+def _zipf(rng: np.random.Generator, vocabulary_size: int, count: int, exponent: float = 1.1) -> np.ndarray:
+    """Ids in [0, vocabulary_size) with P(k-th most frequent) proportional to 1 / k**exponent."""
+    weights = 1 / np.arange(1, vocabulary_size + 1) ** exponent
+    return rng.permutation(vocabulary_size)[rng.choice(vocabulary_size, count, p=weights / weights.sum())]
+
+
+def _log_loss(clicks: np.ndarray, probability: np.ndarray | float) -> float:
+    probability = np.clip(probability, 1e-7, 1 - 1e-7)
+    return float(-np.mean(clicks * np.log(probability) + (1 - clicks) * np.log(1 - probability)))
+
+
+class ClickModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings = torch.nn.ModuleDict(
+            {name: torch.nn.Embedding(size, dim) for name, (size, dim) in VOCABULARIES.items()}
+        )
+        for table in self.embeddings.values():
+            # Small initial rows: a rare id then starts near "no effect" instead of at a random one.
+            torch.nn.init.normal_(table.weight, std=0.01)
+        width = sum(dim for _, dim in VOCABULARIES.values()) + 1
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+
+    def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        columns = [table(features[name]) for name, table in self.embeddings.items()]
+        columns.append(features["position"].unsqueeze(1))
+        return self.mlp(torch.cat(columns, dim=1)).squeeze(1)
+
+
+def loss_fn(model: ClickModel, features: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.binary_cross_entropy_with_logits(model(features), features["click"].float())
+
+
+def auc(model: ClickModel, features: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Area under the ROC curve: the chance that a random click scores above a random non-click."""
+    ranks = model(features).argsort().argsort().double() + 1
+    clicked = features["click"].bool()
+    num_clicks, num_others = clicked.sum(), (~clicked).sum()
+    return (ranks[clicked].sum() - num_clicks * (num_clicks + 1) / 2) / (num_clicks * num_others)
+
+
+def main() -> None:
+    args = parse_args()
+    data_dir = Path(args.data_dir)
+    meta = generate_click_logs(data_dir, args.records)
+
+    def input_fn(ctx: sf.InputContext) -> data.Dataset:
+        files = data.Dataset.list_files(str(data_dir / "train-*.tfrecord"), shuffle=True, seed=0)
+        files = data.auto_shard(files, ctx.num_workers, ctx.worker_index, data.AutoShardPolicy.FILE)
+        return (
+            files.interleave(data.TFRecordDataset, cycle_length=4, num_parallel_calls=data.AUTOTUNE)
+            .shuffle(10_000)
+            .batch(BATCH_SIZE)
+            .map(lambda records: data.parse_example(records, FEATURES), num_parallel_calls=data.AUTOTUNE)
+            .prefetch(data.AUTOTUNE)
+        )
+
+    def eval_input_fn(ctx: sf.InputContext) -> data.Dataset:
+        # One batch holding the whole test set, so that the AUC is over all of it, not a mean over batches.
+        records = data.TFRecordDataset(sorted(str(path) for path in data_dir.glob("test-*.tfrecord")))
+        return records.batch(meta["num_test"]).map(lambda batch: data.parse_example(batch, FEATURES))
+
+    est = sf.Estimator(
+        model_fn=ClickModel,
+        loss_fn=loss_fn,
+        optimizer=sf.optim.Adam(lr=3e-3),
+        strategy=sf.ParameterServerStrategy(
+            num_ps=2,
+            num_workers=2,
+            mode="async",
+            # Slices of at least 32 KiB: the user (640 KB) and item (128 KB) tables are cut across both PS; with
+            # the default 256 KiB only the user table would be.
+            partitioner=sf.Partitioner(min_slice_bytes=32 << 10),
+        ),
+        model_dir=args.model_dir,
+    )
+    result = sf.train_and_evaluate(
+        est,
+        sf.TrainSpec(input_fn, epochs=args.epochs),
+        sf.EvalSpec(eval_input_fn, metrics={"auc": auc}),
+    )
+
+    print_summary(
+        f"click_through: embeddings + MLP on {meta['num_train']} generated click logs in {data_dir} "
+        f"(click rate {meta['train_click_rate']:.1%}); async PS training",
+        est,
+        result,
+        [
+            f"test log-loss    {result.metrics['loss']:.4f}  (baseline, the training click rate for everyone: "
+            f"{meta['test_baseline_log_loss']:.4f}; the generator's true probabilities: "
+            f"{meta['test_oracle_log_loss']:.4f})",
+            f"test AUC         {result.metrics['auc']:.3f}  (baseline 0.5)",
+            *_table_placement(Path(result.checkpoint)),
+        ],
+    )
+
+
+def _table_placement(checkpoint: Path) -> list[str]:
+    """Where the checkpoint says each embedding table's rows live."""
+    pieces = json.loads((checkpoint / "manifest.json").read_text())["placement"]["pieces"]
+    lines = []
+    for name in VOCABULARIES:
+        slices = [p for p in pieces if p["name"] == f"embeddings.{name}.weight"]
+        where = ", ".join(f"rows {p['rows'][0]}-{p['rows'][1]} on ps:{p['ps']}" for p in slices)
+        lines.append(f"embedding table  {name} {'x'.join(map(str, slices[0]['shape']))}: {where}")
+    return lines
+
+
+if __name__ == "__main__":
+    main()
