@@ -50,6 +50,11 @@ def stdlib_sources(max_files: int | None) -> tuple[list[str], list[str]]:
         for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
         if "site-packages" not in path and "dist-packages" not in path
     )[:max_files]
+    if len(files) < HELD_OUT_EVERY:
+        raise ValueError(
+            f"found {len(files)} .py files under {root}; this example needs at least {HELD_OUT_EVERY} of the "
+            "standard library's sources (check --max-files)"
+        )
     held_out = files[::HELD_OUT_EVERY]
     return sorted(set(files) - set(held_out)), held_out
 
