@@ -234,9 +234,21 @@ class LocalLauncher:
             raise RuntimeError("call LocalLauncher.start() first")
 
 
+THREADS_ENV = "SHARDFLOW_LOCAL_THREADS"
+
+
+def local_threads(spec: ClusterSpec) -> dict[str, str]:
+    """The environment that shares this machine's cores among the roles: otherwise every worker starts one
+    torch thread per core and they oversubscribe the machine many times over. A value the user set is kept."""
+    if THREADS_ENV in os.environ:
+        return {}
+    roles = max(spec.num("worker") + spec.num("ps"), 1)
+    return {THREADS_ENV: str(max(1, (os.cpu_count() or 1) // roles))}
+
+
 def run_local(spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0) -> int:
     """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`)."""
-    launcher = LocalLauncher(spec, command)
+    launcher = LocalLauncher(spec, command, env=local_threads(spec))
     previous = _install_interrupt_handlers()
     try:
         launcher.start()

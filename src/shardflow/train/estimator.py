@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from shardflow.cluster.launcher import LocalLauncher, RoleExit
+from shardflow.cluster.launcher import THREADS_ENV, LocalLauncher, RoleExit, local_threads
 from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.ps.client import ParameterClient
@@ -201,8 +201,8 @@ def _run_other_role(
     spec: ClusterSpec,
     task: TaskSpec,
 ) -> NoReturn:
-    if os.environ.get("SHARDFLOW_LOCAL_THREADS"):
-        torch.set_num_threads(int(os.environ["SHARDFLOW_LOCAL_THREADS"]))
+    if os.environ.get(THREADS_ENV):
+        torch.set_num_threads(int(os.environ[THREADS_ENV]))
     role = _connect(est, spec, task)
     try:
         if task.type == "ps":
@@ -258,12 +258,11 @@ def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | N
     strategy = est.strategy
     spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps, evaluator=strategy.evaluator)
     chief = TaskSpec("chief", 0)
-    threads = max(1, (os.cpu_count() or 1) // (strategy.num_workers + strategy.num_ps))
     launcher = LocalLauncher(
         spec,
         _embedded_command(),
         skip=[chief],
-        env={"SHARDFLOW_LOCAL_THREADS": str(threads)},
+        env=local_threads(spec),
         log_dir=est.model_dir / "logs",
     )
     failures: list[RoleExit] = []
