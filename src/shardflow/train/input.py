@@ -37,7 +37,14 @@ class InputPosition:
         if state:
             self.consumed = int(state["consumed"])
             if self._stateful and state.get("inner") is not None:
-                iterator.set_state(state["inner"])  # type: ignore[attr-defined]
+                try:
+                    iterator.set_state(state["inner"])  # type: ignore[attr-defined]
+                except (KeyError, TypeError, ValueError, IndexError) as error:
+                    raise ValueError(
+                        f"the input position saved in the checkpoint does not fit this input pipeline "
+                        f"({type(error).__name__}: {error}); was input_fn changed since? Train from a fresh "
+                        "model_dir, or restore with the pipeline that wrote the checkpoint"
+                    ) from error
             else:
                 for _ in itertools.islice(iterator, self.consumed):
                     pass
