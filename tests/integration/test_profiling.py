@@ -138,3 +138,28 @@ def test_on_demand_capture_of_a_running_job(start_job, tmp_path):
     assert check_legal(trace) == []
     returncode, out = job.finish(timeout_s=120)
     assert returncode == 0, out
+
+
+def test_op_level_detail_is_folded_into_the_capture(run_job):
+    proc, result = run_job(
+        "regression.py",
+        mode="sync",
+        num_ps=1,
+        num_workers=2,
+        epochs=1,
+        num_batches=60,
+        profile_steps=[10, 12],
+        profile_ops=True,
+    )
+    assert proc.returncode == 0, proc.stdout
+    from shardflow.profile.capture import finalize
+    from shardflow.profile.events import load
+
+    table = load(finalize(result["profile_dir"])).to_pylist()
+    ops = [row for row in table if row["cat"] == "op"]
+    assert any(row["name"].startswith("aten::") and row["role"].startswith("worker:") for row in ops)
+    # Python source attribution reaches the user's own loss function.
+    assert any(row["source"] and "regression.py" in row["source"] for row in ops)
+    assert any(row["shape"] for row in ops)
+    # Allocations with the op and shape that made them.
+    assert any(row["cat"] == "memory" and row["op"] and row["bytes"] for row in table)
