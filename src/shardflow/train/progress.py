@@ -39,6 +39,8 @@ class ProgressDisplay:
         return f"{elapsed / fraction - elapsed:.0f}s" if 0 < fraction < 1 else "0s"
 
     def update(self, step: int, progress: dict[str, dict[str, Any]]) -> None:
+        if not progress:
+            return  # no worker has reported yet
         losses = [p["loss"] for p in progress.values() if p.get("local_step")]
         loss = sum(losses) / len(losses) if losses else float("nan")
         epochs = [p.get("epoch", 0) for p in progress.values()]
