@@ -52,8 +52,13 @@ def test_autotuned_buffers_respect_the_ram_budget() -> None:
     small = data.Options()
     small.autotune.ram_budget = 8 * 1000
     assert options_module.autotuned_buffer_size(element_nbytes=500, options=small) == 2
-    assert options_module.autotuned_buffer_size(element_nbytes=1, options=small) == 32
+    assert options_module.autotuned_buffer_size(element_nbytes=1, options=small) == 1000
     assert options_module.autotuned_buffer_size(element_nbytes=10**9, options=small) == 1
+
+
+def test_autotuned_buffers_hold_32_elements_or_1_mib_of_small_ones() -> None:
+    assert options_module.autotuned_buffer_size(element_nbytes=1 << 20, options=data.Options()) == 32
+    assert options_module.autotuned_buffer_size(element_nbytes=128, options=data.Options()) == 8192
 
 
 def test_deterministic_option_applies_when_map_leaves_it_unset() -> None:

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from shardflow.data import structure
-from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator
+from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator, has_bulk_next
 
 
 def _positive(value: Any, argument: str) -> int:
@@ -80,15 +80,22 @@ class _BatchIterator(UnaryIterator[Any]):
     def __init__(self, input_iterator: DatasetIterator[Any], dataset: BatchDataset) -> None:
         super().__init__(input_iterator)
         self._dataset = dataset
+        self._bulk = has_bulk_next(input_iterator)
 
     def __next__(self) -> Any:
-        elements = []
-        for _ in range(self._dataset._batch_size):
-            try:
-                elements.append(next(self._input))
-            except StopIteration:
-                break
-        if not elements or (self._dataset._drop_remainder and len(elements) < self._dataset._batch_size):
+        batch_size = self._dataset._batch_size
+        elements: list[Any] = []
+        # An input error ends the batch: it is raised and the elements gathered so far are dropped, as in tf.data.
+        try:
+            if self._bulk:
+                while len(elements) < batch_size:
+                    elements += self._input.next_many(batch_size - len(elements))
+            else:
+                for _ in range(batch_size):
+                    elements.append(next(self._input))
+        except StopIteration:
+            pass
+        if not elements or (self._dataset._drop_remainder and len(elements) < batch_size):
             raise StopIteration
         return self._dataset._combine(elements)
 

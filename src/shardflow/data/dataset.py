@@ -39,6 +39,13 @@ class DatasetIterator(abc.ABC, Iterator[T], Generic[T]):
     @abc.abstractmethod
     def set_state(self, state: State) -> None: ...
 
+    def next_many(self, max_count: int) -> list[T]:
+        """The next elements, as many `next()` calls would return them: at least one and at most `max_count`. It
+        returns early before an element whose production raises, so that only a call that would return nothing
+        raises (StopIteration at the end). Iterators that hold elements in lists override this to hand over a
+        slice; this default returns one element, and `has_bulk_next` tells the two apart."""
+        return [next(self)]
+
     def close(self) -> None:
         """Release threads, processes and files. Iterators without any keep this no-op."""
 
@@ -309,16 +316,26 @@ class UnaryIterator(DatasetIterator[T]):
         return self._input.deterministic
 
 
+def has_bulk_next(iterator: DatasetIterator[Any]) -> bool:
+    """Whether `iterator.next_many` returns more than one element per call (rather than the default one)."""
+    return type(iterator).next_many is not DatasetIterator.next_many
+
+
 def replay(iterator: DatasetIterator[Any], count: int) -> None:
     """Advances `iterator` by `count` elements, counting those whose production raised, to reach a position saved
     as (state, elements after it): cheaper than a state per element for the stages that run ahead."""
-    for _ in range(count):
+    bulk = has_bulk_next(iterator)
+    while count > 0:
         try:
-            next(iterator)
+            if bulk:
+                count -= len(iterator.next_many(count))
+            else:
+                next(iterator)
+                count -= 1
         except StopIteration:
             return
         except Exception:
-            continue
+            count -= 1
 
 
 def active_options() -> Options:

@@ -6,7 +6,16 @@ from collections.abc import Callable
 from typing import Any
 
 from shardflow.data import structure
-from shardflow.data.dataset import Dataset, DatasetIterator, IterationScope, State, UnaryDataset, UnaryIterator
+from shardflow.data.dataset import (
+    Dataset,
+    DatasetIterator,
+    IterationScope,
+    State,
+    UnaryDataset,
+    UnaryIterator,
+    has_bulk_next,
+    replay,
+)
 from shardflow.data.options import AUTOTUNE, cpu_budget, resolve_parallelism
 from shardflow.data.prefetch import PrefetchIterator
 
@@ -59,14 +68,82 @@ class InterleaveDataset(UnaryDataset[Any]):
         return dataset
 
 
-class _Place:
-    """One of the cycle's open inputs."""
+# Elements asked of an open input at a time when it hands them over in lists; what it returns may be fewer.
+_REFILL_ELEMENTS = 4096
 
-    __slots__ = ("input_state", "iterator")
+# What `_Place.fill` found: elements to return, an exhausted input, or an outcome to hold back until the elements
+# already collected by the caller are returned.
+_READY, _EXHAUSTED, _HOLD = 0, 1, 2
+
+
+class _Place:
+    """One of the cycle's open inputs and the elements read from it but not yet returned.
+
+    Its position is `anchor`, the iterator's state before `buffer`, plus the `position` elements of `buffer` already
+    returned; once those are all returned and nothing is `pending`, it is the iterator's own state. `pending` is what
+    the iterator raised after `buffer` (StopIteration or an error), raised when the cycle reaches it. An input is read
+    ahead of the cycle only if replaying it after a restore gives the same elements (it is deterministic)."""
+
+    __slots__ = ("anchor", "buffer", "bulk", "input_state", "iterator", "pending", "position")
 
     def __init__(self, iterator: DatasetIterator[Any], input_state: State) -> None:
         self.iterator = iterator
         self.input_state = input_state
+        self.bulk = has_bulk_next(iterator)
+        self.buffer: list[Any] = []
+        self.position = 0
+        self.anchor: State | None = None
+        self.pending: BaseException | None = None
+
+    def available(self) -> int:
+        return len(self.buffer) - self.position
+
+    def fill(self, hold: bool, block_length: int) -> int:
+        """Reads the next elements once the buffer is used up. With `hold`, an error is not raised but kept for
+        when the cycle reaches this input again (_HOLD), as is any read from an input that cannot be replayed."""
+        pending = self.pending
+        if pending is not None:
+            if not isinstance(pending, StopIteration) and hold:
+                return _HOLD
+            self.pending = self.anchor = None
+            if isinstance(pending, StopIteration):
+                return _EXHAUSTED
+            raise pending
+        deterministic = self.iterator.deterministic
+        if not hold and not (self.bulk and deterministic):
+            # One element, returned at once: the iterator's own state stays exact, no anchor needed.
+            try:
+                self.buffer, self.position = [next(self.iterator)], 0
+            except StopIteration:
+                return _EXHAUSTED
+            return _READY
+        if not deterministic:
+            return _HOLD
+        anchor = self.iterator.get_state()
+        buffer: list[Any] = []
+        try:
+            if self.bulk:
+                buffer = self.iterator.next_many(_REFILL_ELEMENTS)
+            else:
+                while len(buffer) < block_length:
+                    buffer.append(next(self.iterator))
+        except Exception as error:
+            if not buffer and isinstance(error, StopIteration):
+                # Kept for when the cycle reaches this input, if it was read ahead of the cycle.
+                self.buffer, self.position, self.anchor, self.pending = [], 0, anchor, error
+                return _EXHAUSTED
+            if not buffer and not hold:
+                raise  # the iterator's own state is past the failed element, as after a failed next()
+            self.pending = error
+        self.buffer, self.position, self.anchor = buffer, 0, anchor
+        return _READY if buffer else _HOLD
+
+    def state(self) -> tuple[State, int]:
+        """The iterator's state and the number of elements to replay after it."""
+        if self.pending is None and self.position == len(self.buffer):
+            return self.iterator.get_state(), 0
+        assert self.anchor is not None
+        return self.anchor, self.position
 
 
 class _InterleaveIterator(UnaryIterator[Any]):
@@ -85,25 +162,77 @@ class _InterleaveIterator(UnaryIterator[Any]):
         self._end_of_input = False
 
     def __next__(self) -> Any:
-        while not self._end_of_input or self._num_open > 0:
-            place = self._places[self._cycle_index]
+        return self.next_many(1)[0]
+
+    def next_many(self, max_count: int) -> list[Any]:
+        out: list[Any] = []
+        places = self._places
+        cycle = len(places) * self._block_length
+        while len(out) < max_count:
+            if (
+                max_count - len(out) >= cycle
+                and self._block_index == 0
+                and self._num_open == len(places)
+                and self._full_rounds(max_count, out)
+            ):
+                continue
+            place = places[self._cycle_index]
             if place is None:
                 if self._end_of_input:
+                    if not self._num_open:
+                        break
                     self._next_in_cycle()
+                elif out:
+                    break  # opening reads the input, whose errors must not overtake the elements in `out`
                 else:
                     self._open_next_input()
                 continue
-            try:
-                element = next(place.iterator)
-            except StopIteration:
-                self._close_place(self._cycle_index)
-                self._next_in_cycle()
-                continue
-            self._block_index += 1
+            if not place.available():
+                outcome = place.fill(bool(out), self._block_length)
+                if outcome == _HOLD:
+                    break
+                if outcome == _EXHAUSTED:
+                    self._close_place(self._cycle_index)
+                    self._next_in_cycle()
+                    continue
+            take = min(self._block_length - self._block_index, place.available(), max_count - len(out))
+            out += place.buffer[place.position : place.position + take]
+            place.position += take
+            self._block_index += take
             if self._block_index == self._block_length:
                 self._next_in_cycle()
-            return element
-        raise StopIteration
+        if not out:
+            raise StopIteration
+        return out
+
+    def _full_rounds(self, max_count: int, out: list[Any]) -> bool:
+        """Appends as many whole cycles (a block from every input in turn) as the inputs' buffers hold, with a slice
+        per block rather than a step per element; False if not one whole cycle is buffered."""
+        places = [place for place in self._places if place is not None]
+        block_length = self._block_length
+        for place in places:
+            available = place.available()
+            if available < block_length and (available or place.fill(True, block_length) != _READY):
+                return False
+        rounds = min(
+            min(place.available() for place in places) // block_length,
+            (max_count - len(out)) // (len(places) * block_length),
+        )
+        if not rounds:
+            return False
+        order = places[self._cycle_index :] + places[: self._cycle_index]
+        if block_length == 1:
+            start = len(out)
+            out += [None] * (rounds * len(order))
+            for offset, place in enumerate(order):
+                out[start + offset :: len(order)] = place.buffer[place.position : place.position + rounds]
+                place.position += rounds
+            return True
+        for _ in range(rounds):
+            for place in order:
+                out += place.buffer[place.position : place.position + block_length]
+                place.position += block_length
+        return True
 
     def _next_in_cycle(self) -> None:
         self._block_index = 0
@@ -119,12 +248,13 @@ class _InterleaveIterator(UnaryIterator[Any]):
         self._places[self._cycle_index] = _Place(self._iterate(self._dataset._open(element)), input_state)
         self._num_open += 1
 
-    def _iterate(self, dataset: Dataset[Any], state: State | None = None) -> DatasetIterator[Any]:
+    def _iterate(self, dataset: Dataset[Any], state: State | None = None, skip: int = 0) -> DatasetIterator[Any]:
         iterator = self._scope.iter(dataset)
         if self._read_ahead:
             iterator = PrefetchIterator(iterator, AUTOTUNE)
         if state is not None:
             iterator.set_state(state)
+            replay(iterator, skip)
         if isinstance(iterator, PrefetchIterator):
             iterator.start()
         return iterator
@@ -141,10 +271,13 @@ class _InterleaveIterator(UnaryIterator[Any]):
         return self._input.deterministic and all(place.iterator.deterministic for place in self._places if place)
 
     def get_state(self) -> State:
-        places = [
-            None if place is None else {"input": place.input_state, "state": place.iterator.get_state()}
-            for place in self._places
-        ]
+        places: list[State | None] = []
+        for place in self._places:
+            if place is None:
+                places.append(None)
+                continue
+            state, skip = place.state()
+            places.append({"input": place.input_state, "state": state, "skip": skip})
         return {
             "input": self._input.get_state(),
             "cycle_index": self._cycle_index,
@@ -175,7 +308,7 @@ class _InterleaveIterator(UnaryIterator[Any]):
             element = next(reader)
         finally:
             reader.close()
-        return self._iterate(self._dataset._open(element), saved["state"])
+        return self._iterate(self._dataset._open(element), saved["state"], int(saved["skip"]))
 
     def close(self) -> None:
         for index in range(len(self._places)):

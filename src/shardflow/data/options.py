@@ -14,8 +14,10 @@ T = TypeVar("T")
 AUTOTUNE = -1
 """Let shardflow pick a parallelism or buffer size within the CPU and RAM budget of `Options.autotune`."""
 
-# An autotuned buffer holds at most this many elements and at most this share of the RAM budget.
-_MAX_AUTOTUNED_BUFFER = 32
+# An autotuned buffer holds 32 elements, or more small ones up to 1 MiB (a queue handover per few records would
+# cost more than reading them), and at most this share of the RAM budget.
+_AUTOTUNED_BUFFER_ELEMENTS = 32
+_AUTOTUNED_BUFFER_BYTES = 1 << 20
 _BUFFER_SHARE_OF_RAM_BUDGET = 8
 
 
@@ -129,9 +131,12 @@ def resolve_deterministic(deterministic: bool | None) -> bool:
 
 
 def autotuned_buffer_size(element_nbytes: int, options: Options | None = None) -> int:
-    """How many elements of this size an AUTOTUNE buffer holds: at most 32, and at most 1/8 of the RAM budget."""
+    """How many elements of this size an AUTOTUNE buffer holds: 32, or as many as fit in 1 MiB if that is more, and
+    at most 1/8 of the RAM budget."""
     options = options or active_options()
     if options.autotune.enabled is False:
         return 1
-    fits = ram_budget(options) // _BUFFER_SHARE_OF_RAM_BUDGET // max(1, element_nbytes)
-    return int(max(1, min(_MAX_AUTOTUNED_BUFFER, fits)))
+    element_nbytes = max(1, element_nbytes)
+    wanted = max(_AUTOTUNED_BUFFER_ELEMENTS, _AUTOTUNED_BUFFER_BYTES // element_nbytes)
+    fits = ram_budget(options) // _BUFFER_SHARE_OF_RAM_BUDGET // element_nbytes
+    return int(max(1, min(wanted, fits)))

@@ -9,13 +9,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shardflow.data.dataset import DatasetIterator, State, UnaryIterator, replay
+from shardflow.data.dataset import DatasetIterator, State, UnaryIterator, has_bulk_next, replay
 from shardflow.data.mapping import apply_map
 
 Outcome = tuple[Any, Exception | None]
 """A mapped element, or the error its map_func raised."""
-
-_MAX_CHUNK_ELEMENTS = 64
 
 
 Position = tuple[State, int]
@@ -52,9 +50,36 @@ class OrderLedger:
             return None
         return number
 
+    def produced_run(self, anchor: State, pulled: int, count: int) -> list[int]:
+        """`produced` for `count` elements read one after another, the first ending at (anchor, pulled + 1), when
+        none was returned before a restore (`replaying` is False)."""
+        first = self._next_number
+        self._next_number += count
+        numbers = range(first, first + count)
+        positions = [(anchor, skip) for skip in range(pulled + 1, pulled + count + 1)]
+        self._positions.update(zip(numbers, positions, strict=True))
+        return list(numbers)
+
+    @property
+    def replaying(self) -> bool:
+        """Whether elements returned before a restore are still to be produced (and dropped)."""
+        return bool(self._returned) and max(self._returned) >= self._next_number
+
     def returned(self, number: int) -> None:
         self._returned.add(number)
         self._advance()
+
+    def returned_many(self, numbers: list[int]) -> None:
+        """`returned` for each of `numbers`, without a step per element when they extend the prefix."""
+        if numbers and numbers[0] == self._prefix and not self._returned and numbers[-1] - numbers[0] < len(numbers):
+            positions = self._positions
+            self._prefix_position = positions[numbers[-1]]
+            for number in numbers:
+                del positions[number]
+            self._prefix += len(numbers)
+            return
+        for number in numbers:
+            self.returned(number)
 
     def _advance(self) -> None:
         while self._prefix in self._returned:
@@ -80,6 +105,18 @@ def map_chunk(map_func: Callable[..., Any], elements: list[Any]) -> tuple[list[O
     return outcomes, time.perf_counter() - started
 
 
+class _Done:
+    """A chunk's outcomes waiting for the consumer, from `position` on; `errors` is None when it holds none."""
+
+    __slots__ = ("errors", "numbers", "position", "values")
+
+    def __init__(self, numbers: list[int], values: list[Any], errors: list[Exception | None] | None) -> None:
+        self.numbers = numbers
+        self.values = values
+        self.errors = errors
+        self.position = 0
+
+
 class _Chunk:
     __slots__ = ("error", "handle", "numbers")
 
@@ -100,6 +137,7 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
     """
 
     _target_chunk_s = 0.002
+    _max_chunk_elements = 64
 
     def __init__(
         self, input_iterator: DatasetIterator[Any], map_func: Callable[..., Any], parallelism: int, deterministic: bool
@@ -109,7 +147,7 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
         self._parallelism = parallelism
         self._deterministic = deterministic
         self._pending: collections.deque[_Chunk] = collections.deque()
-        self._ready: collections.deque[tuple[int, Any, Exception | None]] = collections.deque()
+        self._ready: collections.deque[_Done] = collections.deque()
         self._ledger = OrderLedger((input_iterator.get_state(), 0))
         self._chunk_size = 1
         self._input_done = False
@@ -131,6 +169,29 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
         """Waits until one of the submitted chunks (in submission order) is done; returns its index."""
 
     def __next__(self) -> Any:
+        done = self._next_done()
+        index = done.position
+        self._consumed(done, index + 1)
+        self._ledger.returned(done.numbers[index])
+        error = None if done.errors is None else done.errors[index]
+        if error is not None:
+            raise error
+        return done.values[index]
+
+    def next_many(self, max_count: int) -> list[Any]:
+        done = self._next_done()
+        start = done.position
+        end = min(start + max_count, len(done.numbers))
+        if done.errors is not None:
+            end = next((index for index in range(start, end) if done.errors[index] is not None), end)
+            if end == start:
+                return [next(self)]  # raises the error
+        self._consumed(done, end)
+        self._ledger.returned_many(done.numbers[start:end])
+        return done.values[start:end]
+
+    def _next_done(self) -> _Done:
+        """The chunk whose outcomes come next, waiting for one if none is ready."""
         while not self._ready:
             self._submit_while_room()
             if not self._pending:
@@ -138,12 +199,13 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
             index = 0 if self._deterministic else self._finished_index()
             chunk = self._pending[index]
             del self._pending[index]
-            self._ready.extend(self._outcomes(chunk))
-        number, value, error = self._ready.popleft()
-        self._ledger.returned(number)
-        if error is not None:
-            raise error
-        return value
+            self._ready.append(self._outcomes(chunk))
+        return self._ready[0]
+
+    def _consumed(self, done: _Done, position: int) -> None:
+        done.position = position
+        if position == len(done.numbers):
+            self._ready.popleft()
 
     def _finished_index(self) -> int:
         for index, chunk in enumerate(self._pending):
@@ -151,45 +213,67 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
                 return index
         return self._wait_any([chunk.handle for chunk in self._pending])
 
-    def _outcomes(self, chunk: _Chunk) -> list[tuple[int, Any, Exception | None]]:
+    def _outcomes(self, chunk: _Chunk) -> _Done:
         if chunk.handle is None:
-            return [(chunk.numbers[0], None, chunk.error)]
+            return _Done(chunk.numbers, [None], [chunk.error])
         outcomes, seconds = self._collect(chunk.handle)
         fits = int(self._target_chunk_s * len(outcomes) / max(seconds, 1e-6))
-        self._chunk_size = max(1, min(_MAX_CHUNK_ELEMENTS, fits))
-        return [(number, value, error) for number, (value, error) in zip(chunk.numbers, outcomes, strict=True)]
+        self._chunk_size = max(1, min(self._max_chunk_elements, fits))
+        errors = [error for _, error in outcomes]
+        return _Done(chunk.numbers, [value for value, _ in outcomes], errors if any(errors) else None)
 
     def _submit_while_room(self) -> None:
+        bulk = has_bulk_next(self._input)
         while not self._input_done and self._has_room():
-            elements: list[Any] = []
-            numbers: list[int] = []
-            failed: _Chunk | None = None
             # One get_state() per chunk: an element's position is the chunk's start plus the elements read since,
             # unless the input may reorder on restore, where only a state per element is exact.
-            anchor, pulled, exact = self._input.get_state(), 0, self._input.deterministic
-            while len(elements) < self._chunk_size and failed is None:
-                error: Exception | None = None
-                try:
-                    element = next(self._input)
-                except StopIteration:
-                    self._input_done = True
-                    break
-                except Exception as raised:
-                    error = raised
-                pulled += 1
-                number = self._ledger.produced((anchor, pulled) if exact else (self._input.get_state(), 0))
-                if number is None:
-                    continue
-                if error is not None:
-                    # An input error keeps its place: the chunk so far goes first, then the error.
-                    failed = _Chunk(None, [number], error)
-                else:
-                    elements.append(element)
-                    numbers.append(number)
+            anchor, exact = self._input.get_state(), self._input.deterministic
+            if bulk and exact and not self._ledger.replaying:
+                elements, numbers, failed = self._read_run(anchor)
+            else:
+                elements, numbers, failed = self._read_each(anchor, exact)
             if elements:
                 self._pending.append(_Chunk(self._submit(elements), numbers))
             if failed is not None:
                 self._pending.append(failed)
+
+    def _read_run(self, anchor: State) -> tuple[list[Any], list[int], _Chunk | None]:
+        """A chunk's elements read with `next_many`, numbered a run at a time, and the input error after them."""
+        elements: list[Any] = []
+        try:
+            while len(elements) < self._chunk_size:
+                elements += self._input.next_many(self._chunk_size - len(elements))
+        except StopIteration:
+            self._input_done = True
+        except Exception as error:
+            numbers = self._ledger.produced_run(anchor, 0, len(elements) + 1)
+            return elements, numbers[:-1], _Chunk(None, numbers[-1:], error)
+        return elements, self._ledger.produced_run(anchor, 0, len(elements)), None
+
+    def _read_each(self, anchor: State, exact: bool) -> tuple[list[Any], list[int], _Chunk | None]:
+        """A chunk's elements read one by one, and the input error after them."""
+        elements: list[Any] = []
+        numbers: list[int] = []
+        pulled = 0
+        while len(elements) < self._chunk_size:
+            error: Exception | None = None
+            try:
+                element = next(self._input)
+            except StopIteration:
+                self._input_done = True
+                break
+            except Exception as raised:
+                error = raised
+            pulled += 1
+            number = self._ledger.produced((anchor, pulled) if exact else (self._input.get_state(), 0))
+            if number is None:
+                continue
+            if error is not None:
+                # An input error keeps its place: the chunk so far goes first, then the error.
+                return elements, numbers, _Chunk(None, [number], error)
+            elements.append(element)
+            numbers.append(number)
+        return elements, numbers, None
 
     @property
     def deterministic(self) -> bool:

@@ -15,16 +15,16 @@ from shardflow.data.dataset import (
     UnaryDataset,
     UnaryIterator,
     active_options,
+    has_bulk_next,
     replay,
 )
 from shardflow.data.options import AUTOTUNE, Options, autotuned_buffer_size
 
 T = TypeVar("T")
 
-_VALUE, _ERROR, _END = 0, 1, 2
-Item = tuple[int, Any]
-Batch = tuple[State, list[Item], State]
-"""The input's state before the items, the items, and its state after them."""
+Handover = tuple[State, list[Any], BaseException | None, State]
+"""A list passed from the thread: the input's state before its elements, the elements, what the input raised after
+them (StopIteration at the end, or an error; None if nothing), and the input's state after all that."""
 # How often a blocked producer checks whether it should stop.
 _POLL_S = 0.05
 # A buffer of n elements is handed over in lists of up to n / 4 elements (a queue of about 4 lists).
@@ -56,13 +56,13 @@ class PrefetchIterator(UnaryIterator[T]):
     """Runs `input_iterator` on a background thread, about `buffer_size` elements ahead (AUTOTUNE: sized from
     the first element against the RAM budget). The thread starts on the first `next()` or on `start()`.
 
-    Elements cross between the threads in small lists (handed over early whenever the consumer has nothing), because a
-    queue operation per element costs more than producing a simple element. Each list carries the input's state before
-    its first element and after its last, so the iterator's state is the state after the last list it finished, or the
-    state before the current list plus the elements consumed from it: a restore sets the input there and replays those
-    elements, re-running what was buffered but not consumed. One `get_state()` per list instead of one per element keeps
-    the sources' state off the hot path; over an input that may reorder on restore, every list holds one element, so
-    the state is always an exact one.
+    Elements cross between the threads in lists (handed over early whenever the consumer has nothing; an input with
+    `next_many` gives whole lists), because a queue operation per element costs more than producing a simple
+    element. Each list carries the input's state before its first element and after its end, so the iterator's
+    state is the state after the last list it finished, or the state before the current list plus the elements
+    consumed from it: a restore sets the input there and replays those elements, re-running what was buffered but not
+    consumed. One `get_state()` per list instead of one per element keeps the sources' state off the hot path; over
+    an input that may reorder on restore, every list holds one element, so the state is always an exact one.
     """
 
     def __init__(self, input_iterator: DatasetIterator[T], buffer_size: int) -> None:
@@ -71,11 +71,12 @@ class PrefetchIterator(UnaryIterator[T]):
         self._options = active_options()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._queue: queue.Queue[Batch] = queue.Queue()
+        self._queue: queue.Queue[Handover] = queue.Queue()
         # The state: the input's state `_base` followed by `_skip` elements.
         self._base = input_iterator.get_state()
         self._skip = 0
-        self._items: list[Item] = []
+        self._elements: list[Any] = []
+        self._raised: BaseException | None = None  # what the input raised after `_elements`
         self._end_state: State = self._base
         self._position = 0
         self._finished = False
@@ -99,25 +100,42 @@ class PrefetchIterator(UnaryIterator[T]):
         self._thread.start()
 
     def __next__(self) -> T:
-        if self._finished:
-            raise StopIteration
-        if self._position == len(self._items):
-            self.start()
-            self._base, self._items, self._end_state = self._queue.get()
-            self._skip, self._position = 0, 0
-        kind, payload = self._items[self._position]
-        if kind == _END:
-            self._finished = True
-            self._join()
-            raise StopIteration
-        self._position += 1
-        if self._position == len(self._items):
+        while self._position == len(self._elements):
+            self._next_list()
+        element = self._elements[self._position]
+        self._consumed(1)
+        return element  # type: ignore[no-any-return]
+
+    def next_many(self, max_count: int) -> list[T]:
+        while self._position == len(self._elements):
+            self._next_list()
+        start = self._position
+        elements = self._elements[start : start + max_count]
+        self._consumed(len(elements))
+        return elements
+
+    def _consumed(self, count: int) -> None:
+        self._position += count
+        if self._position == len(self._elements) and self._raised is None:
             self._base, self._skip = self._end_state, 0
         else:
-            self._skip += 1
-        if kind == _ERROR:
-            raise payload
-        return payload  # type: ignore[no-any-return]
+            self._skip += count
+
+    def _next_list(self) -> None:
+        """Raises what the input raised after the current list, or takes the next list from the thread."""
+        raised = self._raised
+        if raised is not None:
+            self._raised = None
+            self._base, self._skip = self._end_state, 0
+            if isinstance(raised, StopIteration):
+                self._finished = True
+                self._join()
+            raise raised
+        if self._finished:
+            raise StopIteration
+        self.start()
+        self._base, self._elements, self._raised, self._end_state = self._queue.get()
+        self._skip, self._position = 0, 0
 
     def get_state(self) -> State:
         return {"input": self._base, "skip": self._skip}
@@ -127,7 +145,7 @@ class PrefetchIterator(UnaryIterator[T]):
         self._input.set_state(state["input"])
         replay(self._input, int(state["skip"]))
         self._base, self._skip = state["input"], int(state["skip"])
-        self._items, self._position = [], 0
+        self._elements, self._raised, self._position = [], None, 0
         self._finished = False
 
     def _join(self) -> None:
@@ -154,37 +172,39 @@ def _drain(buffer: queue.Queue[Any]) -> None:
 
 def _produce(
     input_iterator: DatasetIterator[Any],
-    buffer: queue.Queue[Batch],
+    buffer: queue.Queue[Handover],
     stop: threading.Event,
     sizing: _Sizing,
     autotune_options: Options | None,
 ) -> None:
-    items: list[Item] = []
+    bulk = has_bulk_next(input_iterator)
     before = input_iterator.get_state()
     while not stop.is_set():
-        item: Item
+        # Over an input that may reorder on restore, every element is its own list, so that the state is exact.
+        deterministic = input_iterator.deterministic
+        elements: list[Any] = []
+        raised: BaseException | None = None
         try:
-            item = (_VALUE, next(input_iterator))
-        except StopIteration:
-            item = (_END, None)
+            if bulk:
+                elements = input_iterator.next_many(sizing.list_length if deterministic else 1)
+            else:
+                elements.append(next(input_iterator))
+                while len(elements) < sizing.list_length and buffer.qsize() and deterministic:
+                    elements.append(next(input_iterator))
         except BaseException as error:
-            item = (_ERROR, error)
-        items.append(item)
-        if autotune_options is not None and item[0] == _VALUE:
-            sizing = _Sizing(autotuned_buffer_size(structure.leaf_nbytes(item[1]), autotune_options))
+            raised = error
+        if autotune_options is not None and elements:
+            sizing = _Sizing(autotuned_buffer_size(structure.leaf_nbytes(elements[0]), autotune_options))
             with buffer.mutex:
                 buffer.maxsize = sizing.queue_length
             autotune_options = None
-        # Over an input that may reorder on restore, every element is its own list, so that the state is exact.
-        if item[0] == _VALUE and len(items) < sizing.list_length and buffer.qsize() and input_iterator.deterministic:
-            continue
         after = input_iterator.get_state()
         while not stop.is_set():
             try:
-                buffer.put((before, items, after), timeout=_POLL_S)
+                buffer.put((before, elements, raised, after), timeout=_POLL_S)
                 break
             except queue.Full:
                 continue
-        if item[0] == _END:
+        if isinstance(raised, StopIteration):
             return
-        items, before = [], after
+        before = after

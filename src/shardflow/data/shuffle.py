@@ -8,7 +8,15 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator, current_epochs
+from shardflow.data.dataset import (
+    Dataset,
+    DatasetIterator,
+    State,
+    UnaryDataset,
+    UnaryIterator,
+    current_epochs,
+    has_bulk_next,
+)
 
 T = TypeVar("T")
 
@@ -57,6 +65,7 @@ class _ShuffleIterator(UnaryIterator[T]):
         self._seed = seed
         self._epochs = epochs
         self._window: list[Any] = []  # already in shuffled order
+        self._raised: list[int] = []  # where in the window errors sit, descending
         self._window_index = 0
         self._position = 0
         # The input's state where the current window starts; None while no window is open.
@@ -68,32 +77,59 @@ class _ShuffleIterator(UnaryIterator[T]):
             self._fill()
         element = self._window[self._position]
         self._window[self._position] = None  # let the consumer own the only reference
-        self._position += 1
+        self._advance(1)
+        if isinstance(element, _Raised):
+            self._raised.pop()
+            raise element.error
+        return element  # type: ignore[no-any-return]
+
+    def next_many(self, max_count: int) -> list[T]:
+        if self._window_start is None:
+            self._fill()
+        start = self._position
+        end = min(start + max_count, len(self._window))
+        if self._raised and self._raised[-1] < end:
+            if self._raised[-1] == start:
+                return [next(self)]  # raises
+            end = self._raised[-1]
+        elements = self._window[start:end]
+        self._advance(end - start)
+        return elements
+
+    def _advance(self, count: int) -> None:
+        self._position += count
         if self._position == len(self._window):
             self._window, self._window_start = [], None
             self._window_index += 1
             self._position = 0
-        if isinstance(element, _Raised):
-            raise element.error
-        return element  # type: ignore[no-any-return]
 
     def _fill(self) -> None:
         if self._exhausted:
             raise StopIteration
         start = self._input.get_state()
         window: list[Any] = []
+        bulk = has_bulk_next(self._input)
+        num_raised = 0
         while len(window) < self._buffer_size:
             try:
-                window.append(next(self._input))
+                if bulk:
+                    window += self._input.next_many(self._buffer_size - len(window))
+                else:
+                    window.append(next(self._input))
             except StopIteration:
                 break
             except Exception as error:
                 window.append(_Raised(error))
+                num_raised += 1
         if not window:
             self._exhausted = True
             raise StopIteration
         self._exhausted = len(window) < self._buffer_size
-        self._window = [window[index] for index in self._permutation(len(window))]
+        self._window = list(map(window.__getitem__, self._permutation(len(window))))
+        raised = (
+            [index for index, element in enumerate(self._window) if isinstance(element, _Raised)] if num_raised else []
+        )
+        self._raised = raised[::-1]
         self._window_start = start
 
     def _permutation(self, size: int) -> list[int]:
@@ -114,9 +150,10 @@ class _ShuffleIterator(UnaryIterator[T]):
         self._seed = int(state["seed"])
         self._epochs = tuple(state["epochs"])
         self._window_index = int(state["window"])
-        self._window, self._window_start, self._exhausted = [], None, False
+        self._window, self._raised, self._window_start, self._exhausted = [], [], None, False
         self._position = 0
         position = int(state["position"])
         if position:
             self._fill()
             self._position = position
+            self._raised = [index for index in self._raised if index >= position]

@@ -40,9 +40,15 @@ class ElementsDataset(Dataset[Any]):
 
 
 class _IndexIterator(DatasetIterator[Any]):
-    def __init__(self, length: int, element_at: Callable[[int], Any]) -> None:
+    def __init__(
+        self,
+        length: int,
+        element_at: Callable[[int], Any],
+        elements_between: Callable[[int, int], list[Any]] | None = None,
+    ) -> None:
         self._length = length
         self._element_at = element_at
+        self._elements_between = elements_between or (lambda start, end: list(map(element_at, range(start, end))))
         self._index = 0
 
     def __next__(self) -> Any:
@@ -50,6 +56,13 @@ class _IndexIterator(DatasetIterator[Any]):
             raise StopIteration
         self._index += 1
         return self._element_at(self._index - 1)
+
+    def next_many(self, max_count: int) -> list[Any]:
+        start = self._index
+        if start >= self._length:
+            raise StopIteration
+        self._index = min(start + max_count, self._length)
+        return self._elements_between(start, self._index)
 
     def get_state(self) -> State:
         return {"index": self._index}
@@ -83,8 +96,15 @@ class TensorSlicesDataset(Dataset[Any]):
     def _element_at(self, index: int) -> Any:
         return structure.pack(self._treedef, [leaf[index] for leaf in self._leaves])
 
+    def _elements_between(self, start: int, end: int) -> list[Any]:
+        # Iterating an array yields what indexing it would (rows, or numpy scalars), without a call per element.
+        if self._treedef is None:
+            return list(self._leaves[0][start:end])
+        rows = zip(*(leaf[start:end] for leaf in self._leaves), strict=True)
+        return [structure.pack(self._treedef, row) for row in rows]
+
     def _iterator(self) -> DatasetIterator[Any]:
-        return _IndexIterator(self._length, self._element_at)
+        return _IndexIterator(self._length, self._element_at, self._elements_between)
 
 
 @dataclasses.dataclass(frozen=True)

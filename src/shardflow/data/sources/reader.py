@@ -95,6 +95,15 @@ class FilesIterator(DatasetIterator[T]):
             return self._batch[count]
         return self._next_batch()
 
+    def next_many(self, max_count: int) -> list[T]:
+        count = self._count
+        if count == len(self._batch):
+            self._next_batch()
+            count = 0
+        end = min(count + max_count, len(self._batch))
+        self._count = end
+        return self._batch[count:end]
+
     def _next_batch(self) -> T:
         filenames = self._dataset.filenames
         while True:
