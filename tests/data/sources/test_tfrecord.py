@@ -5,10 +5,12 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from shardflow.data.sources import DataLossError, TFRecordDataset, TFRecordOptions, TFRecordWriter
-from shardflow.data.sources.tfrecord import masked_crc32c
+from shardflow.data.sources.tfrecord import _record_ends, masked_crc32c
+from shardflow.data.sources.tfrecord_crc import all_intact, first_corrupt
 
 # Sizes around the chunk size used below (7 bytes) and far over it, and an empty record.
 RECORDS = [b"", b"a", b"hello world", bytes(range(256)) * 40, b"x" * 7]
@@ -122,3 +124,32 @@ def test_file_sharding_gives_each_worker_every_nth_file(tmp_path):
     assert list(dataset._shard_files(2, 1)) == [b"1", b"3"]
     with pytest.raises(ValueError, match="at least one file per worker"):
         dataset._shard_files(6, 0)
+
+
+def test_the_chunk_check_agrees_with_each_records_crcs_for_every_flipped_bit(tmp_path):
+    path = write_records(tmp_path / "a.tfrecord", [b"abc", b"", b"defgh" * 7, b"i"])
+    content = Path(path).read_bytes()
+    ends = np.array(_record_ends(content), dtype=np.int64)
+    starts = [0, *ends[:-1].tolist()]
+    assert all_intact(content, ends)
+    for bit in range(len(content) * 8):
+        flipped = bytearray(content)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        flipped_ends = _record_ends(bytes(flipped))
+        if flipped_ends != ends.tolist():
+            continue  # a flipped length frames other records; the reader reports the length's CRC
+        assert not all_intact(bytes(flipped), ends), f"bit {bit}"
+        first_corrupt(bytes(flipped), starts, ends.tolist())  # raises AssertionError if no record is bad
+
+
+def test_a_corrupt_record_after_many_intact_ones_is_named_with_its_offset(tmp_path):
+    records = [b"r%d" % index for index in range(500)]
+    path = write_records(tmp_path / "many.tfrecord", records)
+    content = bytearray(Path(path).read_bytes())
+    offset = sum(16 + len(record) for record in records[:321])
+    content[offset + 12] ^= 0x40
+    Path(path).write_bytes(content)
+    read = iter(TFRecordDataset(path))
+    assert [next(read) for _ in range(321)] == records[:321]
+    with pytest.raises(DataLossError, match=rf"record 321: corrupted data .* at byte offset {offset}"):
+        next(read)

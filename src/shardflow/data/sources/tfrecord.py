@@ -12,24 +12,16 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-import google_crc32c
+import numpy as np
 
 from shardflow.data.sources.errors import DataLossError
 from shardflow.data.sources.files import ByteStream, compression_type_name
 from shardflow.data.sources.reader import FileDataset, RecordReader
+from shardflow.data.sources.tfrecord_crc import FOOTER_BYTES, HEADER_BYTES, all_intact, first_corrupt, masked_crc32c
 
 _HEADER = struct.Struct("<QI")  # length, masked CRC of the length
 _LENGTH = struct.Struct("<Q")
 _CRC = struct.Struct("<I")
-HEADER_BYTES = _HEADER.size
-FOOTER_BYTES = _CRC.size
-_MASK_DELTA = 0xA282EAD8
-
-
-def masked_crc32c(data: bytes) -> int:
-    """CRC-32C rotated and offset as TFRecord stores it, so that a CRC of data holding CRCs stays strong."""
-    crc: int = google_crc32c.value(data)
-    return (((crc >> 15) | (crc << 17)) + _MASK_DELTA) & 0xFFFFFFFF
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,27 +65,30 @@ class TFRecordDataset(FileDataset[bytes]):
 
 
 class TFRecordReader(RecordReader[bytes]):
-    """Frames the records of a chunk in one loop; a record longer than the chunk makes the next read longer."""
+    """Frames the records of a chunk at a time; a record longer than the chunk makes the next read longer.
+
+    Only the walk from one length field to the next is a Python loop; the CRCs of the whole chunk are then checked
+    at once (tfrecord_crc.py)."""
 
     def __init__(self, stream: ByteStream, record_index: int = 0) -> None:
         self.stream = stream
         self._pending = b""  # bytes after the last whole record framed
-        self._batch: list[bytes] = []
+        self._batch_ends: list[int] = []  # where each record of the last batch ends, from the batch's first byte
         self._batch_offset = stream.offset
         self._first_record = record_index
 
     def read_batch(self) -> list[bytes]:
         self._batch_offset = self.stream.offset - len(self._pending)
-        self._first_record += len(self._batch)
-        self._batch = []
+        self._first_record += len(self._batch_ends)
+        self._batch_ends = []
         data = self._pending
         needed = HEADER_BYTES
         while True:
             if len(data) >= needed:
-                batch, consumed, needed, error = self._frame(data)
+                batch, ends, needed, error = self._frame(data)
                 if batch:
                     # Records before a corrupt one are returned first; the next call frames it again and raises.
-                    self._pending, self._batch = data[consumed:], batch
+                    self._pending, self._batch_ends = data[ends[-1] :], ends
                     return batch
                 if error is not None:
                     raise error
@@ -109,43 +104,54 @@ class TFRecordReader(RecordReader[bytes]):
                 return []
             data = data + chunk if data else chunk
 
-    def _frame(self, data: bytes) -> tuple[list[bytes], int, int, DataLossError | None]:
-        """The whole records at the start of `data`, the bytes they take, the bytes the next record needs, and
-        the error that stopped framing, if any."""
-        records: list[bytes] = []
-        append = records.append
-        unpack_header = _HEADER.unpack_from
-        unpack_crc = _CRC.unpack_from
-        size = len(data)
-        start = 0
-        problem = None
-        while size - start >= HEADER_BYTES:
-            length, length_crc = unpack_header(data, start)
-            if masked_crc32c(data[start : start + 8]) != length_crc:
-                problem = "corrupted length (CRC mismatch)"
-                break
-            end = start + HEADER_BYTES + length
-            if end + FOOTER_BYTES > size:
-                return records, start, end + FOOTER_BYTES - start, None
-            record = data[start + HEADER_BYTES : end]
-            if masked_crc32c(record) != unpack_crc(data, end)[0]:
-                problem = "corrupted data (CRC mismatch)"
-                break
-            append(record)
-            start = end + FOOTER_BYTES
+    def _frame(self, data: bytes) -> tuple[list[bytes], list[int], int, DataLossError | None]:
+        """The whole, intact records at the start of `data`, where each ends, the bytes the record after them
+        needs, and the error that stopped framing, if any."""
+        ends = _record_ends(data)
+        starts = [0, *ends[:-1]] if ends else []
+        records = [data[start + HEADER_BYTES : end - FOOTER_BYTES] for start, end in zip(starts, ends, strict=True)]
+        bad, problem = len(ends), None
+        if not all_intact(data, np.fromiter(ends, dtype=np.int64, count=len(ends))):
+            bad, problem = first_corrupt(data, starts, ends)
+        needed = HEADER_BYTES
+        position = ends[-1] if ends else 0
+        if problem is None and len(data) - position >= HEADER_BYTES:
+            # The partial record after the whole ones: a corrupt length is reported now, not after reading as many
+            # bytes as it claims.
+            length, length_crc = _HEADER.unpack_from(data, position)
+            if masked_crc32c(data[position : position + 8]) != length_crc:
+                bad, problem = len(ends), "corrupted length (CRC mismatch)"
+            else:
+                needed = HEADER_BYTES + length + FOOTER_BYTES
         if problem is None:
-            return records, start, HEADER_BYTES, None
-        index = self._first_record + len(records)
-        error = DataLossError(self.stream.filename, self._batch_offset + start, f"record {index}: {problem}")
-        return records, start, HEADER_BYTES, error
+            return records, ends, needed, None
+        offset = self._batch_offset + (ends[bad - 1] if bad else 0)
+        error = DataLossError(self.stream.filename, offset, f"record {self._first_record + bad}: {problem}")
+        return records[:bad], ends[:bad], HEADER_BYTES, error
 
     def position(self, count: int) -> dict[str, Any]:
-        offset = self._batch_offset + count * (HEADER_BYTES + FOOTER_BYTES)
-        offset += sum(len(record) for record in self._batch[:count])
+        offset = self._batch_offset + (self._batch_ends[count - 1] if count else 0)
         return {"offset": offset, "record_index": self._first_record + count}
 
     def close(self) -> None:
         self.stream.close()
+
+
+def _record_ends(data: bytes) -> list[int]:
+    """Where each whole record at the start of `data` ends, trusting the length fields (checked afterwards)."""
+    ends: list[int] = []
+    append = ends.append
+    unpack_length = _LENGTH.unpack_from
+    last_header = len(data) - HEADER_BYTES
+    size = len(data)
+    position = 0
+    while position <= last_header:
+        end = position + HEADER_BYTES + FOOTER_BYTES + unpack_length(data, position)[0]
+        if end > size:
+            break
+        append(end)
+        position = end
+    return ends
 
 
 class TFRecordWriter:
