@@ -1,22 +1,21 @@
 """Serialized tf.train.Example records to one column of values per feature, for a whole batch.
 
-`decode_columns` tries the numpy path over the concatenated batch first (no per-record Python) and falls back
-to protobuf record by record when the batch holds an encoding that path does not cover; both give equal
-columns, and the fallback is where malformed records are reported.
+`decode_columns` tries the layout path first (layout.py: records shaped like a cached sample), then the numpy path
+over the concatenated batch (no per-record Python), and falls back to protobuf record by record when the batch holds
+an encoding neither covers; all give equal columns, and the fallback is where malformed records are reported.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import numpy.typing as npt
 from google.protobuf.message import DecodeError
 
 from shardflow.data.example import example_pb2
-from shardflow.data.example.features import KIND_NAMES, KIND_OF_DTYPE, STRING
+from shardflow.data.example.features import KIND_NAMES, KIND_OF_DTYPE, STRING, Column
+from shardflow.data.example.layout import decode_by_layout
 from shardflow.data.example.wire import (
     LENGTH_DELIMITED,
     PADDING,
@@ -32,18 +31,11 @@ from shardflow.data.example.wire import (
 )
 
 
-@dataclass(frozen=True)
-class Column:
-    """One feature over a batch: the records that have it (ascending), how many values each has, and the
-    values of all of them concatenated (float32, int64, or bytes in an object array)."""
-
-    records: Int64Array
-    counts: Int64Array
-    values: npt.NDArray[Any]
-
-
 def decode_columns(serialized: Sequence[bytes], dtypes: Mapping[str, np.dtype[Any]]) -> dict[str, Column]:
     """The column of every feature in `dtypes` (name -> float32, int64 or object dtype)."""
+    columns = decode_by_layout(serialized, dtypes)
+    if columns is not None:
+        return columns
     try:
         return _decode_batch(serialized, dtypes)
     except Irregular:

@@ -1,4 +1,5 @@
-"""Feature specs for parse_example (FixedLenFeature, VarLenFeature) and the SparseTensor a VarLenFeature yields."""
+"""Feature specs for parse_example (FixedLenFeature, VarLenFeature), the SparseTensor a VarLenFeature yields, and
+the Column every decoding path produces."""
 
 from __future__ import annotations
 
@@ -84,6 +85,16 @@ class SparseTensor:
     indices: npt.NDArray[np.int64]  # (number of values, rank)
     values: npt.NDArray[Any]
     dense_shape: npt.NDArray[np.int64]  # (rank,)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One feature decoded over a batch: the records that have it (ascending), how many values each has, and the
+    values of all of them concatenated (float32, int64, or bytes in an object array)."""
+
+    records: npt.NDArray[np.int64]
+    counts: npt.NDArray[np.int64]
+    values: npt.NDArray[Any]
 
 
 def _as_bytes(value: Any) -> bytes:

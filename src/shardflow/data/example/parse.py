@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from shardflow.data.example.decode import Column, decode_columns
-from shardflow.data.example.features import FixedLenFeature, SparseTensor, VarLenFeature
+from shardflow.data.example.decode import decode_columns
+from shardflow.data.example.features import Column, FixedLenFeature, SparseTensor, VarLenFeature
 
 Feature = FixedLenFeature | VarLenFeature
 Parsed = dict[str, npt.NDArray[Any] | SparseTensor]
