@@ -195,3 +195,27 @@ def test_the_pyarrow_path_decodes_exactly_as_the_record_by_record_parser(case):
         expected = _convert(reference[:, index], index, csv_format, lines)
         assert column.dtype == expected.dtype
         np.testing.assert_array_equal(column, expected)
+
+
+def test_defaults_that_compare_equal_but_differ_are_not_mixed_up_by_the_format_cache():
+    (_, negative) = decode_csv(["1,"], [[0], [-0.0]])
+    (_, positive) = decode_csv(["1,"], [[0], [0.0]])
+    assert np.signbit(negative[0]) and not np.signbit(positive[0])
+    (_, ints) = decode_csv(["1,", "1,2"], [[0], [1]])
+    (_, floats) = decode_csv(["1,", "1,2"], [[0], [1.0]])
+    assert ints.dtype == np.int32 and floats.dtype == np.float32
+
+
+def test_a_record_holding_a_line_break_is_left_to_the_record_parser():
+    lines = [b"1,a", b"2,b\nc"]
+    assert decode_with_arrow(lines, b"\n".join(lines), CsvFormat.of([[0], [""]])) is None
+    with pytest.raises(CsvRecordError, match="line breaks"):
+        decode_csv(lines, [[0], [""]])
+
+
+def test_plain_batches_of_the_benchmark_shape_take_the_pyarrow_path():
+    lines = [
+        (",".join(f"{column * 0.5 + row:.6f}" for column in range(16)) + f",{row % 10}").encode() for row in range(300)
+    ]
+    columns = decode_with_arrow(lines, b"\n".join(lines), CsvFormat.of([[0.0]] * 16 + [[0]]))
+    assert columns is not None and columns[3][7] == np.float32(8.5) and columns[16].tolist()[:12] == [*range(10), 0, 1]

@@ -34,12 +34,12 @@ def decode_csv(
     default; a required column without a value, a wrong number of fields or an unparsable number raises
     CsvRecordError naming the record.
     """
-    csv_format = CsvFormat.of(record_defaults, field_delim, use_quote_delim, na_value, select_cols)
+    csv_format = CsvFormat.cached(record_defaults, field_delim, use_quote_delim, na_value, select_cols)
     if isinstance(records, str | bytes | np.str_ | np.bytes_):
         return [column[0] for column in decode_lines([_as_bytes(records)], csv_format)]
     array = np.asarray(records, dtype=object)
     lines = array.reshape(-1).tolist()
-    if not all(type(line) is bytes for line in lines):
+    if set(map(type, lines)) - {bytes}:
         lines = [_as_bytes(line) for line in lines]
     return [column.reshape(array.shape) for column in decode_lines(lines, csv_format)]
 

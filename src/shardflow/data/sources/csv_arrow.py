@@ -1,13 +1,13 @@
-"""Plain CSV batches decoded by pyarrow's C++ reader, for decode_csv's fast path.
+"""Plain CSV batches decoded by pyarrow compute kernels, for decode_csv's fast path.
 
-Only batches without quotes, carriage returns or empty records come here, and pyarrow's output is kept only when
-it read every record whole: any error, and any missing value of a required column, sends the batch back to the
-record-by-record parser, which words the error as TensorFlow does.
+Only batches without quotes, carriage returns or empty records come here. The fields are split and converted by
+pyarrow's C++ kernels, which run without the GIL, so a map of decode_csv on threads uses other cores. Its output is
+kept only when every record has the same number of fields and every value converts: any error, and any missing value
+of a required column, sends the batch back to the record-by-record parser, which words the error as TensorFlow does.
 """
 
 from __future__ import annotations
 
-import io
 from typing import Any
 
 import numpy as np
@@ -22,53 +22,60 @@ def decode_with_arrow(lines: list[bytes], joined: bytes, csv_format: CsvFormat) 
         not lines
         or (csv_format.use_quote_delim and b'"' in joined)
         or b"\r" in joined
-        or b"\n\n" in joined
-        or not lines[0]
-        or not lines[-1]
-        or joined.count(b"\n") != len(lines) - 1
-        or not (csv_format.field_delim + csv_format.na_value).isascii()
+        or not all(lines)  # an empty record, which has no fields
+        or b"\n" in b"".join(lines)
     ):
         return None
     import pyarrow as pa
-    import pyarrow.csv as arrow_csv
+    import pyarrow.compute as pc
 
+    fields = pc.split_pattern(pa.array(lines, pa.binary()), csv_format.field_delim)
+    num_fields = pc.list_value_length(fields)
+    width = num_fields[0].as_py()
     selected = csv_format.select_cols or range(len(csv_format.columns))
-    names = [f"f{index}" for index in selected]  # pyarrow's names for columns it numbers itself
-    types = {
-        name: pa.binary() if spec.dtype == STRING else pa.from_numpy_dtype(spec.dtype)
-        for name, spec in zip(names, csv_format.columns, strict=True)
-    }
-    null_values = sorted({"", csv_format.na_value.decode()})
-    try:
-        table = arrow_csv.read_csv(
-            io.BytesIO(joined + b"\n"),
-            read_options=arrow_csv.ReadOptions(
-                autogenerate_column_names=True, use_threads=len(joined) > 1 << 20, block_size=len(joined) + 2
-            ),
-            parse_options=arrow_csv.ParseOptions(
-                delimiter=csv_format.field_delim.decode(), quote_char=False, ignore_empty_lines=False
-            ),
-            convert_options=arrow_csv.ConvertOptions(
-                column_types=types, include_columns=names, null_values=null_values, strings_can_be_null=True
-            ),
-        )
-    except (pa.ArrowInvalid, pa.ArrowKeyError, KeyError):
+    wanted = len(csv_format.columns) if csv_format.select_cols is None else selected[-1] + 1
+    uneven = pc.any(pc.not_equal(num_fields, width)).as_py()
+    if uneven or width < wanted or (csv_format.select_cols is None and width != wanted):
         return None
-    if table.num_rows != len(lines) or (csv_format.select_cols is None and len(table.schema) != len(names)):
-        return None
-    columns = []
-    for name, spec in zip(names, csv_format.columns, strict=True):
-        column = table.column(name)
-        if column.null_count:
-            if spec.default is None:
-                return None
-            column = column.fill_null(pa.scalar(spec.default, type=types[name]))
-        columns.append(_to_numpy(column, spec.dtype))
-    return columns
+    values = fields.flatten()
+    missing = pc.equal(values, b"")
+    if csv_format.na_value:
+        missing = pc.or_(missing, pc.equal(values, csv_format.na_value))
+    if pc.any(missing).as_py():
+        values = pc.if_else(missing, pa.scalar(None, pa.binary()), values)
+    row_starts = np.arange(len(lines), dtype=np.int64) * width
+    columns: dict[int, npt.NDArray[Any]] = {}
+    # Columns of one dtype are taken and converted together: one kernel call per dtype, not per column.
+    for dtype in {spec.dtype for spec in csv_format.columns}:
+        indices = [index for index, spec in enumerate(csv_format.columns) if spec.dtype == dtype]
+        taken = values.take((row_starts[:, None] + np.array([selected[index] for index in indices])).reshape(-1))
+        try:
+            converted = taken if dtype == STRING else taken.cast(pa.from_numpy_dtype(dtype))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            return None
+        block = _block(converted, [csv_format.columns[index] for index in indices], len(lines), dtype)
+        if block is None:
+            return None
+        for position, index in enumerate(indices):
+            columns[index] = block[position]
+    return [columns[index] for index in range(len(csv_format.columns))]
 
 
-def _to_numpy(column: Any, dtype: np.dtype[Any]) -> npt.NDArray[Any]:
-    array = column.to_numpy()
+def _block(converted: Any, specs: list[Any], num_records: int, dtype: np.dtype[Any]) -> npt.NDArray[Any] | None:
+    """The converted values of these columns as one (column, record) array with defaults filled in, or None if a
+    required value is missing."""
+    valid = np.asarray(converted.is_valid()).reshape(num_records, len(specs)) if converted.null_count else None
+    if valid is not None:
+        if not all(valid[:, position].all() or spec.default is not None for position, spec in enumerate(specs)):
+            return None
+        converted = converted.fill_null(b"" if dtype == STRING else dtype.type(0))
+    array = converted.to_numpy(zero_copy_only=False)
     if dtype == STRING and array.dtype != STRING:
         array = array.astype(object)
-    return array  # type: ignore[no-any-return]
+    block: npt.NDArray[Any] = array.reshape(num_records, len(specs)).T.copy()
+    if valid is not None:
+        for position, spec in enumerate(specs):
+            missing = ~valid[:, position]
+            if missing.any():
+                block[position, missing] = spec.default
+    return block

@@ -55,6 +55,47 @@ class CsvFormat:
             columns=columns, field_delim=delim, use_quote_delim=use_quote_delim, na_value=na, select_cols=select_cols
         )
 
+    @staticmethod
+    def cached(
+        record_defaults: Sequence[Any],
+        field_delim: str | bytes = ",",
+        use_quote_delim: bool = True,
+        na_value: str | bytes = "",
+        select_cols: Sequence[int] | None = None,
+    ) -> CsvFormat:
+        """CsvFormat.of, remembered for the arguments a map calls decode_csv with batch after batch: checking
+        record_defaults costs more than decoding a small batch."""
+        arguments = (record_defaults, field_delim, use_quote_delim, na_value, select_cols)
+        try:
+            key = _hashable(arguments)
+        except TypeError:
+            return CsvFormat.of(*arguments)
+        csv_format = _cached_formats.get(key)
+        if csv_format is None:
+            if len(_cached_formats) >= _MAX_CACHED_FORMATS:
+                _cached_formats.clear()
+            csv_format = _cached_formats[key] = CsvFormat.of(*arguments)
+        return csv_format
+
+
+_cached_formats: dict[Any, CsvFormat] = {}
+_MAX_CACHED_FORMATS = 64
+
+
+def _hashable(value: Any) -> Any:
+    """A hashable stand-in for an argument of decode_csv that tells apart every value CsvFormat.of tells apart (a float
+    by its bits, so that -0.0 is not 0.0); TypeError for anything else."""
+    if isinstance(value, list | tuple):
+        return (type(value), *map(_hashable, value))
+    if isinstance(value, float):
+        return (float, value.hex())
+    if isinstance(value, np.ndarray | np.generic):
+        array = np.asarray(value)
+        content = tuple(array.reshape(-1).tolist()) if array.dtype == object else array.tobytes()
+        return (type(value), array.dtype.str, array.shape, content)
+    hash(value)
+    return (type(value), value)
+
 
 def column_spec(default: Any) -> ColumnSpec:
     """A record_defaults entry: a one-value list or array (optional column of its type; a Python int is int32 and

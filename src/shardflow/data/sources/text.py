@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 from shardflow.data.sources.files import ByteStream, compression_type_name
@@ -50,6 +51,8 @@ class LineReader(RecordReader[bytes]):
         self._region = b""  # the last batch's lines as read: "\r" kept, the newline that ends it not
         self._region_offset = self._region_end = stream.offset
         self._num_skipped = 0  # header lines dropped from the front of the last batch
+        self._num_lines = 0  # lines in the last batch, header lines included
+        self._line_ends: list[int] | None = None  # where each line of the region ends (after its newline)
 
     def read_batch(self) -> list[bytes]:
         while True:
@@ -57,6 +60,7 @@ class LineReader(RecordReader[bytes]):
             self._region_offset = self.stream.offset - len(self._pending)
             lines = self._read_lines()
             self._region_end = self.stream.offset - len(self._pending)
+            self._num_lines, self._line_ends = len(lines), None
             self._next_record += len(lines)
             self._num_skipped = min(max(self._skip_header_lines - self.first_record, 0), len(lines))
             if not self._num_skipped:
@@ -81,12 +85,18 @@ class LineReader(RecordReader[bytes]):
                 return region.split(b"\n")
 
     def position(self, count: int) -> dict[str, Any]:
-        """Lines of the batch are found again in the raw region: cheap, and only paid when state is saved."""
-        offset = self._region_offset
-        for _ in range(self._num_skipped + count):
-            newline = self._region.find(b"\n", offset - self._region_offset)
-            offset = self._region_end if newline < 0 else self._region_offset + newline + 1
-        return {"offset": offset, "record_index": self.first_record + self._num_skipped + count}
+        """Where each line of the batch ends is found in the raw region once, when a state is first asked for."""
+        lines = self._num_skipped + count
+        if not lines:
+            offset = self._region_offset
+        elif lines == self._num_lines:
+            offset = self._region_end
+        else:
+            if self._line_ends is None:
+                lengths = map(len, self._region.split(b"\n"))
+                self._line_ends = list(itertools.accumulate(length + 1 for length in lengths))
+            offset = self._region_offset + self._line_ends[lines - 1]
+        return {"offset": offset, "record_index": self.first_record + lines}
 
     def close(self) -> None:
         self.stream.close()
