@@ -44,3 +44,25 @@ def test_arbitrary_objects_are_refused() -> None:
         codec.encode({"bad": object()})
     with pytest.raises(TypeError, match="object arrays in elements must hold only bytes"):
         codec.encode(np.array([1, "a"], dtype=object))
+
+
+def test_stacked_elements_unstack_to_equal_elements(same_elements: Any) -> None:
+    elements = [{"x": np.arange(3) + index, "y": (np.float32(index), np.int8(-index))} for index in range(4)]
+    stacked = codec.stack(elements)
+    assert stacked["x"].shape == (4, 3) and stacked["y"][0].dtype == np.float32
+    same_elements(codec.unstack(stacked, 4), elements)
+
+
+@pytest.mark.parametrize(
+    "elements",
+    [
+        [np.zeros(2), np.zeros(3)],  # shapes differ
+        [np.int64(1), np.int32(1)],  # scalar types differ
+        [np.array(1.0), np.array(2.0)],  # rank 0: a row would come back as a scalar
+        [b"a", b"b"],  # bytes
+        [{"a": np.zeros(1)}, {"b": np.zeros(1)}],  # structures differ
+        [np.array([b"x"], dtype=object), np.array([b"y"], dtype=object)],
+    ],
+)
+def test_elements_that_would_not_unstack_equal_are_not_stacked(elements: list[Any]) -> None:
+    assert codec.stack(elements) is None

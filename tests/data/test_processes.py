@@ -85,3 +85,41 @@ def test_segments_of_a_dead_process_are_removed_by_the_next_map() -> None:
         segment.write(b"left behind by a killed job")
     assert list(D.range(3).map(lambda x: x, num_parallel_calls=1, use_processes=True)) == [0, 1, 2]
     assert not os.path.exists(stale)
+
+
+def rows_and_scalars(x: Any) -> Any:
+    if x == 37:
+        raise ValueError("bad record 37")
+    return {"row": np.full(3, x, dtype=np.float32), "pair": (np.int64(x), np.float16(x / 2))}
+
+
+def test_chunks_that_cross_stacked_come_back_as_the_same_elements(same_elements: Any) -> None:
+    def make(use_processes: bool) -> data.Dataset[Any]:
+        inputs = D.from_tensor_slices({"x": np.arange(300), "v": np.arange(600.0).reshape(300, 2)})
+        if not use_processes:
+            return inputs.map(lambda e: rows_and_scalars(int(e["x"])))
+        return inputs.map(lambda e: rows_and_scalars(int(e["x"])), num_parallel_calls=2, use_processes=True)
+
+    def outcomes(dataset: data.Dataset[Any]) -> list[Any]:
+        found: list[Any] = []
+        iterator = iter(dataset)
+        while True:
+            try:
+                found.append(next(iterator))
+            except StopIteration:
+                iterator.close()
+                return found
+            except ValueError as error:
+                found.append(str(error))
+
+    in_processes, inline = outcomes(make(True)), outcomes(make(False))
+    assert in_processes[37] == inline[37] == "bad record 37"
+    same_elements(in_processes[:37] + in_processes[38:], inline[:37] + inline[38:])
+
+
+def test_elements_of_different_shapes_cross_one_by_one(same_elements: Any) -> None:
+    def ragged(x: Any) -> Any:
+        return np.arange(int(x) % 4)
+
+    in_processes = list(D.range(50).map(ragged, num_parallel_calls=2, use_processes=True))
+    same_elements(in_processes, list(D.range(50).map(ragged)))

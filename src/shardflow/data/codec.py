@@ -131,3 +131,50 @@ def decode(spec: Sequence[Any], source: memoryview, offset: int, copy: bool = Tr
             items[:] = [data[end - length : end] for end, length in zip(ends, lengths.tolist(), strict=True)]
             leaves.append(items.reshape(shape))
     return structure.pack(_decode_tree(tree), leaves)
+
+
+def stack(elements: list[Any]) -> Any | None:
+    """The elements as one, each leaf stacked along a new first axis, when they share a structure and each leaf is a
+    numpy array of rank >= 1 or a numpy scalar of the same type, dtype and shape in all of them (then one encoding,
+    not one per element, crosses between processes); None otherwise."""
+    first = elements[0]
+    if not structure.is_structure(first):
+        return _stack_leaves(elements)
+    columns: list[list[Any]] = []
+    treedef: structure.TreeDef = None
+    for element in elements:
+        leaves, element_treedef = structure.flatten(element)
+        if not columns:
+            columns, treedef = [[leaf] for leaf in leaves], element_treedef
+            continue
+        if element_treedef != treedef:
+            return None
+        for column, leaf in zip(columns, leaves, strict=True):
+            column.append(leaf)
+    stacked = [_stack_leaves(column) for column in columns]
+    if any(leaf is None for leaf in stacked):
+        return None
+    return structure.pack(treedef, stacked)
+
+
+def _stack_leaves(leaves: list[Any]) -> np.ndarray | None:
+    first = leaves[0]
+    if isinstance(first, np.generic):
+        if first.dtype == object or set(map(type, leaves)) != {type(first)}:
+            return None
+        return np.array(leaves, dtype=first.dtype)
+    if not isinstance(first, np.ndarray) or not first.ndim or first.dtype == object:
+        return None
+    if {(type(leaf), getattr(leaf, "dtype", None), getattr(leaf, "shape", None)) for leaf in leaves} != {
+        (np.ndarray, first.dtype, first.shape)
+    }:
+        return None
+    return np.stack(leaves)
+
+
+def unstack(stacked: Any, count: int) -> list[Any]:
+    """The `count` elements `stack` made `stacked` of (views of its rows)."""
+    if not structure.is_structure(stacked):
+        return list(stacked)
+    leaves, treedef = structure.flatten(stacked)
+    return [structure.pack(treedef, row) for row in zip(*leaves, strict=True)]

@@ -155,20 +155,45 @@ def _worker_main(map_func: Callable[..., Any], connection: Any, parent_pid: int,
             return
         if not message:
             return
-        name, specs, offsets = msgpack.unpackb(message)
-        outcomes, seconds = map_chunk(map_func, segments.read(name, specs, offsets))
-        encoded: list[codec.Encoded] = []
-        errors: list[list[str] | None] = []
-        for value, error in outcomes:
-            if error is None:
-                try:
-                    encoded.append(codec.encode(value))
-                except TypeError as unsendable:
-                    error = unsendable
-            errors.append(None if error is None else [type(error).__module__, type(error).__qualname__, str(error)])
-        output_name, output_offsets = segments.write(encoded)
-        header = [output_name, [item.spec for item in encoded], output_offsets, errors, seconds]
-        connection.send_bytes(msgpack.packb(header))
+        name, specs, offsets, stacked = msgpack.unpackb(message)
+        outcomes, seconds = map_chunk(map_func, _read_elements(segments, name, specs, offsets, stacked))
+        connection.send_bytes(_answer(outcomes, seconds, segments))
+
+
+def _answer(outcomes: list[Outcome], seconds: float, segments: _Segments) -> bytes:
+    """The header a worker sends back for a chunk's outcomes, which it writes to a segment: stacked into one element
+    when all succeeded and can be, else each value or the error in its place."""
+    if all(error is None for _, error in outcomes):
+        encoded, stacked = _encode_chunk([value for value, _ in outcomes], stacked_only=True)
+        if stacked:
+            name, offsets = segments.write(encoded)
+            return msgpack.packb([name, [encoded[0].spec], offsets, stacked, [], seconds])  # type: ignore[no-any-return]
+    encoded = []
+    errors: list[list[str] | None] = []
+    for value, error in outcomes:
+        if error is None:
+            try:
+                encoded.append(codec.encode(value))
+            except TypeError as unsendable:
+                error = unsendable
+        errors.append(None if error is None else [type(error).__module__, type(error).__qualname__, str(error)])
+    name, offsets = segments.write(encoded)
+    return msgpack.packb([name, [item.spec for item in encoded], offsets, 0, errors, seconds])  # type: ignore[no-any-return]
+
+
+def _read_elements(segments: _Segments, name: str, specs: list[Any], offsets: list[int], stacked: int) -> list[Any]:
+    """The elements of a segment; `stacked` > 0 when it holds them as one element of stacked leaves."""
+    elements = segments.read(name, specs, offsets)
+    return codec.unstack(elements[0], stacked) if stacked else elements
+
+
+def _encode_chunk(elements: list[Any], stacked_only: bool = False) -> tuple[list[codec.Encoded], int]:
+    """The elements encoded for a segment: stacked into one when they can be, and how many that one holds; else
+    each on its own (nothing with `stacked_only`) and 0."""
+    together = codec.stack(elements) if len(elements) > 1 else None
+    if together is not None:
+        return [codec.encode(together)], len(elements)
+    return ([] if stacked_only else [codec.encode(element) for element in elements]), 0
 
 
 def _rebuild_error(module: str, qualname: str, message: str, pid: int) -> Exception:
@@ -191,11 +216,14 @@ class ProcessMapIterator(ChunkedMapIterator):
     """Workers are forked (Linux) on the first `next()`, so they inherit `map_func` and everything it refers to without
     pickling; a fork-unsafe parent (threads holding locks that map_func needs, an initialised CUDA context) is the
     usual caveat of fork, as with torch's DataLoader. Elements travel both ways in chunks through POSIX shared
-    memory, encoded by codec.py; the pipe carries only a small msgpack header (segment name, dtypes, shapes). The
-    consumer's thread reads the input and keeps two chunks in flight per worker; chunks grow until one takes ~5 ms.
+    memory, encoded by codec.py; the pipe carries only a small msgpack header (segment name, dtypes, shapes). A chunk
+    whose elements share structure, dtypes and shapes crosses as one element of stacked leaves, so its cost does not
+    grow with its length. The consumer's thread reads the input and keeps two chunks in flight per worker; chunks
+    grow until one takes ~5 ms.
     """
 
     _target_chunk_s = 0.005
+    _max_chunk_elements = 1024
 
     def __init__(
         self, input_iterator: DatasetIterator[Any], map_func: Callable[..., Any], num_workers: int, deterministic: bool
@@ -213,7 +241,7 @@ class ProcessMapIterator(ChunkedMapIterator):
         _remove_segments_of_dead_owners()
         context = multiprocessing.get_context("fork")
         self._workers = [_Worker(context, self._map_func, index, self._segments) for index in range(self._parallelism)]
-        weakref.finalize(self, _shutdown, self._workers, self._segments)
+        weakref.finalize(self, _shutdown, self._workers, self._segments, os.getpid())
 
     def _has_room(self) -> bool:
         if not self._workers:
@@ -222,15 +250,18 @@ class ProcessMapIterator(ChunkedMapIterator):
 
     def _submit(self, elements: list[Any]) -> int:
         worker = min(range(len(self._workers)), key=lambda index: self._workers[index].in_flight)
-        encoded = [codec.encode(element) for element in elements]
+        encoded, stacked = _encode_chunk(elements)
         name, offsets = self._segments.write(encoded)
-        self._workers[worker].send(msgpack.packb([name, [item.spec for item in encoded], offsets]))
+        self._workers[worker].send(msgpack.packb([name, [item.spec for item in encoded], offsets, stacked]))
         return worker
 
     def _collect(self, handle: int) -> tuple[list[Outcome], float]:
         worker = self._workers[handle]
-        name, specs, offsets, errors, seconds = msgpack.unpackb(worker.receive())
-        values = iter(self._segments.read(name, specs, offsets))
+        name, specs, offsets, stacked, errors, seconds = msgpack.unpackb(worker.receive())
+        elements = _read_elements(self._segments, name, specs, offsets, stacked)
+        if stacked:
+            return [(element, None) for element in elements], seconds
+        values = iter(elements)
         pid = worker.process.pid or 0
         outcomes: list[Outcome] = [
             (next(values), None) if error is None else (None, _rebuild_error(error[0], error[1], error[2], pid))
@@ -246,13 +277,15 @@ class ProcessMapIterator(ChunkedMapIterator):
         return handles.index(worker)
 
     def close(self) -> None:
-        _shutdown(self._workers, self._segments)
+        _shutdown(self._workers, self._segments, os.getpid())
         self._workers = []
         self._pending.clear()
         super().close()
 
 
-def _shutdown(workers: list[_Worker], segments: _Segments) -> None:
+def _shutdown(workers: list[_Worker], segments: _Segments, owner_pid: int) -> None:
+    if os.getpid() != owner_pid:
+        return  # a forked copy of the owner (a worker of a later map) runs its finalizers too; only the owner stops
     for worker in workers:
         with contextlib.suppress(OSError):
             worker.connection.send_bytes(b"")
