@@ -50,9 +50,10 @@ class MapDataset(UnaryDataset[Any]):
             from shardflow.data.processes import ProcessMapIterator
 
             return ProcessMapIterator(iter(self._input), self._map_func, parallelism, deterministic)
-        from shardflow.data.parallel import ThreadMapIterator
+        from shardflow.data.threads import ThreadMapIterator
 
-        return ThreadMapIterator(iter(self._input), self._map_func, parallelism, deterministic)
+        autotuned = self._num_parallel_calls == AUTOTUNE
+        return ThreadMapIterator(iter(self._input), self._map_func, parallelism, deterministic, autotuned)
 
 
 class _MapIterator(UnaryIterator[Any]):

@@ -1,10 +1,9 @@
-"""Parallel map: chunks of elements in flight on threads (here) or processes (processes.py), with exact state."""
+"""Parallel map: chunks of elements in flight on threads (threads.py) or processes (processes.py), with exact state."""
 
 from __future__ import annotations
 
 import abc
 import collections
-import concurrent.futures
 import time
 from collections.abc import Callable
 from typing import Any
@@ -299,37 +298,3 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
     def _discard(self, handle: Any) -> None:
         """Forgets a submitted chunk whose outcomes are no longer wanted."""
         self._collect(handle)
-
-
-class ThreadMapIterator(ChunkedMapIterator):
-    def __init__(
-        self, input_iterator: DatasetIterator[Any], map_func: Callable[..., Any], parallelism: int, deterministic: bool
-    ) -> None:
-        super().__init__(input_iterator, map_func, parallelism, deterministic)
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
-
-    def _has_room(self) -> bool:
-        # Twice the threads in flight, so that a thread finishing never waits for the consumer to refill.
-        return len(self._pending) < 2 * self._parallelism
-
-    def _submit(self, elements: list[Any]) -> concurrent.futures.Future[tuple[list[Outcome], float]]:
-        if self._pool is None:
-            self._pool = concurrent.futures.ThreadPoolExecutor(self._parallelism, thread_name_prefix="shardflow-map")
-        return self._pool.submit(map_chunk, self._map_func, elements)
-
-    def _collect(self, handle: concurrent.futures.Future[tuple[list[Outcome], float]]) -> tuple[list[Outcome], float]:
-        return handle.result()
-
-    def _wait_any(self, handles: list[concurrent.futures.Future[Any]]) -> int:
-        concurrent.futures.wait(handles, return_when=concurrent.futures.FIRST_COMPLETED)
-        return next(index for index, handle in enumerate(handles) if handle.done())
-
-    def _discard(self, handle: concurrent.futures.Future[Any]) -> None:
-        handle.cancel()
-
-    def close(self) -> None:
-        self._drop_pending()
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
-        super().close()

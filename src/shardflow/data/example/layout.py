@@ -259,9 +259,10 @@ class _FeaturePlan:
             offset_in_record = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
             index = np.repeat(self.first[layout], counts) + offset_in_record
             record_of_value = np.repeat(record_start, counts)
-        bounds = self.bounds[index] + record_of_value[:, None]
+        begins = (self.bounds[index, 0] + record_of_value).tolist()
+        ends = (self.bounds[index, 1] + record_of_value).tolist()
         strings = np.empty(index.size, dtype=object)
-        strings[:] = [data[begin:end] for begin, end in bounds.tolist()]
+        strings[:] = [data[begin:end] for begin, end in zip(begins, ends, strict=True)]
         return strings
 
 
