@@ -24,8 +24,9 @@ class InterleaveDataset(UnaryDataset[Any]):
     """`cycle_length` inputs are open at once; `block_length` consecutive elements come from each in turn; an exhausted
     input's place is refilled from the next input element before moving on. With `num_parallel_calls` each open input
     is read ahead on its own thread; the order stays tf.data's deterministic order whatever `deterministic` says.
-    A place's state is the input's state before the element that opened it plus the opened dataset's own state, so a
-    restore re-reads that element and reopens its dataset at the saved position.
+    A place's state is the input's state before the element that opened it plus the opened dataset's own state and a
+    number of its elements to replay (those read ahead and already returned), so a restore re-reads that element and
+    reopens its dataset at the saved position.
     """
 
     def __init__(

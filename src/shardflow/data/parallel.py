@@ -49,13 +49,13 @@ class OrderLedger:
             return None
         return number
 
-    def produced_run(self, anchor: State, pulled: int, count: int) -> list[int]:
-        """`produced` for `count` elements read one after another, the first ending at (anchor, pulled + 1), when
-        none was returned before a restore (`replaying` is False)."""
+    def produced_run(self, anchor: State, count: int) -> list[int]:
+        """`produced` for `count` elements read one after another from `anchor` (the first ends at (anchor, 1)),
+        when none was returned before a restore (`replaying` is False)."""
         first = self._next_number
         self._next_number += count
         numbers = range(first, first + count)
-        positions = [(anchor, skip) for skip in range(pulled + 1, pulled + count + 1)]
+        positions = [(anchor, skip) for skip in range(1, count + 1)]
         self._positions.update(zip(numbers, positions, strict=True))
         return list(numbers)
 
@@ -245,9 +245,9 @@ class ChunkedMapIterator(UnaryIterator[Any], abc.ABC):
         except StopIteration:
             self._input_done = True
         except Exception as error:
-            numbers = self._ledger.produced_run(anchor, 0, len(elements) + 1)
+            numbers = self._ledger.produced_run(anchor, len(elements) + 1)
             return elements, numbers[:-1], _Chunk(None, numbers[-1:], error)
-        return elements, self._ledger.produced_run(anchor, 0, len(elements)), None
+        return elements, self._ledger.produced_run(anchor, len(elements)), None
 
     def _read_each(self, anchor: State, exact: bool) -> tuple[list[Any], list[int], _Chunk | None]:
         """A chunk's elements read one by one, and the input error after them."""
