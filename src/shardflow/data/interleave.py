@@ -163,7 +163,16 @@ class _InterleaveIterator(UnaryIterator[Any]):
         self._end_of_input = False
 
     def __next__(self) -> Any:
-        return self.next_many(1)[0]
+        place = self._places[self._cycle_index]
+        if place is None or place.position == len(place.buffer):
+            return self.next_many(1)[0]
+        # The common case on its own: the element is already read, the same step next_many takes.
+        element = place.buffer[place.position]
+        place.position += 1
+        self._block_index += 1
+        if self._block_index == self._block_length:
+            self._next_in_cycle()
+        return element
 
     def next_many(self, max_count: int) -> list[Any]:
         out: list[Any] = []
