@@ -130,8 +130,7 @@ class ParameterClient:
         return [self.client.recv(peer, seq, self.timeout_s)[0] for peer, seq in seqs.items()]
 
     def shutdown(self) -> None:
-        seqs = {peer: self.client.send(peer, {"op": "shutdown"}) for peer in self.peers}
-        self._wait(seqs, load_params=False)
+        self.broadcast({"op": "shutdown"})
 
     # -- worker ---------------------------------------------------------------------------------
 
@@ -193,8 +192,7 @@ class ParameterClient:
         return self._wait(requests, load_params=load_params)
 
     def done(self) -> None:
-        seqs = {peer: self.client.send(peer, {"op": "done", "w": self.worker_index}) for peer in self.peers}
-        self._wait(seqs, load_params=False)
+        self.broadcast({"op": "done", "w": self.worker_index})
 
     def close(self) -> None:
         for hook in self._hooks:
