@@ -6,11 +6,19 @@ import gzip
 import shutil
 from pathlib import Path
 
+import pytest
+
 from shardflow.cli.main import main
 
 # Written by TensorFlow 2.21 (tf.io.TFRecordWriter): 5 Examples with "x" (1 to 3 floats), "label" (one int64)
 # and "id" (one bytes).
 TF_WRITTEN = Path(__file__).parent / "fixtures" / "tf_examples.tfrecord"
+
+
+@pytest.fixture(autouse=True)
+def wide_terminal(monkeypatch):
+    # rich sizes its tables to the terminal; CI's is narrower than a developer's, and a long path would wrap.
+    monkeypatch.setenv("COLUMNS", "200")
 
 
 def inspect(capsys, *files: Path | str) -> tuple[int, str]:
