@@ -6,11 +6,12 @@ import itertools
 import threading
 import time
 import zlib
-from array import array
 from types import TracebackType
 from typing import Any
 
 import numpy as np
+
+get_ident = threading.get_ident
 
 # What the two integer arguments of a span mean, by span name; other spans call them arg0 and arg1.
 ARG_NAMES: dict[str, tuple[str, str]] = {
@@ -27,13 +28,13 @@ _ID_MASK = (1 << _THREAD_SHIFT) - 1
 
 
 class SpanRecorder:
-    """Records spans of one role into preallocated arrays; the oldest entries are overwritten when full.
+    """Records spans of one role into a fixed-size ring; the oldest entries are overwritten when full.
 
     Timestamps are `time.perf_counter_ns()` values; `base_time_ns` is the wall clock (`time.time_ns()`)
     at construction, and exported timestamps are microseconds since then, which keeps ns precision.
     """
 
-    def __init__(self, role: str, capacity: int = 1 << 17) -> None:
+    def __init__(self, role: str, capacity: int = 1 << 16) -> None:
         if capacity <= 0 or capacity & (capacity - 1):
             raise ValueError(f"capacity must be a power of two, got {capacity}")
         self.role = role
@@ -43,12 +44,10 @@ class SpanRecorder:
         before = time.perf_counter_ns()
         self.base_time_ns = time.time_ns()
         self._anchor_perf_ns = (before + time.perf_counter_ns()) // 2
-        # key = name id | thread id << 20 | kind << 40, so one write stores all three.
-        self._key, self._step, self._start, self._end, self._arg0, self._arg1 = (
-            array("q", bytes(8 * capacity)) for _ in range(6)
-        )
-        self._counter_key, self._counter_ts = array("q", bytes(8 * capacity)), array("q", bytes(8 * capacity))
-        self._counter_value = array("d", bytes(8 * capacity))
+        # One tuple per entry, (name, thread id | kind << 20, step, start, end, arg0, arg1): a single list store
+        # costs half of six array stores, and names are interned only when a capture is exported.
+        self._ring: list[tuple[str, int, int, int, int, int, int] | None] = [None] * capacity
+        self._counters: list[tuple[str, int, float] | None] = [None] * capacity
         self._next = itertools.count()  # next() on a count is atomic under the GIL
         self._next_counter = itertools.count()
         self._names: dict[str, int] = {}
@@ -64,22 +63,12 @@ class SpanRecorder:
 
     def end(self, name: str, step: int, start: int, arg0: int = -1, arg1: int = -1, thread: str | None = None) -> None:
         now = time.perf_counter_ns()
-        try:
-            name_id = self._names[name]
-        except KeyError:
-            name_id = self._intern_name(name)
-        thread_key: int | str = threading.get_ident() if thread is None else thread
+        thread_key: int | str = get_ident() if thread is None else thread
         try:
             thread_id = self._threads[thread_key]
         except KeyError:
             thread_id = self._intern_thread(thread_key)
-        i = next(self._next) & self._mask
-        self._key[i] = name_id | thread_id << _THREAD_SHIFT
-        self._step[i] = step
-        self._start[i] = start
-        self._end[i] = now
-        self._arg0[i] = arg0
-        self._arg1[i] = arg1
+        self._ring[next(self._next) & self._mask] = (name, thread_id, step, start, now, arg0, arg1)
 
     def span(self, name: str, step: int, arg0: int = -1, arg1: int = -1) -> _Span:
         return _Span(self, name, step, arg0, arg1)
@@ -87,29 +76,14 @@ class SpanRecorder:
     def flow(self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None) -> None:
         """Call inside the span the arrow binds to (same thread): the push (start=True) or the apply (start=False)."""
         now = time.perf_counter_ns()
-        name_id = self._names.get(name)
-        name_id = self._intern_name(name) if name_id is None else name_id
-        thread_key: int | str = threading.get_ident() if thread is None else thread
+        thread_key: int | str = get_ident() if thread is None else thread
         thread_id = self._threads.get(thread_key)
         thread_id = self._intern_thread(thread_key) if thread_id is None else thread_id
-        kind = FLOW_START if start else FLOW_END
-        i = next(self._next) & self._mask
-        self._key[i] = name_id | thread_id << _THREAD_SHIFT | kind << _KIND_SHIFT
-        self._step[i] = step
-        self._start[i] = self._end[i] = now
-        self._arg0[i] = flow_id
-        self._arg1[i] = -1
+        key = thread_id | (FLOW_START if start else FLOW_END) << _THREAD_SHIFT
+        self._ring[next(self._next) & self._mask] = (name, key, step, now, now, flow_id, -1)
 
     def counter(self, name: str, value: float) -> None:
-        now = time.perf_counter_ns()
-        try:
-            name_id = self._names[name]
-        except KeyError:
-            name_id = self._intern_name(name)
-        i = next(self._next_counter) & self._mask
-        self._counter_key[i] = name_id
-        self._counter_ts[i] = now
-        self._counter_value[i] = value
+        self._counters[next(self._next_counter) & self._mask] = (name, time.perf_counter_ns(), value)
 
     def events(self, first_step: int, last_step: int) -> list[dict[str, Any]]:
         """Chrome-trace dicts for steps [first_step, last_step), ts in µs since `base_time_ns` (no pid)."""
@@ -180,24 +154,31 @@ class SpanRecorder:
             return self._threads[key]
 
     def _snapshot_spans(self) -> dict[str, np.ndarray]:
-        """A copy of the filled slots; perf_counter_ns is never 0, so an empty slot has end == 0."""
-        columns = {
-            "key": self._key,
-            "step": self._step,
-            "start": self._start,
-            "end": self._end,
-            "arg0": self._arg0,
-            "arg1": self._arg1,
+        """The filled slots as columns; key = name id | thread id << 20 | kind << 40."""
+        entries = [entry for entry in self._ring[:] if entry is not None]  # the slice is one atomic copy
+        if not entries:
+            return {column: np.zeros(0, dtype=np.int64) for column in ("key", "step", "start", "end", "arg0", "arg1")}
+        names, keys, step, start, end, arg0, arg1 = zip(*entries, strict=True)
+        name_ids = np.array([self._name_id(name) for name in names], dtype=np.int64)
+        return {
+            "key": name_ids | np.array(keys, dtype=np.int64) << _THREAD_SHIFT,
+            "step": np.array(step, dtype=np.int64),
+            "start": np.array(start, dtype=np.int64),
+            "end": np.array(end, dtype=np.int64),
+            "arg0": np.array(arg0, dtype=np.int64),
+            "arg1": np.array(arg1, dtype=np.int64),
         }
-        spans = {column: np.frombuffer(values, dtype=np.int64).copy() for column, values in columns.items()}
-        filled = spans["end"] != 0
-        return {column: values[filled] for column, values in spans.items()}
+
+    def _name_id(self, name: str) -> int:
+        name_id = self._names.get(name)
+        return self._intern_name(name) if name_id is None else name_id
 
     def _holds_step(self, step: int) -> bool:
         """True unless the ring wrapped over events of `step` or earlier."""
-        if not np.frombuffer(self._end, dtype=np.int64).all():
+        ring = self._ring[:]
+        if any(entry is None for entry in ring):
             return True
-        return bool(np.frombuffer(self._step, dtype=np.int64).min() < step)
+        return min(entry[2] for entry in ring if entry is not None) < step
 
     def _us(self, perf_ns: int) -> float:
         return round((perf_ns - self._anchor_perf_ns) / 1000, 3)
@@ -238,20 +219,11 @@ class SpanRecorder:
         }
 
     def _counter_events(self, start_ns: int, end_ns: int) -> list[dict[str, Any]]:
-        ts = np.frombuffer(self._counter_ts, dtype=np.int64).copy()
-        keys = np.frombuffer(self._counter_key, dtype=np.int64).copy()
-        values = np.frombuffer(self._counter_value, dtype=np.float64).copy()
-        inside = np.flatnonzero((ts >= start_ns) & (ts <= end_ns) & (ts != 0))
-        inside = inside[np.argsort(ts[inside], kind="stable")]
-        return [
-            {
-                "ph": "C",
-                "name": self.name_list[int(keys[i])],
-                "ts": self._us(int(ts[i])),
-                "args": {"value": float(values[i])},
-            }
-            for i in inside
-        ]
+        inside = sorted(
+            (entry for entry in self._counters[:] if entry is not None and start_ns <= entry[1] <= end_ns),
+            key=lambda entry: entry[1],
+        )
+        return [{"ph": "C", "name": name, "ts": self._us(ts), "args": {"value": value}} for name, ts, value in inside]
 
 
 class _Span:
