@@ -97,9 +97,15 @@ def validate(sizes: list[int], steps: int, args: argparse.Namespace, out: Path) 
         step_compute_s=base.step_compute_s,
         ps_apply_s=base.ps_apply_s,
         cores=args.cores,
+        worker_cpu_s=base.worker_cpu_s,
+        ps_cpu_s=base.ps_cpu_s,
+        other_cores=base.other_cores,
     )
     print(f"calibrated on {sizes[0]} worker(s): compute {base.step_compute_s * 1e3:.3f} ms/step, bandwidth ", end="")
     print(f"{base.bandwidth / 1e9:.2f} GB/s, PS apply {base.ps_apply_s * 1e3:.3f} ms/update; {args.cores} cores")
+    if base.worker_cpu_s is not None and base.ps_cpu_s is not None:
+        print(f"CPU per worker step (all threads): worker {base.worker_cpu_s * 1e3:.3f} ms, ", end="")
+        print(f"PS {base.ps_cpu_s * 1e3:.3f} ms; chief {base.other_cores:.2f} cores")
     print()
     header = (
         f"{'workers':>7}  {'predicted':>9}  {'measured':>8}  {'error':>6}  {'whole run':>9}  {'bottleneck':<11}  "

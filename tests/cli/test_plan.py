@@ -61,6 +61,10 @@ def test_calibrate_measures_the_model_compute_bandwidth_and_apply_of_a_profiled_
     assert measured.model_bytes == TINY_MODEL_BYTES
     assert 0 < measured.step_compute_s < measured.worker_step_s
     assert measured.bandwidth > 0 and measured.ps_apply_s > 0 and measured.global_steps_per_s > 0
+    # All threads of the roles: at least the work inside the spans, and at most what 2 cores could give.
+    assert measured.worker_cpu_s is not None and measured.ps_cpu_s is not None
+    assert 0.5 * measured.step_compute_s < measured.worker_cpu_s < 2 * 2 * measured.worker_step_s
+    assert 0 < measured.ps_cpu_s < 2 * 2 * measured.worker_step_s
 
 
 def test_plan_calibrate_prints_what_it_measured_and_predicts_with_it(profiled_run, capsys):
@@ -69,6 +73,7 @@ def test_plan_calibrate_prints_what_it_measured_and_predicts_with_it(profiled_ru
     assert "measured in" in out and "(1 worker, 1 PS)" in out
     assert f"{TINY_MODEL_BYTES / 1e3:.3g} kB pushed per worker step" in out
     assert "2 workers, 1 PS, async" in out and "2 shared CPU cores" in out
+    assert "CPU per worker step" in out
     assert "bottleneck: " in out
 
 

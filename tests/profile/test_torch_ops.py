@@ -1,11 +1,12 @@
 """OpCapture folds torch.profiler's ops and allocations into the role trace; MemorySampler records counters."""
 
+import itertools
 import threading
 import time
 
 import pytest
 
-from shardflow.profile.memory import RSS, MemorySampler
+from shardflow.profile.memory import CPU_CORES, RSS, MemorySampler
 from shardflow.profile.recorder import SpanRecorder
 from shardflow.profile.torch_ops import OpCapture
 from shardflow.profile.trace import check_legal
@@ -69,4 +70,22 @@ def test_memory_sampler_records_rss_while_running():
     with MemorySampler(recorder, interval_s=0.001), recorder.span("step", 0):
         time.sleep(0.02)
     counters = [e for e in recorder.events(0, 1) if e["ph"] == "C"]
-    assert counters and all(e["name"] == RSS and e["args"]["value"] > 1e6 for e in counters)
+    rss = [e for e in counters if e["name"] == RSS]
+    assert rss and all(e["args"]["value"] > 1e6 for e in rss)
+    assert {e["name"] for e in counters} == {RSS, CPU_CORES}
+
+
+def test_the_cpu_counter_integrates_to_the_cpu_time_used_while_sampling():
+    recorder = SpanRecorder("worker:0")
+    cpu_before = time.process_time()
+    with MemorySampler(recorder, interval_s=0.005), recorder.span("step", 0):
+        deadline = time.perf_counter() + 0.2
+        while time.perf_counter() < deadline:  # busy: about one core
+            pass
+        time.sleep(0.1)  # idle
+    cpu_used = time.process_time() - cpu_before
+    samples = [(e["ts"], e["args"]["value"]) for e in recorder.events(0, 1) if e["name"] == CPU_CORES]
+    integral = sum(value * (ts - previous) / 1e6 for (previous, _), (ts, value) in itertools.pairwise(samples))
+    # The integral misses only the CPU before the second sample and after the last one (a few ms).
+    assert integral == pytest.approx(cpu_used, abs=0.03)
+    assert min(value for _, value in samples) < 0.2  # the idle tail reads as idle

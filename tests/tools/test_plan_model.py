@@ -72,6 +72,26 @@ def test_cores_turn_copies_into_cpu_work_that_all_roles_share():
     assert alone.bottleneck == "compute"
 
 
+def test_measured_cpu_per_step_replaces_the_estimate_of_the_copies():
+    # Measured: 3 ms of worker CPU and 1.5 ms of PS CPU per worker step; 0.2 cores go to the chief.
+    config = PlanConfig(
+        num_params=250e3,
+        num_workers=2,
+        num_ps=1,
+        bandwidth=2e9,
+        step_compute_s=2e-3,
+        ps_apply_s=0.5e-3,
+        cores=2,
+        worker_cpu_s=3e-3,
+        ps_cpu_s=1.5e-3,
+        other_cores=0.2,
+    )
+    p = predict(config)
+    assert p.parts["CPU cores"] == pytest.approx(2 * (3e-3 + 1.5e-3) / 1.8)
+    assert p.bottleneck == "CPU cores"
+    assert predict(replace(config, mode="sync")).parts["CPU cores"] == pytest.approx(p.parts["CPU cores"])
+
+
 def test_ring_allreduce_moves_2_n_minus_1_over_n_of_the_model():
     ring = predict_allreduce(TALK)
     assert ring.communication_s == pytest.approx(2 * 63 / 64 * 0.128)

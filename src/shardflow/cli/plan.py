@@ -106,6 +106,10 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         mode=args.mode,
         ps_apply_s=parse_duration(args.ps_apply, "--ps-apply") if args.ps_apply else _apply_s(calibration),
         cores=args.cores,
+        # Measured CPU per step only describes the cores it was measured on: a local run.
+        worker_cpu_s=calibration.worker_cpu_s if calibration is not None and args.cores else None,
+        ps_cpu_s=calibration.ps_cpu_s if calibration is not None and args.cores else None,
+        other_cores=min(calibration.other_cores, args.cores / 2) if calibration is not None and args.cores else 0.0,
     )
 
 
@@ -121,6 +125,9 @@ def _print_calibration(c: Calibration) -> None:
     print(f"  compute per step       {format_duration(c.step_compute_s)} (forward + backward, pushes excluded)")
     print(f"  effective bandwidth    {format_bandwidth(c.bandwidth)} (push, PS receive and reply spans)")
     print(f"  PS apply per update    {format_duration(c.ps_apply_s)}")
+    if c.worker_cpu_s is not None and c.ps_cpu_s is not None:
+        print(f"  CPU per worker step    {format_duration(c.worker_cpu_s)} in the worker, ", end="")
+        print(f"{format_duration(c.ps_cpu_s)} in the PS (all threads); other roles {c.other_cores:.2f} cores")
     print(f"  achieved               {format_duration(c.worker_step_s)} per worker step, ", end="")
     print(f"{c.global_steps_per_s:.1f} global steps/s")
     print()

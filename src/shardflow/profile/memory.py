@@ -1,10 +1,12 @@
-"""A sampler thread recording this process's memory as counters: RSS, torch CPU/CUDA allocated, pinned host."""
+"""A sampler thread recording this process's memory as counters (RSS, torch CPU/CUDA allocated, pinned host), and
+the CPU cores it keeps busy, all of its threads together (the ZeroMQ I/O threads too)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable
 from types import TracebackType
 
@@ -15,6 +17,9 @@ TORCH_CPU_ALLOCATED = "memory.torch_cpu_allocated"
 CUDA_ALLOCATED = "memory.cuda_allocated"
 CUDA_RESERVED = "memory.cuda_reserved"
 PINNED_HOST = "memory.pinned_host"
+CPU_CORES = "cpu.cores"
+"""CPU seconds the process used since the previous sample, per second of wall time: the integral over a window is
+the CPU time spent in it (tools/calibrate.py relies on that)."""
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -54,10 +59,15 @@ class MemorySampler:
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_cpu: tuple[float, float] | None = None
 
     def sample(self) -> None:
         for name, read in memory_readers().items():
             self.recorder.counter(name, float(read()))
+        wall, cpu = time.perf_counter(), time.process_time()
+        if self._last_cpu is not None and wall > self._last_cpu[0]:
+            self.recorder.counter(CPU_CORES, (cpu - self._last_cpu[1]) / (wall - self._last_cpu[0]))
+        self._last_cpu = (wall, cpu)
 
     def start(self) -> None:
         if self._thread is not None:

@@ -129,13 +129,14 @@ def _step_bars(summaries: list[Any]) -> Any:
 
 
 def _has_memory(table: pa.Table) -> bool:
-    return bool(pc.any(pc.equal(table["ph"], "C")).as_py())
+    return bool(pc.any(pc.and_(pc.equal(table["ph"], "C"), pc.starts_with(table["name"], "memory."))).as_py())
 
 
 def _memory_lines(table: pa.Table) -> Any:
     import matplotlib.pyplot as plt
 
-    counters = table.filter(pc.equal(table["ph"], "C")).select(["role", "name", "ts", "value"]).to_pylist()
+    memory = pc.and_(pc.equal(table["ph"], "C"), pc.starts_with(table["name"], "memory."))
+    counters = table.filter(memory).select(["role", "name", "ts", "value"]).to_pylist()
     names = sorted({c["name"] for c in counters})
     origin = min(c["ts"] for c in counters)
     figure, all_axes = plt.subplots(len(names), 1, figsize=(11, 2.4 * len(names)), squeeze=False, sharex=True)

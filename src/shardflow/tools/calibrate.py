@@ -6,6 +6,7 @@ import bisect
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pyarrow.compute as pc
 
 from shardflow.profile.capture import capture_dir, finalize
 from shardflow.profile.events import load
+from shardflow.profile.memory import CPU_CORES
 
 _COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes"]
 
@@ -36,6 +38,13 @@ class Calibration:
     """Measured mean worker step."""
     global_steps_per_s: float
     """Measured: updates ps:0 applied per second inside the capture."""
+    worker_cpu_s: float | None = None
+    """CPU seconds a worker uses per step, every thread included (the ZeroMQ I/O threads, the Python around the
+    spans): from the `cpu.cores` counters. None if the capture has none."""
+    ps_cpu_s: float | None = None
+    """CPU seconds the PS use together per worker step (per push they receive), every thread included."""
+    other_cores: float = 0.0
+    """Cores the roles that do not scale with the workers (the chief, an evaluator) kept busy."""
 
 
 def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
@@ -72,6 +81,18 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     for span in applies:
         applies_by_ps[span["role"]].append(span)
     first_ps = min(applies_by_ps, key=lambda role: int(role.partition(":")[2] or 0))
+    global_steps_per_s = _rate(applies_by_ps[first_ps])
+    cores = _cores_by_role(table)
+    steps_by_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for span in worker_steps:
+        steps_by_worker[span["role"]].append(span)
+    worker_steps_per_s = sum(_rate(spans) for spans in steps_by_worker.values())
+    cpu_per_step = {
+        kind: sum(v for role, v in cores.items() if role.startswith(kind)) / worker_steps_per_s
+        if cores and worker_steps_per_s > 0
+        else None
+        for kind in ("worker", "ps")
+    }
     return Calibration(
         capture=directory,
         num_workers=len({s["role"] for s in worker_steps}),
@@ -81,8 +102,28 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         bandwidth=moved / (moving_us / 1e6) if moving_us > 0 else float("inf"),
         ps_apply_s=sum(_median(spans) for spans in applies_by_ps.values()) / 1e6,
         worker_step_s=sum(s["dur"] for s in worker_steps) / num_steps / 1e6,
-        global_steps_per_s=_rate(applies_by_ps[first_ps]),
+        global_steps_per_s=global_steps_per_s,
+        worker_cpu_s=cpu_per_step["worker"],
+        ps_cpu_s=cpu_per_step["ps"],
+        other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
     )
+
+
+def _cores_by_role(table: Any) -> dict[str, float]:
+    """Mean CPU cores each role kept busy over its samples: the integral of `cpu.cores` over their span."""
+    counters = table.filter(pc.and_(pc.equal(table["ph"], "C"), pc.equal(table["name"], CPU_CORES)))
+    samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    for row in counters.select(["role", "ts", "value"]).to_pylist():
+        samples[row["role"]].append((row["ts"], row["value"]))
+    cores = {}
+    for role, series in samples.items():
+        series.sort()
+        window = series[-1][0] - series[0][0]
+        if len(series) > 2 and window > 0:
+            # Each value covers the time since the sample before it.
+            busy = sum(value * (ts - previous) for (previous, _), (ts, value) in pairwise(series))
+            cores[role] = busy / window
+    return cores
 
 
 def _median(spans: list[dict[str, Any]]) -> float:
@@ -105,7 +146,7 @@ def _nested(inner: list[dict[str, Any]], outer: list[dict[str, Any]]) -> list[di
     return nested
 
 
-def _rate(applies: list[dict[str, Any]]) -> float:
-    """Updates per second between the first and the last apply of one PS."""
-    starts = sorted(s["ts"] for s in applies)
+def _rate(spans: list[dict[str, Any]]) -> float:
+    """Spans per second between the first and the last start (of one role's applies or steps)."""
+    starts = sorted(s["ts"] for s in spans)
     return (len(starts) - 1) / ((starts[-1] - starts[0]) / 1e6) if len(starts) > 1 and starts[-1] > starts[0] else 0.0

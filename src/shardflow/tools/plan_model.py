@@ -34,6 +34,14 @@ class PlanConfig:
     cores: float | None = None
     """A local run: every role shares this many CPU cores (fewer if other programs use some), and moving bytes is
     CPU work on both ends."""
+    worker_cpu_s: float | None = None
+    """With cores: measured CPU seconds of a worker per step, all its threads (tools/calibrate.py); None estimates
+    it as compute plus the copies of its bytes."""
+    ps_cpu_s: float | None = None
+    """With cores: measured CPU seconds the PS spend together per worker step, all their threads; None estimates it
+    as the apply plus the copies."""
+    other_cores: float = 0.0
+    """With cores: cores kept busy by roles whose work does not grow with the workers (the chief)."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "bytes_per_param", "bandwidth", "step_compute_s"):
@@ -48,6 +56,11 @@ class PlanConfig:
             raise ValueError(f"PlanConfig.ps_apply_s must be >= 0, got {self.ps_apply_s}")
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"PlanConfig.cores must be positive, got {self.cores}")
+        for name in ("worker_cpu_s", "ps_cpu_s"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"PlanConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if self.cores is not None and not 0 <= self.other_cores < self.cores:
+            raise ValueError(f"PlanConfig.other_cores must be in [0, cores), got {self.other_cores}")
 
     @property
     def model_bytes(self) -> float:
@@ -94,8 +107,10 @@ def predict(config: PlanConfig) -> Prediction:
     else:
         # Loopback: bytes move by memory copies done by the CPUs of sender and receiver, so a worker's copies add
         # to its compute, a PS's copies add to its apply, and all roles compete for the same cores.
-        cluster_work = n * (config.step_compute_s + 4 * worker_link) + updates_per_round * config.ps_apply_s
-        parts["CPU cores"] = cluster_work / config.cores
+        worker_cpu = config.step_compute_s + 4 * worker_link if config.worker_cpu_s is None else config.worker_cpu_s
+        # Measured PS CPU is per push received (each worker step), which holds in both modes.
+        ps_cpu = updates_per_round * config.ps_apply_s if config.ps_cpu_s is None else n * config.ps_cpu_s
+        parts["CPU cores"] = (n * worker_cpu + ps_cpu) / (config.cores - config.other_cores)
         bounds = [
             (parts["compute"] + parts["worker link"], _larger(parts, "compute", "worker link")),
             (parts["CPU cores"], "CPU cores"),
