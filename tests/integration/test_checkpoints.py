@@ -108,6 +108,18 @@ def test_epochs_mean_every_record_is_seen_k_times_across_the_cluster(tmp_path, d
     assert result["global_step"] == 2 * NUM_RECORDS // 4
 
 
+@pytest.mark.parametrize("new_workers", [3, 1])
+def test_a_restore_onto_another_worker_count_keeps_epochs_exact(tmp_path, data_dir, new_workers):
+    # 2 workers stop in the middle of the first epoch; the job resumes with another count and runs out its 2 epochs.
+    log = tmp_path / "seen"
+    common = {"mode": "sync", "num_ps": 1, "epochs": 2, "batch_log": str(log)}
+    first = run(tmp_path, data_dir, "before", num_workers=2, max_steps=10, **common)
+    second = run(tmp_path, data_dir, "after", model_dir=tmp_path / "before", num_workers=new_workers, **common)
+    assert (first["global_step"], second["start_step"]) == (10, 10)
+    seen = Counter(i for w in range(max(2, new_workers)) for batch in batches(log, w) for i in batch)
+    assert seen == Counter({i: 2 for i in range(NUM_RECORDS)})
+
+
 def test_evaluation_during_training_and_early_stopping(tmp_path, data_dir):
     # An improvement of 100 never happens, so training stops after 1 + patience evaluations.
     result = run(

@@ -19,6 +19,7 @@ from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import place
 from shardflow.train import checkpoint
 from shardflow.train.chief_loop import ChiefLoop
+from shardflow.train.input import carry_over
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.specs import EvalSpec, TrainResult, TrainSpec
 
@@ -36,17 +37,18 @@ def _restore(est: Estimator, model: torch.nn.Module, role: RoleContext) -> Model
         return None
     state, manifest = checkpoint.load_state(path)
     model.load_state_dict(state.params)
-    if manifest.get("num_workers", role.num_workers) == role.num_workers:
-        role.control.set("restore/iterators", json.dumps(state.iterators))
-    else:
-        log.warning(
-            "restored %s written by %s workers into %s: input positions cannot be mapped, so every worker "
-            "starts its shard from the beginning",
+    old_workers = int(manifest.get("num_workers", role.num_workers))
+    if old_workers != role.num_workers and state.iterators:
+        state.iterators = carry_over(state.iterators, old_workers, role.num_workers)
+        log.info(
+            "restored %s written by %d workers into %d: the new workers first finish the old shards where they "
+            "stopped, through epoch %d, then read their own shards",
             path,
-            manifest.get("num_workers"),
+            old_workers,
             role.num_workers,
+            next(iter(state.iterators.values()))["epoch"] - 1,
         )
-        state.iterators = {}
+    role.control.set("restore/iterators", json.dumps(state.iterators))
     log.info("restored %s at global step %d", path, state.step)
     return state
 

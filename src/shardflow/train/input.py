@@ -1,32 +1,34 @@
-"""A worker's place in its input: the epoch, the batches consumed in it, and the pipeline's own state."""
+"""A worker's place in its input: the epoch, the batches consumed in it, and the pipeline's own state.
+
+When a job restores a checkpoint written by a different number of workers, the old shards cannot be mapped onto the
+new ones. Each new worker first finishes some of the old shards where they stopped (`carry_over` says which), all of
+them through the same epoch, and only then starts its own shard at the next epoch. So `epochs=k` still means every
+record is seen exactly k times across the cluster, whatever the worker counts before and after.
+"""
 
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Iterator
 from typing import Any
 
 from shardflow.train.specs import InputContext, TrainSpec
 
 
-class InputPosition:
-    """Iterates `spec.input_fn(ctx)` epoch after epoch and can say, and resume, exactly where it is.
+class _Shard:
+    """One input_fn(ctx) pipeline, iterated epoch after epoch through `last_epoch` (inclusive)."""
 
-    A pipeline whose iterator has get_state/set_state (shardflow.data) resumes from its state; any other
-    iterable is re-created and fast-forwarded past the batches already consumed in the epoch."""
-
-    def __init__(self, spec: TrainSpec, ctx: InputContext, state: dict[str, Any] | None = None) -> None:
+    def __init__(self, spec: TrainSpec, ctx: InputContext, state: dict[str, Any] | None, last_epoch: float) -> None:
         self.spec = spec
         self.ctx = ctx
+        self.last_epoch = last_epoch
         self.epoch = int(state["epoch"]) if state else 0
         self.consumed = 0
         self._iterator: Iterator[Any] = iter(())
         self._stateful = False
-        if self._epochs_left():
+        if self.epoch <= last_epoch:
             self._start(state)
-
-    def _epochs_left(self) -> bool:
-        return self.spec.epochs is None or self.epoch < self.spec.epochs
 
     def _start(self, state: dict[str, Any] | None) -> None:
         iterator = iter(self.spec.input_fn(self.ctx))
@@ -50,21 +52,105 @@ class InputPosition:
                     pass
         self._iterator = iterator
 
-    def next(self) -> Any | None:
-        """The next batch, moving on to the next epoch when one ends; None when all epochs are done."""
-        while self._epochs_left():
+    def next(self) -> Any:
+        """The next batch, moving on to the next epoch when one ends; _END after `last_epoch`."""
+        while self.epoch <= self.last_epoch:
             batch = next(self._iterator, _END)
             if batch is not _END:
                 self.consumed += 1
                 return batch
             self.epoch += 1
-            if self._epochs_left():
+            if self.epoch <= self.last_epoch:
                 self._start(None)
-        return None
+        return _END
 
     def get_state(self) -> dict[str, Any]:
         inner = self._iterator.get_state() if self._stateful else None  # type: ignore[attr-defined]
         return {"epoch": self.epoch, "consumed": self.consumed, "inner": inner}
+
+
+class InputPosition:
+    """Iterates `spec.input_fn(ctx)` epoch after epoch and can say, and resume, exactly where it is.
+
+    A pipeline whose iterator has get_state/set_state (shardflow.data) resumes from its state; any other
+    iterable is re-created and fast-forwarded past the batches already consumed in the epoch. A state with
+    "carry" entries (from `carry_over`) first finishes those old shards."""
+
+    def __init__(self, spec: TrainSpec, ctx: InputContext, state: dict[str, Any] | None = None) -> None:
+        self.spec = spec
+        self.ctx = ctx
+        self._last_epoch = math.inf if spec.epochs is None else spec.epochs - 1
+        state = state or {}
+        self._carry: list[dict[str, Any]] = [dict(entry) for entry in state.get("carry", [])]
+        own = {key: state[key] for key in ("epoch", "consumed", "inner") if key in state}
+        self._own_state: dict[str, Any] | None = own or None
+        self._own: _Shard | None = None
+        self._shard: _Shard | None = self._next_shard()
+
+    @property
+    def epoch(self) -> int:
+        """The epoch of the batches being read now."""
+        shard = self._shard or self._own
+        return shard.epoch if shard is not None else int((self._own_state or {}).get("epoch", 0))
+
+    def _next_shard(self) -> _Shard | None:
+        if self._carry:
+            entry = self._carry.pop(0)
+            ctx = InputContext(int(entry["num_workers"]), int(entry["index"]))
+            return _Shard(self.spec, ctx, entry["position"], min(float(entry["last_epoch"]), self._last_epoch))
+        if self._own is None:
+            self._own = _Shard(self.spec, self.ctx, self._own_state, self._last_epoch)
+            return self._own
+        return None
+
+    def next(self) -> Any | None:
+        """The next batch; None when all epochs are done."""
+        while self._shard is not None:
+            batch = self._shard.next()
+            if batch is not _END:
+                return batch
+            if self._shard is self._own:
+                return None
+            self._shard = self._next_shard()
+        return None
+
+    def get_state(self) -> dict[str, Any]:
+        if self._shard is None or self._shard is self._own:
+            own = self._own or _Shard(self.spec, self.ctx, self._own_state, -1)  # -1: not started
+            return own.get_state()
+        carried = self._shard
+        carry = [
+            {
+                "num_workers": carried.ctx.num_workers,
+                "index": carried.ctx.worker_index,
+                "position": carried.get_state(),
+                "last_epoch": int(carried.last_epoch),
+            },
+            *self._carry,
+        ]
+        return {**(self._own_state or {"epoch": 0, "consumed": 0, "inner": None}), "carry": carry}
+
+
+def carry_over(positions: dict[str, dict[str, Any]], old_workers: int, new_workers: int) -> dict[str, dict[str, Any]]:
+    """New workers' starting positions from the positions of a different number of old workers.
+
+    The old shards are dealt round-robin to the new workers, which finish each from where it stopped through epoch
+    F, the furthest epoch any old worker had reached; then every new worker starts its own shard at epoch F + 1.
+    Shards an old worker was itself still finishing (after an earlier change) are handed on as they are, first."""
+    if not positions:
+        return {}
+    own = {i: positions.get(f"worker:{i}", {"epoch": 0, "consumed": 0, "inner": None}) for i in range(old_workers)}
+    furthest = max(int(position["epoch"]) for position in own.values())
+    pieces: list[dict[str, Any]] = [entry for position in own.values() for entry in position.get("carry", [])]
+    for i, position in own.items():
+        state = {key: position[key] for key in ("epoch", "consumed", "inner")}
+        pieces.append({"num_workers": old_workers, "index": i, "position": state, "last_epoch": furthest})
+    new: dict[str, dict[str, Any]] = {
+        f"worker:{j}": {"epoch": furthest + 1, "consumed": 0, "inner": None, "carry": []} for j in range(new_workers)
+    }
+    for n, piece in enumerate(pieces):
+        new[f"worker:{n % new_workers}"]["carry"].append(piece)
+    return new
 
 
 _END = object()
