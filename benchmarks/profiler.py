@@ -63,25 +63,36 @@ def train_step(model: torch.nn.Module, batch: torch.Tensor, step: int, recorder:
 
 
 def recorder_overhead(num_steps: int, repeats: int) -> dict[str, Any]:
+    """Steps with and without the recorder, alternating in blocks of 10 within one process, so that a change of load
+    on a shared machine falls on both alike; the overhead is the ratio of the totals, and the spread is that of the
+    ratios of neighbouring blocks."""
     torch.set_num_threads(1)
     model, batch = make_model()
     for step in range(50):
         train_step(model, batch, step, None)
-    times: dict[str, list[float]] = {"without": [], "with": []}
-    for _ in range(repeats):
-        for variant in ("without", "with"):
-            recorder = SpanRecorder("worker:0") if variant == "with" else None
+    recorder = SpanRecorder("worker:0")  # one recorder throughout, as in a long run: its ring fills and wraps
+    block = 10
+    totals = {"without": 0.0, "with": 0.0}
+    pair_ratios: list[float] = []
+    step = 0
+    for _ in range(max(1, num_steps * repeats // (2 * block))):
+        seconds = {}
+        for variant in ("without", "with") if step % (4 * block) == 0 else ("with", "without"):
             start = time.perf_counter()
-            for step in range(num_steps):
-                train_step(model, batch, step, recorder)
-            times[variant].append((time.perf_counter() - start) / num_steps)
-    best = {variant: min(values) for variant, values in times.items()}
-    median = {variant: statistics.median(values) for variant, values in times.items()}
+            for _ in range(block):
+                train_step(model, batch, step, recorder if variant == "with" else None)
+                step += 1
+            seconds[variant] = time.perf_counter() - start
+            totals[variant] += seconds[variant]
+        pair_ratios.append(seconds["with"] / seconds["without"])
+    steps_each = step // 2
+    quartiles = statistics.quantiles(pair_ratios, n=4)
     return {
-        "step_ms_without": round(best["without"] * 1e3, 4),
-        "step_ms_with": round(best["with"] * 1e3, 4),
-        "ratio_best": round(best["with"] / best["without"], 4),
-        "ratio_median": round(median["with"] / median["without"], 4),
+        "steps_each": steps_each,
+        "step_ms_without": round(totals["without"] / steps_each * 1e3, 4),
+        "step_ms_with": round(totals["with"] / steps_each * 1e3, 4),
+        "ratio": round(totals["with"] / totals["without"], 4),
+        "pair_ratio_quartiles": [round(q, 4) for q in quartiles],
         "recorder_calls_per_step": 10,
         "ns_per_span": round(nanoseconds_per_span(num_steps * 100)),
     }
@@ -189,12 +200,14 @@ def torch_key_averages(num_steps: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, for a smoke test")
+    parser.add_argument("--only", choices=["overhead", "analysis"], help="run one of the two parts")
     args = parser.parse_args(argv)
     steps_per_repeat, repeats, num_events = (300, 3, 100_000) if args.quick else (2000, 7, 1_000_000)
-    result = {
-        "recorder_overhead": recorder_overhead(steps_per_repeat, repeats),
-        "analysis": analysis_time(num_events),
-    }
+    result = {}
+    if args.only in (None, "overhead"):
+        result["recorder_overhead"] = recorder_overhead(steps_per_repeat, repeats)
+    if args.only in (None, "analysis"):
+        result["analysis"] = analysis_time(num_events)
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0
