@@ -68,3 +68,16 @@ def test_placement_json_round_trip_is_identical():
 def test_bad_partitioner_settings_name_the_field(bad):
     with pytest.raises(ValueError, match=next(iter(bad))):
         Partitioner(**bad)
+
+
+def test_sparse_variables_are_cut_and_balanced_but_kept_out_of_the_buffers():
+    variables = _variables((1000, 16), (16, 4), (4,))
+    placement = place(variables, num_ps=2, partitioner=Partitioner(fixed_shards=2), sparse={"v0"})
+    tables = [p for p in placement.pieces if p.name == "v0"]
+    assert [(p.row_start, p.row_end, p.sparse, p.offset) for p in tables] == [(0, 500, True, 0), (500, 1000, True, 0)]
+    assert sorted(p.ps for p in tables) == [0, 1]
+    assert [placement.tables(ps) for ps in range(2)] == [[p] for p in sorted(tables, key=lambda p: p.ps)]
+    # Each PS's buffer holds only its dense pieces.
+    dense = sum(p.numel for p in placement.pieces if not p.sparse)
+    assert sum(placement.buffer_sizes(ps).get("float32", 0) for ps in range(2)) == dense
+    assert Placement.from_json(placement.to_json()) == placement

@@ -2,60 +2,12 @@
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterator
-
-import pytest
 import torch
 
-from shardflow.comm.client import Client
-from shardflow.comm.server import Server
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.checkpointing import fetch_state, init_servers
-from shardflow.ps.client import ParameterClient
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
-from shardflow.ps.server import ParameterServer
-
-
-class Cluster:
-    """`num_ps` servers, each serving in its own thread."""
-
-    def __init__(self, num_ps: int) -> None:
-        self.servers = [Server("tcp://127.0.0.1:0") for _ in range(num_ps)]
-        self.ps = [ParameterServer(s, k) for k, s in enumerate(self.servers)]
-        self.threads = [threading.Thread(target=ps.serve, daemon=True) for ps in self.ps]
-        for t in self.threads:
-            t.start()
-
-    @property
-    def addresses(self) -> list[str]:
-        return [s.address for s in self.servers]
-
-    def client(self, model: torch.nn.Module, placement, worker_index: int = 0) -> ParameterClient:
-        return ParameterClient(
-            Client(f"worker:{worker_index}"),
-            [(address, None) for address in self.addresses],
-            placement,
-            model,
-            timeout_s=5,
-            worker_index=worker_index,
-        )
-
-
-@pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    c = Cluster(3)
-    yield c
-    chief = Client("chief")
-    for k, address in enumerate(c.addresses):
-        chief.connect(f"ps:{k}", address)
-        chief.request(f"ps:{k}", {"op": "shutdown"}, timeout_s=5)
-    chief.close()
-    for t in c.threads:
-        t.join(timeout=5)
-    for s in c.servers:
-        s.close()
 
 
 def _model() -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""Optimizer specs: plain configs sent to the PS, which build the `torch.optim` optimizer on their shards."""
+"""Optimizer specs: plain configs sent to the PS, which build the `torch.optim` optimizer on their shards, and
+the optimizer that stands in for one on row-sparse tables."""
 
 from __future__ import annotations
 
@@ -17,6 +18,22 @@ _OPTIMIZERS: dict[str, type[torch.optim.Optimizer]] = {
     "RMSprop": torch.optim.RMSprop,
 }
 
+# The optimizer applied to row-sparse tables in place of each one that has an exact (SGD, Adagrad) or lazy (Adam)
+# sparse form, with the arguments it takes over; any other argument must be neutral, or the job is refused.
+_SPARSE: dict[str, tuple[type[torch.optim.Optimizer], set[str]]] = {
+    "SGD": (torch.optim.SGD, {"lr"}),
+    "Adagrad": (torch.optim.Adagrad, {"lr", "lr_decay", "initial_accumulator_value", "eps"}),
+    "Adam": (torch.optim.SparseAdam, {"lr", "betas", "eps", "maximize"}),
+}
+_SPARSE_NEUTRAL: dict[str, Any] = {
+    "momentum": 0.0,
+    "dampening": 0.0,
+    "nesterov": False,
+    "weight_decay": 0.0,
+    "amsgrad": False,
+    "maximize": False,
+}
+
 
 @dataclass(frozen=True)
 class OptimizerSpec:
@@ -33,8 +50,37 @@ class OptimizerSpec:
                 raise ValueError(f"optimizer argument {key}={value!r} must be a number, bool or tuple")
 
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
-        kwargs: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
-        return _OPTIMIZERS[self.name](params, **kwargs)
+        return _OPTIMIZERS[self.name](params, **self._kwargs())
+
+    def build_sparse(self, tables: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The optimizer for row-sparse tables: it updates only the rows a gradient touches (and, for Adam,
+        only their moments: SparseAdam, TF's LazyAdam)."""
+        optimizer, kwargs = self._sparse("the row-sparse tables")
+        return optimizer(tables, **kwargs)
+
+    def check_sparse(self, variable: str) -> None:
+        """Raise ValueError, naming `variable`, if this optimizer cannot apply row-sparse gradients."""
+        self._sparse(repr(variable))
+
+    def _sparse(self, variable: str) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+        kwargs = self._kwargs()
+        allowed = _SPARSE.get(self.name)
+        blocking = (
+            {k: v for k, v in kwargs.items() if k not in allowed[1] and v != _SPARSE_NEUTRAL.get(k)}
+            if allowed is not None
+            else {}
+        )
+        if allowed is None or blocking:
+            why = f"{self.name}" + (f" with {', '.join(f'{k}={v}' for k, v in blocking.items())}" if blocking else "")
+            raise ValueError(
+                f"variable {variable} is row-sparse (nn.Embedding or nn.EmbeddingBag with sparse=True), but {why} "
+                "cannot apply sparse gradients: use SGD without momentum, Adagrad or Adam (applied lazily, as "
+                "SparseAdam), all without weight_decay; or make the embedding dense (sparse=False)"
+            )
+        return allowed[0], {k: v for k, v in kwargs.items() if k in allowed[1]}
+
+    def _kwargs(self) -> dict[str, Any]:
+        return {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "kwargs": self.kwargs}

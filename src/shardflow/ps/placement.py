@@ -1,10 +1,13 @@
-"""Where each variable lives: dim-0 partitioning of large tensors and greedy-by-size placement on the PS."""
+"""Where each variable lives: dim-0 partitioning of large tensors and greedy-by-size placement on the PS.
+
+Dense pieces are packed into one flat buffer per dtype on their PS; row-sparse pieces (embedding tables) stay
+tensors of their own there, read and updated a few rows at a time."""
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +46,8 @@ class Partitioner:
 
 @dataclass(frozen=True, kw_only=True)
 class Piece:
-    """Rows [row_start, row_end) of variable `name`, stored on PS `ps` at `offset` of its `dtype` buffer."""
+    """Rows [row_start, row_end) of variable `name`, stored on PS `ps` at `offset` of its `dtype` buffer, or,
+    if `sparse`, as a table of its own there (offset 0)."""
 
     name: str
     shape: tuple[int, ...]
@@ -53,6 +57,7 @@ class Piece:
     ps: int
     offset: int
     numel: int
+    sparse: bool = False
 
     @property
     def piece_shape(self) -> tuple[int, ...]:
@@ -73,6 +78,7 @@ class Piece:
             "ps": self.ps,
             "offset": self.offset,
             "numel": self.numel,
+            "sparse": self.sparse,
         }
 
     @classmethod
@@ -86,6 +92,7 @@ class Piece:
             ps=d["ps"],
             offset=d["offset"],
             numel=d["numel"],
+            sparse=bool(d.get("sparse", False)),
         )
 
 
@@ -95,7 +102,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class Placement:
-    """The pieces of every variable; each PS holds one flat buffer per dtype, its pieces packed in order."""
+    """The pieces of every variable; each PS holds one flat buffer per dtype, its dense pieces packed in order,
+    and its sparse pieces as tables in placement order."""
 
     num_ps: int
     pieces: tuple[Piece, ...]
@@ -104,11 +112,16 @@ class Placement:
     def on_ps(self, ps: int) -> list[Piece]:
         return [p for p in self.pieces if p.ps == ps]
 
+    def tables(self, ps: int) -> list[Piece]:
+        """The sparse pieces on `ps`, in the order the PS keeps them."""
+        return [p for p in self.pieces if p.ps == ps and p.sparse]
+
     def buffer_sizes(self, ps: int) -> dict[str, int]:
         """Element count of each dtype buffer on `ps`, in a stable dtype order."""
         sizes: dict[str, int] = {}
         for p in self.on_ps(ps):
-            sizes[p.dtype] = max(sizes.get(p.dtype, 0), p.offset + p.numel)
+            if not p.sparse:
+                sizes[p.dtype] = max(sizes.get(p.dtype, 0), p.offset + p.numel)
         return dict(sorted(sizes.items()))
 
     def bytes_per_ps(self) -> list[int]:
@@ -133,8 +146,10 @@ def place(
     variables: Iterable[tuple[str, torch.Tensor]],
     num_ps: int,
     partitioner: Partitioner | None = None,
+    sparse: Collection[str] = (),
 ) -> Placement:
-    """Cut variables along dim 0, then put the largest piece first onto the PS with the fewest bytes."""
+    """Cut variables along dim 0, then put the largest piece first onto the PS with the fewest bytes. The
+    variables named in `sparse` are cut and balanced the same way but kept out of the dtype buffers."""
     if num_ps < 1:
         raise ValueError(f"num_ps must be >= 1 to place variables, got {num_ps}")
     partitioner = partitioner or Partitioner()
@@ -169,8 +184,10 @@ def place(
         nbytes, name, shape, dtype, start, end, numel = slices[i]
         ps = min(range(num_ps), key=lambda k: (load[k], k))
         load[ps] += nbytes
-        offset = offsets[ps].get(dtype, 0)
-        offsets[ps][dtype] = offset + numel
+        offset = 0
+        if name not in sparse:
+            offset = offsets[ps].get(dtype, 0)
+            offsets[ps][dtype] = offset + numel
         pieces[i] = Piece(
             name=name,
             shape=shape,
@@ -180,5 +197,6 @@ def place(
             ps=ps,
             offset=offset,
             numel=numel,
+            sparse=name in sparse,
         )
     return Placement(num_ps, tuple(p for p in pieces if p is not None), tuple(names))

@@ -1,4 +1,5 @@
-"""The parameter server: holds this PS's shards in flat buffers, applies pushed gradients, counts the global step."""
+"""The parameter server: holds this PS's shards in flat buffers and row-sparse tables, applies pushed gradients,
+counts the global step."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from shardflow.comm.server import Request, Server
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.optimizers import OptimizerSpec
-from shardflow.ps.state import ShardState, capture, load_slots
+from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
+from shardflow.ps.state import Part, ShardState, capture, load_slots
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,9 @@ class ParameterServer:
         self.dtypes: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
+        # Row-sparse pieces (embedding tables), each a tensor of its own, read and updated a few rows at a time.
+        self.tables: list[torch.nn.Parameter] = []
+        self.table_optimizer: torch.optim.Optimizer | None = None
         self.step = 0
         self.initialized = False
         self.active: set[int] = set()
@@ -40,6 +45,7 @@ class ParameterServer:
         self.stats: dict[str, float] = {"applied": 0, "dropped_stale": 0, "dropped_after_max_steps": 0, "apply_s": 0.0}
         # sync: gradients of the current version, summed, and the pushes waiting for that version's update.
         self._accumulated: list[torch.Tensor] = []
+        self._accumulated_rows: list[list[RowGrad]] = []
         self._num_accumulated = 0
         self._waiting_for_update: list[Request] = []
         # ssp: pushes whose reply is held until the slowest worker catches up; (request, clock it needs).
@@ -56,6 +62,7 @@ class ParameterServer:
         self._handlers: dict[str, Callable[[Request], None]] = {
             "init": self._on_init,
             "pull": self._on_pull,
+            "rows": self._on_rows,
             "push": self._on_push,
             "done": self._on_done,
             "step": self._on_step,
@@ -126,45 +133,70 @@ class ParameterServer:
         if (recorder := get_recorder()) is not None:
             recorder.end("reply", self.step - 1, started, int(request.header.get("w", -1)))
 
-    def _apply(self, grads: list[torch.Tensor], requests: list[Request]) -> None:
+    def _parts(self) -> list[Part]:
+        """Every tensor this PS holds with the optimizer that updates it: the dtype buffers, then the tables."""
+        return [(p, self.optimizer) for p in self.params] + [(t, self.table_optimizer) for t in self.tables]
+
+    def _apply(self, grads: list[torch.Tensor], row_grads: list[list[RowGrad]], requests: list[Request]) -> None:
+        """One update: the mean of the dense gradients and of the row-sparse ones of `len(requests)` pushes."""
         started = time.perf_counter_ns()
         recorder = get_recorder()
         if recorder is not None:
             for request in requests:
                 recorder.flow("apply", self.step, flow_id(request.sender, request.seq), start=False)
+        count = len(requests)
         # A PS that holds no variables still counts steps, so every PS agrees on the global step.
         if self.optimizer is not None:
             for param, grad in zip(self.params, grads, strict=True):
-                param.grad = grad
+                param.grad = grad.div_(count) if count != 1 else grad
             self.optimizer.step()
             for param in self.params:
                 param.grad = None
+        if self.table_optimizer is not None:
+            # Every table gets a gradient, empty if no row of it was looked up: as a whole table does in one
+            # process, so step counts (Adam's bias correction) stay those of single-process training.
+            for table, grads_of_table in zip(self.tables, row_grads, strict=True):
+                table.grad = row_gradient(table, grads_of_table, count)
+            self.table_optimizer.step()
+            for table in self.tables:
+                table.grad = None
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
-            worker = int(requests[0].header["w"]) if len(requests) == 1 else -1
-            recorder.end("apply", self.step, started, worker, sum(g.nbytes for g in grads))
+            worker = int(requests[0].header["w"]) if count == 1 else -1
+            nbytes = sum(g.nbytes for g in grads) + sum(r.nbytes + v.nbytes for t in row_grads for r, v in t)
+            recorder.end("apply", self.step, started, worker, nbytes)
         self.step += 1
         self.stats["applied"] += 1
         self._snapshot = None
         every = self.config.snapshot_every_n_steps
         if (every and self.step % every == 0) or self.step == self.snapshot_at:
-            self.snapshots[self.step] = capture(self.step, self.params, self.optimizer, self.iterators)
+            self.snapshots[self.step] = capture(self.step, self._parts(), self.iterators)
             # Held until the chief has saved them; see _MAX_SNAPSHOTS for what happens when it falls behind.
 
-    def _buffers(self, request: Request) -> list[torch.Tensor]:
-        """One flat tensor per dtype from the pieces the sender sent as separate frames (always a fresh copy)."""
+    def _buffers(self, request: Request, trailing: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One tensor per group of pieces the sender sent as separate frames (always a fresh copy): a flat one
+        per dtype, or a group's single piece as it is; and the `trailing` frames after the groups, as they came."""
         counts = request.header.get("n", [])
-        if len(counts) < len(self.dtypes) or sum(counts) != len(request.tensors):
+        if len(counts) < len(self.dtypes) or sum(counts) + trailing != len(request.tensors):
             raise ValueError(
-                f"{request.op!r} from {request.sender} carries {len(request.tensors)} pieces in groups {counts}; "
-                f"ps:{self.index} holds the dtypes {self.dtypes}"
+                f"{request.op!r} from {request.sender} carries {len(request.tensors)} pieces in groups {counts} "
+                f"and {trailing} more; ps:{self.index} holds the dtypes {self.dtypes} and {len(self.tables)} tables"
             )
         buffers, start = [], 0
         for count in counts:
             pieces = request.tensors[start : start + count]
             buffers.append(torch.cat(pieces) if pieces else torch.empty(0))
             start += count
-        return buffers
+        return buffers, request.tensors[start:]
+
+    def _row_grads(self, request: Request, frames: list[torch.Tensor]) -> list[list[RowGrad]]:
+        """A push's (row numbers, values) frame pairs, one pair per table, checked before anything is applied."""
+        row_grads = []
+        for index, table in enumerate(self.tables):
+            rows, values = frames[2 * index], frames[2 * index + 1]
+            check_row_grad(rows, values, table, f"push from {request.sender} for table {index} of ps:{self.index}")
+            row_grads.append([(rows, values)])
+        return row_grads
 
     # -- handlers -----------------------------------------------------------------------------
 
@@ -172,11 +204,15 @@ class ParameterServer:
         header = request.header
         self.config = ApplyConfig.from_json(header["apply"])
         self.dtypes = list(header["dtypes"])
-        buffers = self._buffers(request)
+        num_parts = len(self.dtypes) + int(header.get("tables", 0))
+        buffers, _ = self._buffers(request)
         self.params = [torch.nn.Parameter(t, requires_grad=False) for t in buffers[: len(self.dtypes)]]
-        self.optimizer = OptimizerSpec.from_json(header["optimizer"]).build(list(self.params)) if self.params else None
+        self.tables = [torch.nn.Parameter(t, requires_grad=False) for t in buffers[len(self.dtypes) : num_parts]]
+        spec = OptimizerSpec.from_json(header["optimizer"])
+        self.optimizer = spec.build(list(self.params)) if self.params else None
+        self.table_optimizer = spec.build_sparse(list(self.tables)) if self.tables else None
         if "slots" in header:
-            load_slots(self.params, self.optimizer, header["slots"], header["scalars"], buffers[len(self.dtypes) :])
+            load_slots(self._parts(), header["slots"], header["scalars"], buffers[num_parts:])
         self.iterators = dict(header.get("iterators", {}))
         self.step = int(header.get("step", 0))
         self.active = set(range(self.config.num_workers))
@@ -192,6 +228,21 @@ class ParameterServer:
         else:
             self._pulls.append((request, min_step))
 
+    def _on_rows(self, request: Request) -> None:
+        """The rows a worker's batch looks up: for each table named in the header, the rows its frame lists."""
+        indices = request.header["tables"]
+        if len(indices) != len(request.tensors) or not all(0 <= i < len(self.tables) for i in indices):
+            raise ValueError(
+                f"'rows' from {request.sender} asks for tables {indices} with {len(request.tensors)} frames of row "
+                f"numbers; ps:{self.index} holds {len(self.tables)} tables"
+            )
+        values = []
+        for index, rows in zip(indices, request.tensors, strict=True):
+            check_rows(rows, self.tables[index], f"'rows' from {request.sender} for table {index} of ps:{self.index}")
+            # A copy, so the reply can go out zero-copy while later updates change the table.
+            values.append(self.tables[index].detach().index_select(0, rows))
+        self.server.reply(request, self._header(), values)
+
     def _on_push(self, request: Request) -> None:
         worker = int(request.header["w"])
         if self.finished:
@@ -202,18 +253,20 @@ class ParameterServer:
         if mode == "sync" and self._is_stale(request):
             return
         started = time.perf_counter_ns()
-        grads = self._buffers(request)
+        grads, row_frames = self._buffers(request, trailing=2 * len(self.tables))
+        row_grads = self._row_grads(request, row_frames)
         if "it" in request.header:
             self.iterators[f"worker:{worker}"] = request.header["it"]
         if mode == "sync":
-            self._accumulate(grads)
+            self._accumulate(grads, row_grads)
         if (recorder := get_recorder()) is not None:
-            recorder.end("receive", self.step, started, worker, sum(g.nbytes for g in grads))
+            nbytes = sum(g.nbytes for g in grads) + sum(f.nbytes for f in row_frames)
+            recorder.end("receive", self.step, started, worker, nbytes)
         if mode == "sync":
             self._waiting_for_update.append(request)
             self._maybe_apply_sync()
             return
-        self._apply(grads, [request])
+        self._apply(grads, row_grads, [request])
         self.clocks[worker] = self.clocks.get(worker, 0) + 1
         if mode == "ssp":
             self._held.append((request, self.clocks[worker]))
@@ -235,22 +288,25 @@ class ParameterServer:
         self._reply_params(request, stale=True)
         return True
 
-    def _accumulate(self, grads: list[torch.Tensor]) -> None:
+    def _accumulate(self, grads: list[torch.Tensor], row_grads: list[list[RowGrad]]) -> None:
+        """Sum the dense gradients; keep the row-sparse ones, summed row by row when the update is applied."""
         if self._num_accumulated == 0:
-            self._accumulated = grads
+            self._accumulated, self._accumulated_rows = grads, row_grads
         else:
             for total, grad in zip(self._accumulated, grads, strict=True):
                 total.add_(grad)
+            for kept, pushed in zip(self._accumulated_rows, row_grads, strict=True):
+                kept.extend(pushed)
         self._num_accumulated += 1
 
     def _maybe_apply_sync(self) -> None:
         needed = min(self.config.replicas, max(len(self.active), 1))
         if self._num_accumulated == 0 or self._num_accumulated < needed:
             return
-        count = self._num_accumulated
         waiting, self._waiting_for_update = self._waiting_for_update, []
-        self._apply([total.div_(count) for total in self._accumulated], waiting)
-        self._accumulated, self._num_accumulated = [], 0
+        assert len(waiting) == self._num_accumulated
+        self._apply(self._accumulated, self._accumulated_rows, waiting)
+        self._accumulated, self._accumulated_rows, self._num_accumulated = [], [], 0
         for request in waiting:
             self._reply_params(request)
         self._release_pulls()
@@ -292,7 +348,7 @@ class ParameterServer:
         """Parameters, optimizer slots and input positions: now, or as snapshotted at `snapshot` (for checkpoints)."""
         wanted = request.header.get("snapshot")
         if wanted is None:
-            state = capture(self.step, self.params, self.optimizer, self.iterators)
+            state = capture(self.step, self._parts(), self.iterators)
         elif wanted in self.snapshots:
             state = self.snapshots[wanted]
         else:
@@ -306,7 +362,7 @@ class ParameterServer:
         if step < self.step:
             raise ValueError(f"snapshot step {step} already passed; ps:{self.index} is at {self.step}")
         if step == self.step:
-            self.snapshots[step] = capture(self.step, self.params, self.optimizer, self.iterators)
+            self.snapshots[step] = capture(self.step, self._parts(), self.iterators)
         else:
             self.snapshot_at = step
         self.server.reply(request, self._header())
@@ -329,6 +385,7 @@ class ParameterServer:
             for waiting in self._waiting_for_update:
                 self._reply_params(waiting)
             self._waiting_for_update, self._accumulated, self._num_accumulated = [], [], 0
+            self._accumulated_rows = []
 
     def _on_shutdown(self, request: Request) -> None:
         self.server.reply(request, self._header())

@@ -1,18 +1,23 @@
-"""A PS's checkpointable state: its flat parameter buffers and the optimizer slots that mirror them."""
+"""A PS's checkpointable state: its parameter buffers and tables and the optimizer slots that mirror them."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+Part = tuple[torch.nn.Parameter, torch.optim.Optimizer | None]
+"""A tensor the PS holds (a flat dtype buffer or a row-sparse table) and the optimizer that updates it."""
+
 
 @dataclass
 class ShardState:
-    """Parameters (one flat buffer per dtype), slot buffers and scalar slots, and ps:0's input positions.
+    """Parameters (one flat buffer per dtype, then one tensor per row-sparse table), slot tensors and scalar
+    slots, and ps:0's input positions.
 
-    `slots[i]` describes buffer i's optimizer state: key -> index into `slot_tensors`, and `scalars[i]`
+    `slots[i]` describes part i's optimizer state: key -> index into `slot_tensors`, and `scalars[i]`
     key -> value (e.g. Adam's step count)."""
 
     step: int
@@ -29,12 +34,10 @@ class ShardState:
         return [*self.params, *self.slot_tensors]
 
 
-def capture(
-    step: int, params: list[torch.nn.Parameter], optimizer: torch.optim.Optimizer | None, iterators: dict[str, Any]
-) -> ShardState:
+def capture(step: int, parts: Sequence[Part], iterators: dict[str, Any]) -> ShardState:
     """A copy of the current state that later updates do not change."""
-    state = ShardState(step, [p.detach().clone() for p in params], iterators=dict(iterators))
-    for param in params:
+    state = ShardState(step, [param.detach().clone() for param, _ in parts], iterators=dict(iterators))
+    for param, optimizer in parts:
         slots: dict[str, int] = {}
         scalars: dict[str, float] = {}
         for key, value in (optimizer.state.get(param, {}) if optimizer is not None else {}).items():
@@ -49,18 +52,20 @@ def capture(
 
 
 def load_slots(
-    params: list[torch.nn.Parameter],
-    optimizer: torch.optim.Optimizer | None,
+    parts: Sequence[Part],
     slots: list[dict[str, int]],
     scalars: list[dict[str, float]],
     tensors: list[torch.Tensor],
 ) -> None:
-    """Put restored slots into the optimizer's state, in the types torch.optim keeps them in."""
-    if optimizer is None:
-        return
-    for param, param_slots, param_scalars in zip(params, slots, scalars, strict=True):
-        state: dict[str, Any] = {key: tensors[index].clone() for key, index in param_slots.items()}
-        # torch.optim keeps step counts as 0-d float32 tensors on the CPU.
-        state.update({key: torch.tensor(value, dtype=torch.float32) for key, value in param_scalars.items()})
+    """Put restored slots into the optimizers' state, in the types torch.optim keeps them in."""
+    for (param, optimizer), part_slots, part_scalars in zip(parts, slots, scalars, strict=True):
+        if optimizer is None:
+            continue
+        state: dict[str, Any] = {key: tensors[index].clone() for key, index in part_slots.items()}
+        # torch.optim keeps step counts as 0-d float32 tensors on the CPU; SparseAdam as Python ints.
+        if isinstance(optimizer, torch.optim.SparseAdam):
+            state.update({key: int(value) for key, value in part_scalars.items()})
+        else:
+            state.update({key: torch.tensor(value, dtype=torch.float32) for key, value in part_scalars.items()})
         if state:
             optimizer.state[param] = state

@@ -17,6 +17,7 @@ from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.checkpointing import ModelState, fetch_state, init_servers
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import place
+from shardflow.ps.sparse import sparse_variables
 from shardflow.train import checkpoint
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.input import carry_over
@@ -67,7 +68,7 @@ def run_chief(est: Estimator, spec: TrainSpec, eval_spec: EvalSpec | None, role:
     model = est.build_model()
     restored = _restore(est, model, role)
     start_step = restored.step if restored else 0
-    placement = place(model.named_parameters(), role.num_ps, strategy.partitioner)
+    placement = place(model.named_parameters(), role.num_ps, strategy.partitioner, sparse_variables(model))
     addresses = [control.endpoint(f"ps/{k}", waiting_for=f"ps:{k} to start") for k in range(role.num_ps)]
     client = ParameterClient(Client("chief"), addresses, placement, model, timeout_s=strategy.request_timeout_s)
     est._live_parameters = client

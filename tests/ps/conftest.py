@@ -1,0 +1,70 @@
+"""Real ParameterServers on loopback sockets, each serving in its own thread, for the PS tests."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from shardflow.comm.client import Client
+from shardflow.comm.server import Server
+from shardflow.ps.client import ParameterClient
+from shardflow.ps.placement import Placement
+from shardflow.ps.server import ParameterServer
+
+
+class Cluster:
+    """`num_ps` servers, each serving in its own thread."""
+
+    def __init__(self, num_ps: int) -> None:
+        self.servers = [Server("tcp://127.0.0.1:0") for _ in range(num_ps)]
+        self.ps = [ParameterServer(s, k) for k, s in enumerate(self.servers)]
+        self.threads = [threading.Thread(target=ps.serve, daemon=True) for ps in self.ps]
+        for t in self.threads:
+            t.start()
+
+    @property
+    def addresses(self) -> list[str]:
+        return [s.address for s in self.servers]
+
+    def client(self, model: torch.nn.Module, placement: Placement, worker_index: int = 0) -> ParameterClient:
+        return ParameterClient(
+            Client(f"worker:{worker_index}"),
+            [(address, None) for address in self.addresses],
+            placement,
+            model,
+            timeout_s=5,
+            worker_index=worker_index,
+        )
+
+    def close(self) -> None:
+        chief = Client("chief")
+        for k, address in enumerate(self.addresses):
+            chief.connect(f"ps:{k}", address)
+            chief.request(f"ps:{k}", {"op": "shutdown"}, timeout_s=5)
+        chief.close()
+        for t in self.threads:
+            t.join(timeout=5)
+        for s in self.servers:
+            s.close()
+
+
+@pytest.fixture
+def start_cluster() -> Iterator[Callable[[int], Cluster]]:
+    """Starts clusters of the given number of PS, shut down after the test."""
+    clusters: list[Cluster] = []
+
+    def start(num_ps: int) -> Cluster:
+        clusters.append(Cluster(num_ps))
+        return clusters[-1]
+
+    yield start
+    for c in clusters:
+        c.close()
+
+
+@pytest.fixture
+def cluster(start_cluster: Callable[[int], Cluster]) -> Cluster:
+    return start_cluster(3)
