@@ -60,3 +60,4 @@ def test_click_through_writes_tfrecord_logs_and_reports_auc(tmp_path):
     assert len(list(data_dir.glob("train-*.tfrecord"))) == 8
     assert 0.0 <= result["metrics"]["auc"] <= 1.0
     assert "test AUC" in output and "rows 0-" in output
+    assert "user_id 10000x16, row-sparse: rows 0-" in output

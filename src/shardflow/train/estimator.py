@@ -37,7 +37,12 @@ class RoleFailedError(RuntimeError):
 
 
 class Estimator:
-    """A model, its loss, its optimizer (applied on the PS) and how training is distributed."""
+    """A model, its loss, its optimizer (applied on the PS) and how training is distributed.
+
+    Every parameter of the model is a variable on the PS, cut along dim 0 by the strategy's partitioner. The
+    weight of an `nn.Embedding` or `nn.EmbeddingBag` with `sparse=True` is row-sparse: a step fetches and pushes
+    only the rows its batch looks up. Its optimizer must have a sparse form: SGD without momentum, Adagrad or Adam
+    (applied lazily, as SparseAdam), without weight_decay; any other is refused when the job starts."""
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ class ParameterServerStrategy:
     max_staleness: int = 2
     """ssp: steps a worker may run ahead of the slowest."""
     partitioner: Partitioner = field(default_factory=Partitioner)
-    """How large variables are cut along dim 0 across the PS."""
+    """How large variables are cut along dim 0 across the PS; row-sparse ones (sparse embeddings) too."""
     evaluator: bool = False
     """The embedded local cluster also starts an evaluator process that follows checkpoints."""
     overlap: bool = True
