@@ -51,7 +51,7 @@ def start(cluster, optimizer: OptimizerSpec, num_ps: int, mode: str = "async", n
 
 
 def begin_step(worker: ParameterClient, ids: torch.Tensor, base_step: int, targets: torch.Tensor = TARGETS):
-    model = worker._model
+    model = worker.model
     model.zero_grad(set_to_none=True)
     worker.begin_push({"base_step": base_step}, base_step)
     loss(model, ids, targets).backward()

@@ -74,7 +74,7 @@ class ParameterClient:
             pieces.sort(key=lambda item: item[0].row_start)
         self._row_grads: dict[str, RowGrad] = {}
         self._pending: dict[str, int] = {}
-        self._model = model
+        self.model = model
         self._hooks: list[Any] = []
         self._remaining: list[int] = []
         self._push_header: dict[str, Any] = {}
@@ -234,7 +234,7 @@ class ParameterClient:
 
             self._hooks.append(self.named[name].register_post_accumulate_grad_hook(ready))
         # A sparse embedding fetches the rows it is about to look up, and only those.
-        for name, modules in lookup_modules(self._model, list(self.row_pieces)).items():
+        for name, modules in lookup_modules(self.model, list(self.row_pieces)).items():
 
             def before_lookup(
                 _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name
