@@ -82,7 +82,7 @@ class InputPosition:
         self._last_epoch = math.inf if spec.epochs is None else spec.epochs - 1
         state = state or {}
         self._carry: list[dict[str, Any]] = [dict(entry) for entry in state.get("carry", [])]
-        own = {key: state[key] for key in ("epoch", "consumed", "inner") if key in state}
+        own: dict[str, Any] = {key: state[key] for key in ("epoch", "consumed", "inner") if key in state}
         self._own_state: dict[str, Any] | None = own or None
         self._own: _Shard | None = None
         self._shard: _Shard | None = self._next_shard()
