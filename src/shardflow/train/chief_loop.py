@@ -99,6 +99,9 @@ class ChiefLoop:
     def _watch_workers(self, last_seen: dict[str, float]) -> bool:
         """Read progress reports; fail on a reported failure or a silent worker; True once all are done."""
         timeout_s = self.est.strategy.heartbeat_timeout_s
+        # Read the count before the reports: a worker sets its final report before it counts itself done, so once
+        # all are counted, the reports read below are the final ones.
+        all_done = self.control.add("workers_done", 0) >= len(self.workers)
         for name in self.workers:
             if self.control.is_set(f"failed/{name}"):
                 raise WorkerFailedError(f"{name} failed: {self.control.get(f'failed/{name}', waiting_for=name)}")
@@ -111,7 +114,7 @@ class ChiefLoop:
                 continue
             if time.monotonic() - last_seen[name] > timeout_s:
                 raise WorkerFailedError(f"{name} has not reported for {timeout_s:.0f}s")
-        return self.control.add("workers_done", 0) >= len(self.workers)
+        return all_done
 
     # -- checkpoints and evaluation ---------------------------------------------------------------
 
