@@ -21,6 +21,8 @@ The model, per worker step (M model bytes, B link bandwidth, n workers, k PS):
   all-reduce communication         2(n-1)/n · M/B
   step time                        compute + push + pull (+ apply); with overlap, the slowest part
 --cores models a local run: moving bytes is then CPU work on both ends, and all roles share the cores.
+  With --calibrate it uses the CPU every role measured per step (all threads). That cost rises once the
+  roles outnumber the cores, so calibrate on a run that already keeps the cores busy.
 Units: 100M, 1.5B params; 25Gbit, 25Gbps, 10GB/s; 120ms, 0.3s, 50us.
 """
 
