@@ -1,6 +1,5 @@
 """OpCapture folds torch.profiler's ops and allocations into the role trace; MemorySampler records counters."""
 
-import itertools
 import threading
 import time
 
@@ -75,17 +74,23 @@ def test_memory_sampler_records_rss_while_running():
     assert {e["name"] for e in counters} == {RSS, CPU_CORES}
 
 
-def test_the_cpu_counter_integrates_to_the_cpu_time_used_while_sampling():
+def test_the_cpu_counter_integrates_to_the_cpu_time_used_between_samples():
     recorder = SpanRecorder("worker:0")
-    cpu_before = time.process_time()
-    with MemorySampler(recorder, interval_s=0.005), recorder.span("step", 0):
-        deadline = time.perf_counter() + 0.2
-        while time.perf_counter() < deadline:  # busy: about one core
+    sampler = MemorySampler(recorder)
+    with recorder.span("step", 0):
+        sampler.sample()  # the baseline: no cpu counter yet
+        cpu_before = time.process_time()
+        deadline = time.perf_counter() + 0.1
+        while time.perf_counter() < deadline:  # busy
             pass
-        time.sleep(0.1)  # idle
-    cpu_used = time.process_time() - cpu_before
+        sampler.sample()
+        time.sleep(0.05)  # idle
+        sampler.sample()
+        cpu_used = time.process_time() - cpu_before
     samples = [(e["ts"], e["args"]["value"]) for e in recorder.events(0, 1) if e["name"] == CPU_CORES]
-    integral = sum(value * (ts - previous) / 1e6 for (previous, _), (ts, value) in itertools.pairwise(samples))
-    # The integral misses only the CPU before the second sample and after the last one (a few ms).
-    assert integral == pytest.approx(cpu_used, abs=0.03)
-    assert min(value for _, value in samples) < 0.2  # the idle tail reads as idle
+    assert len(samples) == 2
+    # Each value covers the time since the sample before it: the first the busy loop, the second the sleep.
+    busy_us = samples[0][0] - min(e["ts"] for e in recorder.events(0, 1) if e["name"] == RSS)
+    integral = samples[0][1] * busy_us / 1e6 + samples[1][1] * (samples[1][0] - samples[0][0]) / 1e6
+    assert integral == pytest.approx(cpu_used, abs=0.01)
+    assert samples[1][1] < samples[0][1]  # the idle interval reads as less busy

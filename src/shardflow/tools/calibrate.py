@@ -82,20 +82,21 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         applies_by_ps[span["role"]].append(span)
     first_ps = min(applies_by_ps, key=lambda role: int(role.partition(":")[2] or 0))
     global_steps_per_s = _rate(applies_by_ps[first_ps])
+    num_workers = len({s["role"] for s in worker_steps})
     cores = _cores_by_role(table)
     steps_by_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in worker_steps:
         steps_by_worker[span["role"]].append(span)
     worker_steps_per_s = sum(_rate(spans) for spans in steps_by_worker.values())
-    cpu_per_step = {
-        kind: sum(v for role, v in cores.items() if role.startswith(kind)) / worker_steps_per_s
-        if cores and worker_steps_per_s > 0
-        else None
-        for kind in ("worker", "ps")
-    }
+    cpu_per_step: dict[str, float | None] = {}
+    for kind in ("worker", "ps"):
+        measured = [value for role, value in cores.items() if role.startswith(kind)]
+        # A role whose samples missed the window (it picked the capture up late) leaves the estimate to the model.
+        complete = len(measured) == (num_workers if kind == "worker" else len(applies_by_ps))
+        cpu_per_step[kind] = sum(measured) / worker_steps_per_s if complete and worker_steps_per_s > 0 else None
     return Calibration(
         capture=directory,
-        num_workers=len({s["role"] for s in worker_steps}),
+        num_workers=num_workers,
         num_ps=len(applies_by_ps),
         model_bytes=sum(s["bytes"] or 0 for s in pushes) / len({(s["role"], s["step"]) for s in pushes}),
         step_compute_s=statistics.median(compute_us.values()) / 1e6,

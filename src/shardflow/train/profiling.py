@@ -59,9 +59,12 @@ def _part_key(name: str, role: str) -> str:
 class RoleProfiler:
     """The always-on recorder of one role, and its side of captures."""
 
-    def __init__(self, role: str, control: ControlPlane) -> None:
+    def __init__(self, role: str, control: ControlPlane, steps_are_coarse: bool = False) -> None:
+        """`steps_are_coarse`: at_step is called only now and then (the PS: every 0.1 s), so the samplers start
+        as soon as a capture is picked up rather than risk starting after its window."""
         self.role = role
         self.control = control
+        self.steps_are_coarse = steps_are_coarse
         self.recorder = SpanRecorder(role) if os.environ.get(RECORDER_ENV) != "off" else _NoRecorder(role)
         self.skew_ns = _injected_skew_ns(role)
         self.recorder.base_time_ns += self.skew_ns
@@ -86,7 +89,7 @@ class RoleProfiler:
             return
         if step >= capture["last"]:
             self.dump()
-        elif step >= capture["first"] - 1 and self._sampler is None:
+        elif (step >= capture["first"] - 1 or self.steps_are_coarse) and self._sampler is None:
             self._sampler = MemorySampler(self.recorder, 0.01)
             self._sampler.start()
             if capture.get("ops"):

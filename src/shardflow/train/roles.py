@@ -71,7 +71,8 @@ def run_ps(role: RoleContext) -> None:
         encryption = "CURVE-encrypted" if server.public_key is not None else "plaintext on loopback"
         print(f"{role.task.name} serving at {address} ({encryption})", flush=True)
         ps = ParameterServer(server, role.task.index)
-        profiler = RoleProfiler(role.task.name, role.control)
+        profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True)
+        profiler.check_requests()  # a capture requested up front (profile_steps) is known before the first step
 
         def periodic(step: int) -> None:
             profiler.check_requests()
@@ -85,7 +86,8 @@ def run_ps(role: RoleContext) -> None:
                     f"{role.task.name} lost the chief's control plane at {role.control.address}: {error}"
                 ) from error
 
-        ps.serve(should_stop=job_over, periodic=periodic)
+        # Every 0.1 s: a capture request reaches the PS before the workers are past its first step.
+        ps.serve(should_stop=job_over, poll_s=0.1, periodic=periodic)
         profiler.finish()
     finally:
         server.close()
