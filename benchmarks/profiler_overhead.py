@@ -3,10 +3,13 @@
 1. Async MLP 64-512-512-10, batch 32, 1 PS + 2 workers, with the recorder on and off (SHARDFLOW_RECORDER=off),
    in alternating pairs; reports global steps/s of each, and the step-time overhead as the median of the
    pairs' ratios (target <= 2% of step time).
-2. Attribution, which noise on a shared machine cannot blur: the recorder calls per worker step and per PS
+2. Within runs, which a change of load on a shared machine falls on alike: SHARDFLOW_RECORDER=alternate:300
+   records only in every other block of 300 global steps; the workers' mean step time in blocks with the
+   recorder over blocks without it.
+3. Attribution, which noise on a shared machine cannot blur: the recorder calls per worker step and per PS
    update, counted in a capture of the "on" runs, times the cost of one call measured here, over the
    measured time of a worker step and of a PS update.
-3. A 7-process job (chief, 2 PS, 4 workers) capturing 5 steps: time to collect the role traces and merge them.
+4. A 7-process job (chief, 2 PS, 4 workers) capturing 5 steps: time to collect the role traces and merge them.
 
 Usage: python benchmarks/profiler_overhead.py [--steps N] [--repeats R]
 """
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import os
 import statistics
@@ -44,7 +48,27 @@ def run_job(workers: int, ps: int, steps: int, env: dict[str, str]) -> dict:
         if result.get("profile_dir"):
             result["capture"] = json.loads((Path(result["profile_dir"]) / "capture.json").read_text())
             result["calls"] = recorder_calls(result["profile_dir"])
+        if env.get("SHARDFLOW_BENCH_STEP_LOG"):
+            prefix = Path(env["SHARDFLOW_BENCH_STEP_LOG"])
+            logs = sorted(prefix.parent.glob(prefix.name + ".*"))
+            result["step_logs"] = [json.loads(path.read_text()) for path in logs]
         return result
+
+
+def alternating(steps: int, block: int, settle: int) -> tuple[float, int, int]:
+    """One run recording only in every other block of `block` global steps; the workers' mean step time in the
+    blocks with the recorder over the blocks without it, minus 1, and the worker steps counted on each side. The
+    first `settle` global steps of each block are left out (the PS switch within 0.1 s)."""
+    with tempfile.TemporaryDirectory() as logs:
+        prefix = str(Path(logs) / "steps")
+        result = run_job(2, 1, steps, {"SHARDFLOW_RECORDER": f"alternate:{block}", "SHARDFLOW_BENCH_STEP_LOG": prefix})
+    durations: dict[bool, list[float]] = {True: [], False: []}
+    for log in result["step_logs"]:
+        for (t0, g0), (t1, _) in itertools.pairwise(log):
+            if g0 % block >= settle and g0 >= block:  # the first block is start-up
+                durations[(g0 // block) % 2 == 0].append(t1 - t0)
+    on, off = durations[True], durations[False]
+    return statistics.mean(on) / statistics.mean(off) - 1, len(on), len(off)
 
 
 def recorder_calls(profile_dir: str) -> dict[str, float]:
@@ -85,6 +109,16 @@ def main() -> None:
     for _ in range(args.repeats):
         off.append(run_job(2, 1, args.steps, {"SHARDFLOW_RECORDER": "off"}))
         on.append(run_job(2, 1, args.steps, {}))
+    # Within runs: blocks of 300 global steps with and without recording, alternating, so load changes fall on both.
+    within = [alternating(args.steps * 2, 300, 60) for _ in range(args.repeats)]
+    within_overheads = sorted(overhead for overhead, _, _ in within)
+    print(
+        f"within runs (recorder on in every other block of 300 global steps): worker step time "
+        f"{', '.join(f'{o:+.1%}' for o in within_overheads)} over {len(within)} runs of {args.steps * 2} steps "
+        f"({within[0][1]} and {within[0][2]} worker steps compared in the first); median "
+        f"{statistics.median(within_overheads):+.1%} (target <= 2%)"
+    )
+
     # A separate run captures 20 steps of the same job, to count the recorder calls (captures cost a pause).
     calls = run_job(2, 1, 600, {"SHARDFLOW_PROFILE_STEPS": "400,420"})["calls"]
     ratios = sorted(b["steps_per_s"] / a["steps_per_s"] for a, b in zip(on, off, strict=True))
@@ -123,6 +157,7 @@ def main() -> None:
                 "recorder_on_steps_per_s": [r["steps_per_s"] for r in on],
                 "recorder_off_steps_per_s": [r["steps_per_s"] for r in off],
                 "recorder_overhead_median": overhead,
+                "within_run_overheads": within_overheads,
                 "recorder_call_ns": cost_ns,
                 "worker_calls_per_step": worker_calls,
                 "ps_calls_per_update": ps_calls,

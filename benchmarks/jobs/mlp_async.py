@@ -4,8 +4,10 @@ Usage: python mlp_async.py RESULT_JSON WORKERS PS STEPS [MODE] [OVERLAP]
 """
 
 import json
+import os
 import sys
 import tempfile
+import time
 
 import torch
 
@@ -45,10 +47,28 @@ def loss_fn(model, batch):
     return torch.nn.functional.cross_entropy(model(x), y)
 
 
+class StepLog(sf.Hook):
+    """With SHARDFLOW_BENCH_STEP_LOG=PREFIX, each worker writes PREFIX.<index>: [perf_counter, global step] after
+    every step (benchmarks/profiler_overhead.py)."""
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        self.steps: list[tuple[float, int]] = []
+
+    def after_step(self, info: sf.StepInfo) -> None:
+        self.steps.append((time.perf_counter(), info.global_step))
+
+    def end(self, info: sf.StepInfo) -> None:
+        with open(f"{self.prefix}.{info.worker_index}", "w") as f:
+            json.dump(self.steps, f)
+
+
+step_log = os.environ.get("SHARDFLOW_BENCH_STEP_LOG")
+hooks = [StepLog(step_log)] if step_log else []
 strategy = sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode, overlap=overlap)
 with tempfile.TemporaryDirectory() as model_dir:
     est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=0.01), strategy, model_dir)
-    result = est.train(input_fn, max_steps=steps)
+    result = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, max_steps=steps, hooks=hooks))
 with open(result_path, "w") as f:
     json.dump(
         {

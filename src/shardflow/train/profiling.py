@@ -35,7 +35,8 @@ def _injected_skew_ns(role: str) -> int:
     return int(float(micros) * 1000) if target == role else 0
 
 
-# "off" disables the always-on recorder: benchmarks/profiler_overhead.py measures what it costs a real run.
+# "off" disables the always-on recorder; "alternate:N" records in every other block of N global steps only.
+# benchmarks/profiler_overhead.py measures with them what the recorder costs a real run.
 RECORDER_ENV = "SHARDFLOW_RECORDER"
 
 
@@ -52,6 +53,39 @@ class _NoRecorder(SpanRecorder):
         return None
 
 
+class _AlternatingRecorder(SpanRecorder):
+    """Records in blocks of `block` global steps with an even block number and drops everything in the others, so
+    one run measures its steps with and without recording under the same load. Off, it costs what _NoRecorder
+    does plus an attribute test; on, that test is extra (the overhead measured is a little above the real one)."""
+
+    def __init__(self, role: str, block: int) -> None:
+        super().__init__(role)
+        self.block = block
+        self.on = True
+
+    def at_step(self, step: int) -> None:
+        self.on = (step // self.block) % 2 == 0
+
+    def end(self, name: str, step: int, start: int, arg0: int = -1, arg1: int = -1, thread: str | None = None) -> None:
+        if self.on:
+            super().end(name, step, start, arg0, arg1, thread)
+
+    def flow(self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None) -> None:
+        if self.on:
+            super().flow(name, step, flow_id, start, thread)
+
+
+def _make_recorder(role: str) -> SpanRecorder:
+    setting = os.environ.get(RECORDER_ENV, "on")
+    if setting == "off":
+        return _NoRecorder(role)
+    if setting.startswith("alternate:") and setting.partition(":")[2].isdigit():
+        return _AlternatingRecorder(role, max(1, int(setting.partition(":")[2])))
+    if setting != "on":
+        raise ValueError(f"{RECORDER_ENV}={setting!r}: use on, off or alternate:N (blocks of N global steps)")
+    return SpanRecorder(role)
+
+
 def _part_key(name: str, role: str) -> str:
     return f"capture/{name}/part/{role}"
 
@@ -65,7 +99,7 @@ class RoleProfiler:
         self.role = role
         self.control = control
         self.steps_are_coarse = steps_are_coarse
-        self.recorder = SpanRecorder(role) if os.environ.get(RECORDER_ENV) != "off" else _NoRecorder(role)
+        self.recorder = _make_recorder(role)
         self.skew_ns = _injected_skew_ns(role)
         self.recorder.base_time_ns += self.skew_ns
         set_recorder(None if isinstance(self.recorder, _NoRecorder) else self.recorder)
@@ -84,6 +118,8 @@ class RoleProfiler:
 
     def at_step(self, step: int) -> None:
         """Called once per step with the global step: starts the samplers inside the window, dumps after it."""
+        if isinstance(self.recorder, _AlternatingRecorder):
+            self.recorder.at_step(step)
         capture = self.capture
         if capture is None:
             return
