@@ -15,10 +15,47 @@ os.environ["TF_CPP_MIN_LOG_LEVEL"] = "3"
 os.environ["GRPC_FAIL_FAST"] = "use_caller"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_ports(count: int) -> list[int]:
+    """Distinct free ports: every socket stays bound until all are picked."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("127.0.0.1", 0))
+        return [int(s.getsockname()[1]) for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def start_servers(num_workers: int, attempts: int = 3) -> tuple[dict, list[multiprocessing.Process]]:
+    """The cluster's worker and PS servers, listening; a server that fails to bind (a port taken meanwhile) makes
+    it start again on other ports."""
+    for _ in range(attempts):
+        ports = free_ports(num_workers + 2)
+        cluster = {
+            "worker": [f"localhost:{port}" for port in ports[:num_workers]],
+            "ps": [f"localhost:{ports[num_workers]}"],
+            "chief": [f"localhost:{ports[-1]}"],
+        }
+        servers = [
+            multiprocessing.Process(target=serve, args=(cluster, "worker", i), daemon=True) for i in range(num_workers)
+        ]
+        servers.append(multiprocessing.Process(target=serve, args=(cluster, "ps", 0), daemon=True))
+        for p in servers:
+            p.start()
+        deadline = time.monotonic() + 120
+        waiting = list(ports[:-1])
+        while waiting and all(p.is_alive() for p in servers) and time.monotonic() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", waiting[0])) == 0:
+                    waiting.pop(0)
+                    continue
+            time.sleep(0.2)
+        if not waiting:
+            return cluster, servers
+        for p in servers:
+            p.kill()
+    raise RuntimeError(f"TensorFlow's servers did not start in {attempts} attempts")
 
 
 def serve(cluster: dict, job: str, index: int) -> None:
@@ -33,17 +70,7 @@ def main() -> None:
     result_path, num_workers, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     hidden = int(sys.argv[4]) if len(sys.argv) > 4 else 512
     warmup = 50
-    cluster = {
-        "worker": [f"localhost:{free_port()}" for _ in range(num_workers)],
-        "ps": [f"localhost:{free_port()}"],
-        "chief": [f"localhost:{free_port()}"],
-    }
-    servers = [
-        multiprocessing.Process(target=serve, args=(cluster, "worker", i), daemon=True) for i in range(num_workers)
-    ]
-    servers.append(multiprocessing.Process(target=serve, args=(cluster, "ps", 0), daemon=True))
-    for p in servers:
-        p.start()
+    cluster, servers = start_servers(num_workers)
     import tensorflow as tf
 
     resolver = tf.distribute.cluster_resolver.SimpleClusterResolver(
