@@ -99,6 +99,8 @@ class ChiefLoop:
     def _watch_workers(self, last_seen: dict[str, float]) -> bool:
         """Read progress reports; fail on a reported failure or a silent worker; True once all are done."""
         timeout_s = self.est.strategy.heartbeat_timeout_s
+        if self.est._role_failures:
+            raise WorkerFailedError(f"{self.est._role_failures[0].describe()}; the job was stopped")
         # Read the count before the reports: a worker sets its final report before it counts itself done, so once
         # all are counted, the reports read below are the final ones.
         all_done = self.control.add("workers_done", 0) >= len(self.workers)

@@ -96,6 +96,8 @@ class Estimator:
         self.keep_checkpoint_max = keep_checkpoint_max
         """Keep only the newest checkpoints; None keeps all."""
         self._live_parameters: ParameterClient | None = None
+        # The embedded cluster's launcher appends roles that exited with an error; the chief's loop checks it.
+        self._role_failures: list[RoleExit] = []
 
     def build_model(self) -> torch.nn.Module:
         """The model as model_fn builds it, with the same initial values in every process."""
@@ -271,11 +273,13 @@ def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | N
         log_dir=est.model_dir / "logs",
     )
     failures: list[RoleExit] = []
+    est._role_failures = failures
     main_thread = threading.main_thread().ident
 
     def on_failure(exit_: RoleExit) -> None:
         failures.append(exit_)
-        # A real signal, so that a wait inside C code in the main thread is interrupted too.
+        # A real signal, so that a wait inside C code in the main thread is interrupted too; the chief's loop also
+        # reads `failures` on every poll, in case the interruption lands where it is lost.
         if main_thread is not None:
             signal.pthread_kill(main_thread, signal.SIGINT)
 
