@@ -109,26 +109,23 @@ def shardflow_pipelines(tfrecords: str, csvs: str, rows: np.ndarray) -> dict[str
     defaults: list[Any] = [[0.0]] * NUM_COLUMNS + [[0]]
     autotune = data.AUTOTUNE
 
-    def tfrecord() -> int:
-        files = data.Dataset.list_files(tfrecords, shuffle=False)
-        pipeline = (
-            files.interleave(data.TFRecordDataset, cycle_length=CYCLE_LENGTH, num_parallel_calls=autotune)
+    def files(pattern: str, source: Any, decode: Callable[[Any], Any]) -> Any:
+        """list_files -> interleave(source) -> shuffle -> batch -> map(decode) -> prefetch, as the design states."""
+        return (
+            data.Dataset.list_files(pattern, shuffle=False)
+            .interleave(source, cycle_length=CYCLE_LENGTH, num_parallel_calls=autotune)
             .shuffle(SHUFFLE_BUFFER)
             .batch(BATCH_SIZE)
-            .map(lambda batch: data.parse_example(batch, features), num_parallel_calls=autotune)
+            .map(decode, num_parallel_calls=autotune)
             .prefetch(autotune)
         )
+
+    def tfrecord() -> int:
+        pipeline = files(tfrecords, data.TFRecordDataset, lambda batch: data.parse_example(batch, features))
         return _count(pipeline, lambda batch: len(batch["y"]))
 
     def csv() -> int:
-        files = data.Dataset.list_files(csvs, shuffle=False)
-        pipeline = (
-            files.interleave(data.TextLineDataset, cycle_length=CYCLE_LENGTH, num_parallel_calls=autotune)
-            .shuffle(SHUFFLE_BUFFER)
-            .batch(BATCH_SIZE)
-            .map(lambda lines: data.decode_csv(lines, defaults), num_parallel_calls=autotune)
-            .prefetch(autotune)
-        )
+        pipeline = files(csvs, data.TextLineDataset, lambda lines: data.decode_csv(lines, defaults))
         return _count(pipeline, lambda columns: len(columns[-1]))
 
     def python() -> int:

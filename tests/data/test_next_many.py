@@ -131,15 +131,7 @@ def test_a_state_saved_between_lists_resumes_exactly(
     name: str, sizes: list[int], taken: int, pipelines_in: dict[str, MakePipeline]
 ) -> None:
     make = pipelines_in[name]
-    expected = by_next(iter(make()))
-    iterator = iter(make())
-    head = by_next_many(iterator, sizes, limit=taken)
-    state = json.loads(json.dumps(iterator.get_state()))
-    iterator.close()
-    restored = iter(make())
-    restored.set_state(state)
-    assert head + by_next(restored) == expected
-    restored.close()
+    assert resumed(make, sizes, taken) == by_next(iter(make()))
 
 
 @pytest.mark.parametrize("name", ["interleave with errors", "interleave read ahead", "interleave of files"])
@@ -150,11 +142,18 @@ def test_interleave_resumes_exactly_from_a_state_saved_after_any_list(
     make = pipelines_in[name]
     expected = by_next(iter(make()))
     for taken in range(len(expected) + 1):
-        iterator = iter(make())
-        head = by_next_many(iterator, sizes, limit=taken)
-        state = json.loads(json.dumps(iterator.get_state()))
-        iterator.close()
-        restored = iter(make())
-        restored.set_state(state)
-        assert head + by_next(restored) == expected, taken
-        restored.close()
+        assert resumed(make, sizes, taken) == expected, taken
+
+
+def resumed(make: MakePipeline, sizes: list[int], taken: int) -> list[Any]:
+    """`taken` elements read in lists of `sizes`, then the rest from a fresh iterator restored to the state saved
+    there (JSON round-tripped)."""
+    iterator = iter(make())
+    head = by_next_many(iterator, sizes, limit=taken)
+    state = json.loads(json.dumps(iterator.get_state()))
+    iterator.close()
+    restored = iter(make())
+    restored.set_state(state)
+    rest = by_next(restored)
+    restored.close()
+    return head + rest

@@ -91,7 +91,8 @@ class InputPosition:
     def epoch(self) -> int:
         """The epoch of the batches being read now."""
         shard = self._shard or self._own
-        return shard.epoch if shard is not None else int((self._own_state or {}).get("epoch", 0))
+        assert shard is not None  # the own shard exists once no other is being read
+        return shard.epoch
 
     def _next_shard(self) -> _Shard | None:
         if self._carry:
@@ -116,8 +117,8 @@ class InputPosition:
 
     def get_state(self) -> dict[str, Any]:
         if self._shard is None or self._shard is self._own:
-            own = self._own or _Shard(self.spec, self.ctx, self._own_state, -1)  # -1: not started
-            return own.get_state()
+            assert self._own is not None  # the own shard exists once no other is being read
+            return self._own.get_state()
         carried = self._shard
         carry = [
             {
