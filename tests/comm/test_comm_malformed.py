@@ -16,8 +16,8 @@ Serve = Callable[[Callable[[Server, Request], None]], Server]
 
 
 @pytest.fixture
-def raw_dealer() -> Iterator[zmq.Socket]:
-    socket = zmq.Context.instance().socket(zmq.DEALER)
+def raw_dealer() -> Iterator[zmq.Socket[bytes]]:
+    socket: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     yield socket
     socket.close(linger=0)
 
@@ -50,7 +50,7 @@ def served_after(server: Server) -> bool:
     ids=["not-msgpack", "not-a-map", "missing-frame", "short-frame", "unknown-dtype"],
 )
 def test_undecodable_message_is_counted_and_server_keeps_serving(
-    serve: Serve, raw_dealer: zmq.Socket, frames: list[bytes]
+    serve: Serve, raw_dealer: zmq.Socket[bytes], frames: list[bytes]
 ) -> None:
     server = serve(answer)
     raw_dealer.connect(server.address)

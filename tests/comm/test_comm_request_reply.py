@@ -134,7 +134,7 @@ def test_retry_of_an_answered_request_gets_the_cached_reply(client: Client, serv
     seq = client.send("ps:0", header)
     client.recv("ps:0", seq, timeout_s=2)
     # Re-send the same (sender, seq) by hand, as a retry whose first reply was lost would.
-    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     raw.routing_id = b"retrier"
     raw.connect(server.address)
     try:

@@ -49,6 +49,7 @@ def test_arbitrary_objects_are_refused() -> None:
 def test_stacked_elements_unstack_to_equal_elements(same_elements: Any) -> None:
     elements = [{"x": np.arange(3) + index, "y": (np.float32(index), np.int8(-index))} for index in range(4)]
     stacked = codec.stack(elements)
+    assert stacked is not None
     assert stacked["x"].shape == (4, 3) and stacked["y"][0].dtype == np.float32
     same_elements(codec.unstack(stacked, 4), elements)
 

@@ -13,14 +13,18 @@ D = data.Dataset
 
 
 def test_map_func_must_return_a_dataset() -> None:
+    def not_a_dataset(x: Any) -> Any:
+        return [x]
+
     with pytest.raises(TypeError, match="map_func must return a Dataset, got list"):
-        list(D.range(2).interleave(lambda x: [x], cycle_length=1))
+        list(D.range(2).interleave(not_a_dataset, cycle_length=1))
 
 
 @pytest.mark.parametrize(("argument", "value"), [("cycle_length", 0), ("block_length", -2)])
 def test_lengths_must_be_positive(argument: str, value: int) -> None:
+    lengths: dict[str, Any] = {argument: value}
     with pytest.raises(ValueError, match=f"interleave {argument} must be a positive int"):
-        D.range(2).interleave(lambda x: D.range(x), **{argument: value})
+        D.range(2).interleave(lambda x: D.range(x), **lengths)
 
 
 def test_parallel_interleave_equals_sequential_interleave() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from shardflow import data
 
-FEATURES = {"x": data.FixedLenFeature([2], np.float32), "label": data.FixedLenFeature([], np.int64)}
+FEATURES = {"x": data.FixedLenFeature((2,), np.float32), "label": data.FixedLenFeature((), np.int64)}
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,12 @@ def test_worker_index_must_be_below_num_workers() -> None:
         data.auto_shard(D.range(4), 2, 2)
 
 
+@dataclasses.dataclass
+class Context:
+    num_workers: int
+    worker_index: int
+
+
 def test_auto_shard_for_reads_an_input_context() -> None:
-    context = collections.namedtuple("Context", "num_workers worker_index")(2, 1)
+    context = Context(2, 1)
     assert list(data.auto_shard_for(D.range(5), context)) == [1, 3]

@@ -60,7 +60,7 @@ def test_the_trial_keeps_the_pool_only_when_it_is_clearly_faster(
     monkeypatch: pytest.MonkeyPatch, pool_seconds: float, inline_seconds: float, inline: bool
 ) -> None:
     clock = iter([0.0, pool_seconds, 5.0, 5.0 + inline_seconds])
-    monkeypatch.setattr(threads.time, "perf_counter", lambda: next(clock))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))  # the module threads reads its clock from
     trial = threads._Trial()
     for _ in range(threads._SETTLE_CHUNKS + threads._WINDOW_CHUNKS):
         assert not trial.inline and trial.received(10, inline=False) is None

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,14 +48,16 @@ def batches(log: Path, worker: int) -> list[list[int]]:
 
 
 def final_state(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    state, manifest = checkpoint.load_state(checkpoint.latest(model_dir))
+    latest = checkpoint.latest(model_dir)
+    assert latest is not None, f"no checkpoint in {model_dir}"
+    state, manifest = checkpoint.load_state(latest)
     return {**state.params, **{f"{k}/{n}": t for k, d in state.slots.items() for n, t in d.items()}}, manifest
 
 
 def test_resume_after_a_stop_at_a_checkpoint_is_exact_even_onto_more_ps(tmp_path, data_dir):
     # Uninterrupted: 2 PS, sync, 20 steps. Interrupted: stop at step 10, then resume on 3 PS to step 20.
     # Small slices, so variables are cut differently on 2 and 3 PS and the Adam slots must be re-sharded.
-    common = {"mode": "sync", "num_workers": 2, "min_slice_bytes": 256, "epochs": 10}
+    common: dict[str, Any] = {"mode": "sync", "num_workers": 2, "min_slice_bytes": 256, "epochs": 10}
     run(tmp_path, data_dir, "whole", num_ps=2, max_steps=20, batch_log=str(tmp_path / "whole"), **common)
     first = run(tmp_path, data_dir, "part1", num_ps=2, max_steps=10, batch_log=str(tmp_path / "part"), **common)
     second = run(
@@ -112,7 +115,7 @@ def test_epochs_mean_every_record_is_seen_k_times_across_the_cluster(tmp_path, d
 def test_a_restore_onto_another_worker_count_keeps_epochs_exact(tmp_path, data_dir, new_workers):
     # 2 workers stop in the middle of the first epoch; the job resumes with another count and runs out its 2 epochs.
     log = tmp_path / "seen"
-    common = {"mode": "sync", "num_ps": 1, "epochs": 2, "batch_log": str(log)}
+    common: dict[str, Any] = {"mode": "sync", "num_ps": 1, "epochs": 2, "batch_log": str(log)}
     first = run(tmp_path, data_dir, "before", num_workers=2, max_steps=10, **common)
     second = run(tmp_path, data_dir, "after", model_dir=tmp_path / "before", num_workers=new_workers, **common)
     assert (first["global_step"], second["start_step"]) == (10, 10)
@@ -173,6 +176,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     for delay in (0.9, 1.3, 1.7):
         proc = subprocess.Popen([sys.executable, str(script), str(tmp_path / "m")], stdout=subprocess.PIPE, text=True)
         try:
+            assert proc.stdout is not None
             proc.stdout.readline()  # at least one checkpoint is complete
             import time
 
@@ -181,5 +185,6 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
             os.kill(proc.pid, 9)
             proc.wait()
         latest = checkpoint.latest(tmp_path / "m")
+        assert latest is not None
         tensors, manifest = checkpoint.load(latest)
         assert torch.all(tensors["w"] == manifest["global_step"])

@@ -21,7 +21,9 @@ _spec.loader.exec_module(job)
 
 
 def final_state(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    state, manifest = checkpoint.load_state(checkpoint.latest(model_dir))
+    latest = checkpoint.latest(model_dir)
+    assert latest is not None, f"no checkpoint in {model_dir}"
+    state, manifest = checkpoint.load_state(latest)
     return {**state.params, **{f"{k}/{n}": t for k, d in state.slots.items() for n, t in d.items()}}, manifest
 
 

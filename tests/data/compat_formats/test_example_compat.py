@@ -29,13 +29,13 @@ ROWS = [
     {"x": [1.0, 2.0, 3.0], "id": [b""], "tags": [b"c"]},
     {"x": [float("inf"), 0.0, -0.0], "label": [-(2**63)], "id": [b"\x00\xff"], "ids": [0]},
 ]
-SHARDFLOW_SPEC = {
-    "x": FixedLenFeature([3], np.float32),
-    "label": FixedLenFeature([], np.int64, default_value=-1),
-    "id": FixedLenFeature([], bytes),
+SHARDFLOW_SPEC: dict[str, FixedLenFeature | VarLenFeature] = {
+    "x": FixedLenFeature((3,), np.float32),
+    "label": FixedLenFeature((), np.int64, default_value=-1),
+    "id": FixedLenFeature((), bytes),
     "tags": VarLenFeature(bytes),
     "ids": VarLenFeature(np.int64),
-    "absent": FixedLenFeature([2], np.float32, default_value=[9.0, 8.0]),
+    "absent": FixedLenFeature((2,), np.float32, default_value=[9.0, 8.0]),
 }
 TF_SPEC = {
     "x": tf.io.FixedLenFeature([3], tf.float32),

@@ -7,6 +7,7 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 import gzip
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,7 +93,13 @@ def test_csv_dataset_and_make_csv_dataset_equal_tf_data(tmp_path):
     assert [[(np.asarray(value).dtype, value) for value in row] for row in mine] == [
         [(np.asarray(value).dtype, value) for value in row] for row in tf_rows.as_numpy_iterator()
     ]
-    options = {"batch_size": 2, "label_name": "a", "shuffle": False, "num_epochs": 1, "select_columns": ["a", "c", "d"]}
+    options: dict[str, Any] = {
+        "batch_size": 2,
+        "label_name": "a",
+        "shuffle": False,
+        "num_epochs": 1,
+        "select_columns": ["a", "c", "d"],
+    }
     theirs = list(tf.data.experimental.make_csv_dataset(str(path), **options).as_numpy_iterator())
     batches = list(make_csv_dataset(str(path), **options))
     assert len(batches) == len(theirs)

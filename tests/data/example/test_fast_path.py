@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import struct
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardflow.data.example import FixedLenFeature, make_example, parse_example
+from shardflow.data.example import FixedLenFeature, SparseTensor, make_example, parse_example
 from shardflow.data.example.decode import _decode_batch, _decode_each, decode_columns
 from shardflow.data.example.features import FLOAT, INT64, STRING
+from shardflow.data.example.parse import Parsed
 from shardflow.data.example.wire import Irregular
 
-DTYPES = {"f": FLOAT, "i": INT64, "s": STRING, "longer name é": FLOAT}
+DTYPES: dict[str, np.dtype[Any]] = {"f": FLOAT, "i": INT64, "s": STRING, "longer name é": FLOAT}
 KIND = {"f": 2, "i": 3, "s": 1, "longer name é": 2, "other": 3}
 
 
@@ -48,7 +51,7 @@ def encode_list(kind: int, values: list, packed: bool) -> bytes:
     return b"".join(varint(1 << 3 | 0) + varint(value) for value in values)
 
 
-values_of_kind = {
+values_of_kind: dict[int, st.SearchStrategy[list[Any]]] = {
     1: st.lists(st.binary(max_size=12), max_size=4),
     2: st.lists(st.floats(width=32, allow_nan=False), max_size=40),
     3: st.lists(st.integers(-(2**63), 2**63 - 1), max_size=5),
@@ -78,6 +81,12 @@ def encoded_example(draw: st.DrawFn) -> bytes:
     if draw(st.integers(0, 9)) == 0:  # Features split over two fields, which protobuf merges
         return delimited(1, b"".join(entries[:cut])) + delimited(1, b"".join(entries[cut:]))
     return delimited(1, b"".join(entries))
+
+
+def dense(parsed: Parsed, name: str) -> npt.NDArray[Any]:
+    value = parsed[name]
+    assert not isinstance(value, SparseTensor), name
+    return value
 
 
 def assert_same_columns(actual: dict, expected: dict) -> None:
@@ -121,7 +130,7 @@ def test_records_written_by_protobuf_never_leave_the_batch_path(features):
 def test_the_batch_path_reads_varints_of_every_length_and_long_lists():
     values = [0, 1, 127, 128, 2**14, 2**35, 2**63 - 1, -1, -(2**63)]
     records = [make_example({"i": values, "f": np.arange(300, dtype=np.float32), "s": [b"x" * 200]})] * 3
-    parsed = parse_example(records, {"i": FixedLenFeature([9], np.int64), "f": FixedLenFeature([300], np.float32)})
-    assert parsed["i"].tolist() == [values] * 3
-    assert parsed["f"][2, 299] == 299
+    parsed = parse_example(records, {"i": FixedLenFeature((9,), np.int64), "f": FixedLenFeature((300,), np.float32)})
+    assert dense(parsed, "i").tolist() == [values] * 3
+    assert dense(parsed, "f")[2, 299] == 299
     assert_same_columns(_decode_batch(records, DTYPES), _decode_each(records, DTYPES))

@@ -4,6 +4,7 @@ refuses records that only look like the sample."""
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import numpy as np
 import pytest
@@ -15,9 +16,9 @@ from shardflow.data.example import layout as layout_module
 from shardflow.data.example.decode import _decode_each
 from shardflow.data.example.features import FLOAT, INT64, STRING
 
-from .test_fast_path import DTYPES, assert_same_columns, encoded_example
+from .test_fast_path import DTYPES, assert_same_columns, dense, encoded_example
 
-SCHEMA = {"f": FLOAT, "i": INT64, "s": STRING, "n": INT64}
+SCHEMA: dict[str, np.dtype[Any]] = {"f": FLOAT, "i": INT64, "s": STRING, "n": INT64}
 
 
 @pytest.fixture(autouse=True)
@@ -70,21 +71,21 @@ def test_batches_of_one_schema_with_varied_values_decode_as_protobuf(features):
 
 
 def test_a_record_of_the_same_length_with_another_key_is_not_read_with_the_cached_layout():
-    features = {"ab": FixedLenFeature([1], np.int64, default_value=-1), "ba": FixedLenFeature([1], np.int64, -1)}
+    features = {"ab": FixedLenFeature((1,), np.int64, default_value=-1), "ba": FixedLenFeature((1,), np.int64, -1)}
     first, second = make_example({"ab": [1]}), make_example({"ba": [2]})
     assert len(first) == len(second)
-    assert parse_example([first, first], features)["ab"].tolist() == [[1], [1]]
+    assert dense(parse_example([first, first], features), "ab").tolist() == [[1], [1]]
     parsed = parse_example([first, second], features)
-    assert parsed["ab"].tolist() == [[1], [-1]] and parsed["ba"].tolist() == [[-1], [2]]
+    assert dense(parsed, "ab").tolist() == [[1], [-1]] and dense(parsed, "ba").tolist() == [[-1], [2]]
 
 
 def test_packed_varints_of_the_same_bytes_but_other_boundaries_are_told_apart():
     # [128] takes two bytes (0x80 0x01); [0, 1] takes two bytes too (0x00 0x01), with another boundary.
     first, second = make_example({"i": [128]}), make_example({"i": [0, 1]})
     assert len(first) == len(second)
-    parse_example([first], {"i": FixedLenFeature([1], np.int64)})
-    parsed = parse_example([second], {"i": FixedLenFeature([2], np.int64)})
-    assert parsed["i"].tolist() == [[0, 1]]
+    parse_example([first], {"i": FixedLenFeature((1,), np.int64)})
+    parsed = parse_example([second], {"i": FixedLenFeature((2,), np.int64)})
+    assert dense(parsed, "i").tolist() == [[0, 1]]
 
 
 def test_records_of_the_benchmark_schema_take_the_layout_path():
@@ -93,11 +94,11 @@ def test_records_of_the_benchmark_schema_take_the_layout_path():
         for index in range(300)
     ]
     spec = {
-        "x": FixedLenFeature([16], np.float32),
-        "y": FixedLenFeature([1], np.int64),
-        "id": FixedLenFeature([], bytes),
+        "x": FixedLenFeature((16,), np.float32),
+        "y": FixedLenFeature((1,), np.int64),
+        "id": FixedLenFeature((), bytes),
     }
     assert layout_module.decode_by_layout(records, {name: f.dtype for name, f in spec.items()}) is not None
     parsed = parse_example(records, spec)
-    assert parsed["x"][299, 15] == 314 and parsed["y"][:12, 0].tolist() == [*range(10), 0, 1]
-    assert parsed["id"][123] == b"user123"
+    assert dense(parsed, "x")[299, 15] == 314 and dense(parsed, "y")[:12, 0].tolist() == [*range(10), 0, 1]
+    assert dense(parsed, "id")[123] == b"user123"

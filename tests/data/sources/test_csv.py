@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -128,7 +130,7 @@ def test_resume_mid_file_across_files_and_after_a_bad_line(tmp_path, buffer_size
 
 
 def drain_some(iterator, count):
-    out = []
+    out: list[Any] = []
     while len(out) < count:
         try:
             out.append(next(iterator))

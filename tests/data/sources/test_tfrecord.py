@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from shardflow.data.sources import DataLossError, TFRecordDataset, TFRecordOptions, TFRecordWriter
-from shardflow.data.sources.tfrecord import _record_ends, masked_crc32c
-from shardflow.data.sources.tfrecord_crc import all_intact, first_corrupt
+from shardflow.data.sources.tfrecord import _record_ends
+from shardflow.data.sources.tfrecord_crc import all_intact, first_corrupt, masked_crc32c
 
 # Sizes around the chunk size used below (7 bytes) and far over it, and an empty record.
 RECORDS = [b"", b"a", b"hello world", bytes(range(256)) * 40, b"x" * 7]
