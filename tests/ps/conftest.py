@@ -12,6 +12,7 @@ from shardflow.comm.client import Client
 from shardflow.comm.server import Server
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import Placement
+from shardflow.ps.protocol import Shutdown
 from shardflow.ps.server import ParameterServer
 
 
@@ -43,7 +44,7 @@ class Cluster:
         chief = Client("chief")
         for k, address in enumerate(self.addresses):
             chief.connect(f"ps:{k}", address)
-            chief.request(f"ps:{k}", {"op": "shutdown"}, timeout_s=5)
+            chief.request(f"ps:{k}", Shutdown().header(), timeout_s=5)
         chief.close()
         for t in self.threads:
             t.join(timeout=5)

@@ -36,9 +36,12 @@ def test_async_push_applies_sgd_on_the_ps_and_counts_one_step(cluster):
     before = {k: v.clone() for k, v in model.state_dict().items()}
 
     worker = cluster.client(model, placement)
-    worker.begin_push({"base_step": 0})
+    worker.begin_push(0)
     model(torch.tensor([[1, 2, 3]])).sum().backward()
-    grads = {k: p.grad.clone() for k, p in model.named_parameters()}
+    grads = {}
+    for name, param in model.named_parameters():
+        assert param.grad is not None
+        grads[name] = param.grad.clone()
     reply = worker.wait_push(worker.end_push())
     assert reply.step == 1
     for name, param in model.named_parameters():
@@ -52,7 +55,7 @@ def test_adam_slots_live_on_the_ps_and_come_back_in_the_state(cluster):
     chief = cluster.client(model, placement)
     init_servers(chief, Adam(lr=1e-2), ApplyConfig(num_workers=1))
     worker = cluster.client(model, placement)
-    worker.begin_push({"base_step": 0})
+    worker.begin_push(0)
     model(torch.tensor([[4, 5, 6]])).sum().backward()
     worker.wait_push(worker.end_push())
     stats = fetch_state(chief).stats
@@ -70,7 +73,7 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
     requests = []
     for i, w in enumerate(workers):
         w.pull()
-        w.begin_push({"base_step": 0})
+        w.begin_push(0)
         param = dict(w.named)["weight"]
         param.grad = torch.full_like(param, float(i + 1))
         requests.append(w.end_push())
@@ -91,7 +94,7 @@ def test_pushes_after_max_steps_are_dropped_and_counted(cluster):
     worker = cluster.client(model, placement)
     replies = []
     for _ in range(3):
-        worker.begin_push({"base_step": 0})
+        worker.begin_push(0)
         model(torch.ones(1, 2)).sum().backward()
         replies.append(worker.wait_push(worker.end_push()))
     assert [(r.step, r.stop) for r in replies] == [(1, False), (2, True), (2, True)]

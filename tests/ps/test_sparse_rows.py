@@ -3,6 +3,8 @@ PS applies their gradients as torch.optim does in one process."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -13,6 +15,7 @@ from shardflow.ps.checkpointing import fetch_state, init_servers
 from shardflow.ps.client import ParameterClient, StepReply
 from shardflow.ps.optimizers import SGD, Adagrad, Adam, AdamW, OptimizerSpec, RMSprop
 from shardflow.ps.placement import Partitioner, place
+from shardflow.ps.protocol import Push, Rows
 from shardflow.ps.sparse import sparse_variables
 
 NUM_ROWS = 40
@@ -53,7 +56,7 @@ def start(cluster, optimizer: OptimizerSpec, num_ps: int, mode: str = "async", n
 def begin_step(worker: ParameterClient, ids: torch.Tensor, base_step: int, targets: torch.Tensor = TARGETS):
     model = worker.model
     model.zero_grad(set_to_none=True)
-    worker.begin_push({"base_step": base_step}, base_step)
+    worker.begin_push(base_step)
     loss(model, ids, targets).backward()
     return worker.end_push()
 
@@ -114,7 +117,8 @@ def test_adam_is_lazy_on_a_table_like_sparse_adam(start_cluster):
         tables.append(fetch_state(chief).params["table.weight"])
 
     def optimizers(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-        return [torch.optim.SparseAdam([model.table.weight], lr=0.1), torch.optim.Adam(model.head.parameters(), lr=0.1)]
+        net: Any = model
+        return [torch.optim.SparseAdam([net.table.weight], lr=0.1), torch.optim.Adam(net.head.parameters(), lr=0.1)]
 
     assert_trained_like(chief, single_process(optimizers, BATCHES, sparse=True))
     # Row 5 was looked up in the first batch only: its moments are not decayed later, so it never moves again
@@ -130,7 +134,7 @@ def test_rows_looked_up_twice_in_a_batch_get_both_gradients(start_cluster):
     worker = cluster.client(model, placement)
     before = model.table.weight.detach().clone()
     model.zero_grad(set_to_none=True)
-    worker.begin_push({"base_step": 0})
+    worker.begin_push(0)
     model.table(torch.tensor([3, 3, 3, 25])).sum().backward()
     worker.wait_push(worker.end_push())
     after = fetch_state(chief).params["table.weight"]
@@ -237,7 +241,7 @@ def test_a_ps_answers_rows_outside_its_table_with_an_error(cluster):
     (table,) = placement.tables(0)
     num_rows = table.row_end - table.row_start
     with pytest.raises(CommError, match=f"row numbers from 0 to {num_rows} do not fit a table of {num_rows} rows"):
-        chief.client.request("ps:0", {"op": "rows", "tables": [0]}, [torch.tensor([0, num_rows])], timeout_s=5)
+        chief.client.request("ps:0", Rows(table_indices=(0,)).header(), [torch.tensor([0, num_rows])], timeout_s=5)
     # The PS is still serving.
     assert chief.global_step() == 0
 
@@ -247,7 +251,7 @@ def test_a_push_with_rows_outside_the_table_is_refused_and_nothing_applied(start
     chief, _ = start(cluster, SGD(), 1)
     head = [torch.zeros(4), torch.zeros(1)]  # head.weight and head.bias, the dense buffer's pieces
     rows, values = torch.tensor([0, NUM_ROWS]), torch.zeros(2, 4)
-    header = {"op": "push", "w": 0, "base_step": 0, "n": [2]}
+    header = Push(worker_index=0, base_step=0, frame_counts=(2,)).header()
     with pytest.raises(CommError, match=f"row numbers from 0 to {NUM_ROWS} do not fit a table of {NUM_ROWS} rows"):
         chief.client.request("ps:0", header, [*head, rows, values], timeout_s=5)
     assert chief.global_step() == 0

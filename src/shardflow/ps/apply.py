@@ -2,61 +2,231 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar
+
+import torch
+
+from shardflow.ps.sparse import RowGrad
 
 MODES = ("async", "sync", "ssp")
 
 
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 @dataclass(frozen=True, kw_only=True)
-class ApplyConfig:
-    """The update rule every PS follows; sent by the chief when it initialises the PS."""
+class UpdateRule:
+    """When the parameter servers apply pushed gradients; ParameterServerStrategy and ApplyConfig both are one."""
 
     mode: str = "async"
-    """async: apply each worker's update on arrival; sync: average `replicas_to_aggregate` updates of
-    one version and apply them once; ssp: async, with a worker held back while it is more than
-    `max_staleness` steps ahead of the slowest."""
-    num_workers: int = 1
-    """Workers in the job; a finished worker no longer counts toward aggregation or staleness."""
+    """async: apply each worker's update on arrival, one global step each; sync: average
+    `replicas_to_aggregate` updates of one version and apply them as one step; ssp: async, with a worker held
+    back while it is more than `max_staleness` steps ahead of the slowest."""
     replicas_to_aggregate: int | None = None
-    """sync only: gradients averaged into one step; None means all workers. Fewer than
-    num_workers makes the rest backup workers, whose late gradients are dropped and counted."""
+    """sync only: gradients averaged into one step; None means all workers. Fewer than the workers makes the
+    rest backup workers, whose late gradients are dropped and counted."""
     max_staleness: int = 2
     """ssp only: how many steps a worker may run ahead of the slowest active worker."""
+
+    def __post_init__(self) -> None:
+        name = type(self).__name__
+        if self.mode not in MODES:
+            raise ValueError(f"{name}.mode must be one of {MODES}, got {self.mode!r}")
+        if self.replicas_to_aggregate is not None and not (
+            _is_int(self.replicas_to_aggregate) and self.replicas_to_aggregate >= 1
+        ):
+            raise ValueError(f"{name}.replicas_to_aggregate must be an int >= 1, got {self.replicas_to_aggregate!r}")
+        if not (_is_int(self.max_staleness) and self.max_staleness >= 0):
+            raise ValueError(f"{name}.max_staleness must be an int >= 0, got {self.max_staleness!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ApplyConfig(UpdateRule):
+    """The update rule every PS follows, with the job's size and end; sent by the chief when it initialises them."""
+
+    num_workers: int = 1
+    """Workers in the job; a finished worker no longer counts toward aggregation or staleness."""
     max_steps: int | None = None
     """Global step at which every PS stops applying updates; later pushes are dropped and counted."""
     snapshot_every_n_steps: int | None = None
     """Every PS snapshots its state when the global step is a multiple of this, for exact checkpoints."""
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {self.num_workers}")
-        if self.replicas_to_aggregate is not None and not 1 <= self.replicas_to_aggregate <= self.num_workers:
+        super().__post_init__()
+        if not (_is_int(self.num_workers) and self.num_workers >= 1):
+            raise ValueError(f"ApplyConfig.num_workers must be an int >= 1, got {self.num_workers!r}")
+        if self.replicas_to_aggregate is not None and self.replicas_to_aggregate > self.num_workers:
             raise ValueError(
-                f"replicas_to_aggregate must be between 1 and num_workers={self.num_workers}, "
+                f"ApplyConfig.replicas_to_aggregate must be between 1 and num_workers={self.num_workers}, "
                 f"got {self.replicas_to_aggregate}"
             )
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
-        if self.max_steps is not None and self.max_steps < 0:
-            raise ValueError(f"max_steps must be >= 0, got {self.max_steps}")
+        if self.max_steps is not None and not (_is_int(self.max_steps) and self.max_steps >= 0):
+            raise ValueError(f"ApplyConfig.max_steps must be an int >= 0 or None, got {self.max_steps!r}")
+        every = self.snapshot_every_n_steps
+        if every is not None and not (_is_int(every) and every >= 1):
+            raise ValueError(f"ApplyConfig.snapshot_every_n_steps must be an int >= 1 or None, got {every!r}")
 
     @property
     def replicas(self) -> int:
         return self.replicas_to_aggregate or self.num_workers
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "mode": self.mode,
-            "num_workers": self.num_workers,
-            "replicas_to_aggregate": self.replicas_to_aggregate,
-            "max_staleness": self.max_staleness,
-            "max_steps": self.max_steps,
-            "snapshot_every_n_steps": self.snapshot_every_n_steps,
-        }
+        return dataclasses.asdict(self)
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ApplyConfig:
         return cls(**d)
+
+
+Pending = TypeVar("Pending")
+"""A request whose reply is still to be sent (the server's; opaque here)."""
+Gradients = tuple[list[torch.Tensor], list[list[RowGrad]]]
+"""A push's dense gradients, one flat tensor per dtype buffer, and its row-sparse ones, a list per table."""
+
+
+_Answered = TypeVar("_Answered", contravariant=True)
+
+
+class Answer(Protocol[_Answered]):
+    def __call__(self, pending: _Answered, /, *, stale: bool = False, dropped: bool = False) -> None: ...
+
+
+class Updates(Generic[Pending]):
+    """The global step and the update rule: which pushes make an update, and when each push and pull waiting
+    for one is answered. Knows nothing of sockets or optimizers: `apply` makes an update of the mean of the
+    gradients of the pushes it is given, `answer` replies to a push or pull (with the parameters, unless dropped).
+    """
+
+    def __init__(
+        self,
+        config: ApplyConfig,
+        step: int,
+        apply: Callable[[Gradients, list[Pending]], None],
+        answer: Answer[Pending],
+    ) -> None:
+        self.config = config
+        self.step = step
+        self._apply, self._answer = apply, answer
+        self.active: set[int] = set(range(config.num_workers))
+        self.clocks: dict[int, int] = dict.fromkeys(self.active, 0)
+        self.stats: dict[str, float] = {"applied": 0, "dropped_stale": 0, "dropped_after_max_steps": 0}
+        # sync: gradients of the current version, summed, and the pushes waiting for that version's update.
+        self._accumulated: Gradients | None = None
+        self._waiting_for_update: list[Pending] = []
+        # ssp: pushes whose reply is held until the slowest worker catches up, with the clock each needs.
+        self._held: list[tuple[Pending, int]] = []
+        # Pulls waiting for a version that has not been applied yet, with the step each needs.
+        self._pulls: list[tuple[Pending, int]] = []
+
+    @property
+    def finished(self) -> bool:
+        return self.config.max_steps is not None and self.step >= self.config.max_steps
+
+    def pull(self, pending: Pending, min_step: int) -> None:
+        if self.step >= min_step or self.finished:
+            self._answer(pending)
+        else:
+            self._pulls.append((pending, min_step))
+
+    def admit(self, pending: Pending, base_step: int) -> bool:
+        """Whether a push is to be applied; one that is not (training is over, or sync and stale) is answered
+        and counted here."""
+        if self.finished:
+            self.stats["dropped_after_max_steps"] += 1
+            self._answer(pending, dropped=True)
+            return False
+        if self.config.mode != "sync" or base_step == self.step:
+            return True
+        if base_step > self.step:
+            raise ValueError(f"push for step {base_step} arrived before the PS reached it (at {self.step})")
+        # sync: a gradient computed on an older version is dropped and counted; its sender gets the current one.
+        self.stats["dropped_stale"] += 1
+        self._answer(pending, stale=True)
+        return False
+
+    def push(self, pending: Pending, worker_index: int, gradients: Gradients) -> None:
+        """An admitted push: applied now (async, ssp) or with the others of its version (sync)."""
+        if self.config.mode == "sync":
+            self._accumulate(gradients)
+            self._waiting_for_update.append(pending)
+            self._maybe_apply_sync()
+            return
+        self._update(gradients, [pending])
+        self.clocks[worker_index] = self.clocks.get(worker_index, 0) + 1
+        if self.config.mode == "ssp":
+            self._held.append((pending, self.clocks[worker_index]))
+            self._release_held()
+        else:
+            self._answer(pending)
+        self._release_pulls()
+
+    def done(self, worker_index: int) -> None:
+        """A finished worker no longer counts toward aggregation or staleness."""
+        self.active.discard(worker_index)
+        if self.config.mode == "sync":
+            self._maybe_apply_sync()
+        self._release_held()
+
+    def stop(self) -> None:
+        """End training at the current step: everything waiting is answered, later pushes are dropped."""
+        self.config = dataclasses.replace(self.config, max_steps=self.step)
+        self._release_held()
+        self._release_pulls()
+        waiting, self._waiting_for_update, self._accumulated = self._waiting_for_update, [], None
+        for pending in waiting:
+            self._answer(pending)
+
+    def _update(self, gradients: Gradients, pushes: list[Pending]) -> None:
+        self._apply(gradients, pushes)
+        self.step += 1
+        self.stats["applied"] += 1
+
+    def _accumulate(self, gradients: Gradients) -> None:
+        """Sum the dense gradients; keep the row-sparse ones, summed row by row when the update is applied."""
+        if self._accumulated is None:
+            self._accumulated = gradients
+            return
+        grads, row_grads = gradients
+        for total, grad in zip(self._accumulated[0], grads, strict=True):
+            total.add_(grad)
+        for kept, pushed in zip(self._accumulated[1], row_grads, strict=True):
+            kept.extend(pushed)
+
+    def _maybe_apply_sync(self) -> None:
+        needed = min(self.config.replicas, max(len(self.active), 1))
+        if self._accumulated is None or len(self._waiting_for_update) < needed:
+            return
+        waiting, self._waiting_for_update = self._waiting_for_update, []
+        accumulated, self._accumulated = self._accumulated, None
+        self._update(accumulated, waiting)
+        for pending in waiting:
+            self._answer(pending)
+        self._release_pulls()
+
+    def _release_held(self) -> None:
+        if not self._held:
+            return
+        active_clocks = [self.clocks.get(w, 0) for w in self.active]
+        slowest = min(active_clocks) if active_clocks else None
+        still_held = []
+        for pending, clock in self._held:
+            # The worker wants to start step `clock`; it may while it is at most max_staleness ahead.
+            if slowest is None or clock - slowest <= self.config.max_staleness or self.finished:
+                self._answer(pending)
+            else:
+                still_held.append((pending, clock))
+        self._held = still_held
+
+    def _release_pulls(self) -> None:
+        if not self._pulls:
+            return
+        waiting, self._pulls = self._pulls, []
+        for pending, min_step in waiting:
+            if self.step >= min_step or self.finished:
+                self._answer(pending)
+            else:
+                self._pulls.append((pending, min_step))

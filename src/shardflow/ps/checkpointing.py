@@ -3,16 +3,16 @@ their parameters, optimizer slots and input positions for a checkpoint."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import ParameterClient
+from shardflow.ps.layout import ShardLayout, put
 from shardflow.ps.optimizers import OptimizerSpec
-from shardflow.ps.placement import Piece
 
 
 @dataclass
@@ -40,94 +40,84 @@ def init_servers(
     """Send each PS its shard values (the model's current parameters), optimizer, update rule and, when
     restoring, its slots cut from whole-variable slots by this placement: so any number of PS can load
     a checkpoint written by any other number."""
+    layout = client.layout
     # Before any PS is initialised: an optimizer that cannot apply sparse gradients stops the job at its start.
-    for name in client.row_pieces:
+    for name in layout.row_pieces:
         optimizer.check_sparse(name)
-    seqs = {}
-    for k, peer in enumerate(client.peers):
-        header: dict[str, Any] = {
-            "op": "init",
-            "dtypes": client.dtypes[k],
-            "tables": len(client.tables[k]),
-            "optimizer": optimizer.to_json(),
-            "apply": apply.to_json(),
-            "step": restore.step if restore else 0,
-        }
-        frames, counts = client._frames(k, use_grads=False)
-        table_frames = client._table_frames(k)
-        frames += table_frames
-        counts += [1] * len(table_frames)
+    messages, frames = [], []
+    for k in range(layout.num_ps):
+        dense, counts = layout.dense_frames(k, client.named, use_grads=False)
+        ps_frames = dense + layout.table_frames(k, client.named)
+        slots: list[dict[str, int]] = []
+        scalars: list[dict[str, float]] = []
         if restore is not None:
-            slots, scalars, slot_frames = _cut_slots(client, k, restore)
-            header.update(slots=slots, scalars=scalars, iterators=restore.iterators if k == 0 else {})
-            frames += slot_frames
-            counts += [1] * len(slot_frames)
-        header["n"] = counts
-        seqs[peer] = client.client.send(peer, header, frames)
+            slots, scalars, slot_frames = _cut_slots(layout, k, restore)
+            ps_frames += slot_frames
+        messages.append(
+            protocol.Init(
+                dtypes=tuple(layout.dtypes[k]),
+                num_tables=len(layout.tables[k]),
+                optimizer=optimizer,
+                apply=apply,
+                step=restore.step if restore else 0,
+                frame_counts=tuple(counts),
+                slots=tuple(slots),
+                scalars=tuple(scalars),
+                iterators=restore.iterators if restore is not None and k == 0 else {},
+            )
+        )
+        frames.append(ps_frames)
     # A PS that just started may still be starting up: this wait may be the start-up deadline.
-    for peer, seq in seqs.items():
-        client.client.recv(peer, seq, timeout_s or client.timeout_s)
+    client.exchange(messages, frames, timeout_s)
 
 
 def _cut_slots(
-    client: ParameterClient, ps: int, restore: ModelState
+    layout: ShardLayout, ps: int, restore: ModelState
 ) -> tuple[list[dict[str, int]], list[dict[str, float]], list[torch.Tensor]]:
     """Each part of `ps` (a dtype buffer, then a table) gets the slots all of its pieces have, cut to its rows:
     flat for a buffer, shaped as the piece for a table; and the scalar slots, if it has any slot."""
-    parts = [client.pieces[ps][dtype] for dtype in client.dtypes[ps]] + [[table] for table in client.tables[ps]]
     slots: list[dict[str, int]] = []
     frames: list[torch.Tensor] = []
-    for part, pieces in enumerate(parts):
+    for part, pieces in enumerate(layout.parts(ps)):
         part_slots = {}
         for key, by_name in sorted(restore.slots.items()):
             if not all(p.name in by_name for p in pieces):
                 continue
             values = [by_name[p.name][p.row_start : p.row_end] if p.partitioned else by_name[p.name] for p in pieces]
             part_slots[key] = len(frames)
-            frames.append(values[0] if part >= len(client.dtypes[ps]) else torch.cat([v.reshape(-1) for v in values]))
+            frames.append(values[0] if part >= len(layout.dtypes[ps]) else torch.cat([v.reshape(-1) for v in values]))
         slots.append(part_slots)
     return slots, [dict(restore.scalars) if part_slots else {} for part_slots in slots], frames
 
 
-def fetch_state(client: ParameterClient, snapshot: int | None = None) -> ModelState:
-    """Every variable and slot reassembled from its pieces, now or at a snapshot step; loads the parameters
-    into the client's model too."""
-    header = {"op": "state"} if snapshot is None else {"op": "state", "snapshot": snapshot}
-    seqs = {peer: client.client.send(peer, dict(header)) for peer in client.peers}
+def fetch_state(client: ParameterClient, snapshot_step: int | None = None) -> ModelState:
+    """Every variable and slot reassembled from its pieces, now or at a snapshot step. The client's model is
+    left as it is: load `params` into it to use them there."""
+    layout = client.layout
+    replies = client.exchange([protocol.GetState(snapshot_step=snapshot_step)] * layout.num_ps)
     state = ModelState(step=-1, params={})
-    params: dict[int, Sequence[torch.Tensor]] = {}
-    whole_tables: dict[str, torch.Tensor] = {}
-    for k, peer in enumerate(client.peers):
-        reply, tensors = client.client.recv(peer, seqs[peer], client.timeout_s)
-        num_buffers, num_tables = len(client.dtypes[k]), len(client.tables[k])
-        params[k] = tensors[:num_buffers]
-        slot_tensors = tensors[num_buffers + num_tables :]
+    params: list[list[torch.Tensor]] = []
+    for k, (header, tensors) in enumerate(replies):
+        reply = protocol.StateReply.decode(header, client.peers[k])
+        num_parts = len(layout.dtypes[k]) + len(layout.tables[k])
+        if len(tensors) < num_parts or len(reply.slots) != num_parts or len(reply.scalars) != num_parts:
+            raise protocol.PSProtocolError(
+                protocol.GetState.op, "frames", client.peers[k], f"do not fit the {num_parts} parts of the layout"
+            )
+        params.append(tensors[:num_parts])
+        slot_tensors = tensors[num_parts:]
         # Each part's pieces, where they sit in its tensor: a dtype buffer packs several, a table is one.
-        parts = [[(p, slice(p.offset, p.offset + p.numel)) for p in client.pieces[k][d]] for d in client.dtypes[k]]
-        parts += [[(piece, slice(None))] for piece in client.tables[k]]
-        for piece, values in zip(client.tables[k], tensors[num_buffers : num_buffers + num_tables], strict=True):
-            _put(whole_tables, piece, values)
-        for pieces, part_slots, part_scalars in zip(parts, reply["slots"], reply["scalars"], strict=True):
+        for pieces, part_slots, part_scalars in zip(layout.parts(k), reply.slots, reply.scalars, strict=True):
             state.scalars.update(part_scalars)
             for key, index in part_slots.items():
                 by_name = state.slots.setdefault(key, {})
-                for slot_piece, where in pieces:
-                    _put(by_name, slot_piece, slot_tensors[index][where])
+                for piece in pieces:
+                    where = slice(None) if piece.sparse else slice(piece.offset, piece.offset + piece.numel)
+                    put(by_name, piece, slot_tensors[index][where])
         if k == 0:
-            state.step = int(reply["state_step"])
-            state.iterators = dict(reply["iterators"])
-        state.stats[peer] = {"step": reply["step"], **reply["stats"]}
-    client._load(params)
-    for name, table in whole_tables.items():
-        client.named[name].data = table
-    state.params = {name: p.detach().clone() for name, p in client.named.items()}
+            state.step = reply.state_step
+            state.iterators = dict(reply.iterators)
+        state.stats[client.peers[k]] = {"step": reply.step, **reply.stats}
+    whole = layout.whole(params)
+    state.params = {name: whole[name] for name in client.named}
     return state
-
-
-def _put(by_name: dict[str, torch.Tensor], piece: Piece, values: torch.Tensor) -> None:
-    """Copy one piece's values into its whole variable in `by_name`, made on its first piece."""
-    values = values.reshape(piece.piece_shape)
-    if piece.name not in by_name:
-        by_name[piece.name] = torch.empty(piece.shape, dtype=values.dtype)
-    target = by_name[piece.name]
-    (target[piece.row_start : piece.row_end] if piece.partitioned else target).copy_(values)

@@ -1,27 +1,30 @@
-"""The worker's and chief's side of the PS protocol: split gradients by placement, reassemble parameters, and
-fetch and push only the rows a batch uses of the row-sparse tables."""
+"""The worker's and chief's side of the PS protocol: split gradients by placement, reassemble parameters,
+fetch and push only the rows a batch uses of the row-sparse tables, and the chief's requests."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from shardflow.comm.client import Client
+from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
-from shardflow.ps.placement import Piece, Placement
+from shardflow.ps import protocol
+from shardflow.ps.layout import ShardLayout
+from shardflow.ps.placement import Placement
+from shardflow.ps.protocol import StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, coalesced, lookup_modules, rows_between
 
+__all__ = ["ParameterClient", "StatusReply", "StepReply", "read_global_step"]
 
-@dataclass(frozen=True)
-class StepReply:
-    """What the PS answered to one push or pull: the global step after it, and whether training is over."""
 
-    step: int
-    stop: bool
+def read_global_step(client: Client, peer: str, timeout_s: float) -> int:
+    """The global step as `peer` (a PS, connected to `client`) counts it now."""
+    header, _ = client.request(peer, protocol.Status().header(), timeout_s=timeout_s)
+    return StatusReply.decode(header, peer).step
 
 
 class ParameterClient:
@@ -44,6 +47,7 @@ class ParameterClient:
         self.timeout_s = timeout_s
         self.worker_index = worker_index
         self.peers = [f"ps:{k}" for k in range(placement.num_ps)]
+        self._index_of = {peer: k for k, peer in enumerate(self.peers)}
         # A PS that is not on loopback encrypts (CURVE); its key came with its address.
         for peer, (address, server_key) in zip(self.peers, ps_endpoints, strict=True):
             client.connect(peer, address, server_key=server_key)
@@ -52,68 +56,23 @@ class ParameterClient:
         if missing:
             raise ValueError(f"the placement names variables the model lacks: {missing[:5]}")
         self.named = named
-        # Per PS: its dtype buffers in a fixed order, and the dense pieces packed into each, by offset.
-        self.dtypes: list[list[str]] = [list(placement.buffer_sizes(k)) for k in range(placement.num_ps)]
-        self.pieces: list[dict[str, list[Piece]]] = []
-        for k in range(placement.num_ps):
-            by_dtype: dict[str, list[Piece]] = {d: [] for d in self.dtypes[k]}
-            for piece in placement.on_ps(k):
-                if not piece.sparse:
-                    by_dtype[piece.dtype].append(piece)
-            for items in by_dtype.values():
-                items.sort(key=lambda p: p.offset)
-            self.pieces.append(by_dtype)
-        # Per PS: its row-sparse tables in the PS's order; per row-sparse variable: its pieces by first row, each
-        # with its number among its PS's tables.
-        self.tables: list[list[Piece]] = [placement.tables(k) for k in range(placement.num_ps)]
-        self.row_pieces: dict[str, list[tuple[Piece, int]]] = {}
-        for tables in self.tables:
-            for index, piece in enumerate(tables):
-                self.row_pieces.setdefault(piece.name, []).append((piece, index))
-        for pieces in self.row_pieces.values():
-            pieces.sort(key=lambda item: item[0].row_start)
+        self.layout = ShardLayout(placement)
         self._row_grads: dict[str, RowGrad] = {}
         self._pending: dict[str, int] = {}
         self.model = model
         self._hooks: list[Any] = []
         self._remaining: list[int] = []
-        self._push_header: dict[str, Any] = {}
+        self._base_step = 0
         self._step = 0
         self.input_state: dict[str, Any] | None = None
 
     # -- moving tensors ---------------------------------------------------------------------------
 
-    def _frames(self, ps: int, use_grads: bool) -> tuple[list[torch.Tensor], list[int]]:
-        """The dense pieces for `ps` as separate zero-copy frames, dtype by dtype in offset order, and the count per
-        dtype; the PS concatenates them, which keeps that copy off the worker's critical path."""
-        frames: list[torch.Tensor] = []
-        counts: list[int] = []
-        for dtype in self.dtypes[ps]:
-            pieces = self.pieces[ps][dtype]
-            for piece in pieces:
-                param = self.named[piece.name]
-                source = param.grad if use_grads else param.detach()
-                if source is None:
-                    source = torch.zeros_like(param)
-                if piece.partitioned:
-                    source = source[piece.row_start : piece.row_end]
-                frames.append(source.reshape(-1))
-            counts.append(len(pieces))
-        return frames, counts
-
-    def _table_frames(self, ps: int) -> list[torch.Tensor]:
-        """The values of each row-sparse table on `ps`, whole (to initialise it), one frame each."""
-        frames = []
-        for piece in self.tables[ps]:
-            values = self.named[piece.name].detach()
-            frames.append(values[piece.row_start : piece.row_end] if piece.partitioned else values)
-        return frames
-
     def _row_grad_frames(self, ps: int) -> list[torch.Tensor]:
         """For each row-sparse table on `ps`, the rows of it this step's gradient touches (numbered from the
         table's first row) and their gradient, summed over duplicates: two frames per table, maybe empty."""
         frames: list[torch.Tensor] = []
-        for piece in self.tables[ps]:
+        for piece in self.layout.tables[ps]:
             if piece.name not in self._row_grads:
                 self._row_grads[piece.name] = coalesced(piece.name, self.named[piece.name])
             rows, values = self._row_grads[piece.name]
@@ -125,33 +84,34 @@ class ParameterClient:
         """Write the current values of the rows `ids` of row-sparse variable `name` into the local weight, fetched
         from the PS that hold them, in parallel; every other row of the local weight is stale."""
         rows = torch.unique(ids.detach().reshape(-1).cpu())
-        pieces = self.row_pieces[name]
+        pieces = self.layout.row_pieces[name]
         weight = self.named[name]
         if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= weight.shape[0]):
             raise ValueError(
                 f"{name!r} has {weight.shape[0]} rows; the batch looks up rows {int(rows[0])}..{int(rows[-1])}"
             )
-        spans = rows_between(rows, [piece.row_start for piece, _ in pieces], weight.shape[0])
+        bounds = rows_between(rows, [piece.row_start for piece, _ in pieces], weight.shape[0])
         requests: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-        for (piece, index), (begin, end) in zip(pieces, spans, strict=True):
+        for (piece, index), (begin, end) in zip(pieces, bounds, strict=True):
             if begin < end:
                 tables, frames = requests.setdefault(piece.ps, ([], []))
                 tables.append(index)
                 frames.append(rows[begin:end] - piece.row_start)
         seqs = {
-            ps: self.client.send(self.peers[ps], {"op": "rows", "tables": tables}, frames)
+            ps: self.client.send(self.peers[ps], protocol.Rows(table_indices=tuple(tables)).header(), frames)
             for ps, (tables, frames) in requests.items()
         }
         recorder = get_recorder()
         with torch.no_grad():
             for ps, seq in seqs.items():
                 started = time.perf_counter_ns()
-                _, values = self.client.recv(self.peers[ps], seq, self.timeout_s)
+                header, values = self.client.recv(self.peers[ps], seq, self.timeout_s)
+                StepReply.decode(header, protocol.Rows.op, self.peers[ps])
                 if recorder is not None:
-                    recorder.end("pull_wait", self._step, started, ps, sum(v.nbytes for v in values))
+                    recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(v.nbytes for v in values))
                 tables, frames = requests[ps]
                 for index, local_rows, rows_values in zip(tables, frames, values, strict=True):
-                    piece = self.tables[ps][index]
+                    piece = self.layout.tables[ps][index]
                     weight.index_copy_(0, local_rows + piece.row_start, rows_values.to(weight.device))
 
     def _load(self, replies: dict[int, Sequence[torch.Tensor]]) -> None:
@@ -159,8 +119,8 @@ class ParameterClient:
         assembled from its pieces. The worker never writes parameters in place, so read-only frames serve."""
         assembled: dict[str, torch.Tensor] = {}
         for ps, buffers in replies.items():
-            for dtype, flat in zip(self.dtypes[ps], buffers, strict=True):
-                for piece in self.pieces[ps][dtype]:
+            for dtype, flat in zip(self.layout.dtypes[ps], buffers, strict=True):
+                for piece in self.layout.pieces[ps][dtype]:
                     values = flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
                     if piece.partitioned:
                         if piece.name not in assembled:
@@ -171,49 +131,85 @@ class ParameterClient:
         for name, tensor in assembled.items():
             self.named[name].data = tensor
 
-    def _wait(self, peer_seqs: dict[str, int], load_params: bool) -> StepReply:
+    def _wait(self, peer_seqs: dict[str, int], op: str, load_params: bool) -> StepReply:
         step, stop = 0, False
         replies: dict[int, Sequence[torch.Tensor]] = {}
         recorder = get_recorder()
         for peer, seq in peer_seqs.items():
+            ps = self._index_of[peer]
             started = time.perf_counter_ns()
             header, tensors = self.client.recv(peer, seq, self.timeout_s)
+            reply = StepReply.decode(header, op, peer)
             if recorder is not None:
-                recorder.end("pull_wait", self._step, started, int(peer[3:]), sum(t.nbytes for t in tensors))
+                recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(t.nbytes for t in tensors))
             if load_params and tensors:
-                replies[int(peer.split(":")[1])] = tensors
-            if peer == "ps:0":
-                step = int(header["step"])
-            stop = stop or bool(header.get("stop"))
+                replies[ps] = tensors
+            if ps == 0:
+                step = reply.step
+            stop = stop or reply.stop
         if replies:
             self._load(replies)
-        return StepReply(step, stop)
+        return StepReply(step=step, stop=stop)
 
     # -- chief (see ps/checkpointing.py for state) ------------------------------------------------
 
-    def broadcast(self, header: dict[str, Any]) -> list[dict[str, Any]]:
-        """Send one small request to every PS and return their reply headers, in PS order."""
-        seqs = {peer: self.client.send(peer, dict(header)) for peer in self.peers}
-        return [self.client.recv(peer, seq, self.timeout_s)[0] for peer, seq in seqs.items()]
+    def exchange(
+        self,
+        messages: Sequence[protocol.PSRequest],
+        frames: Sequence[Sequence[torch.Tensor]] | None = None,
+        timeout_s: float | None = None,
+    ) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
+        """Send ps:k `messages[k]` (with `frames[k]`), all in parallel; their replies' headers and frames, in PS
+        order. A PS that answers with an error raises CommError."""
+        if len(messages) != len(self.peers):
+            raise ValueError(f"{len(messages)} messages for {len(self.peers)} PS")
+        seqs = [
+            self.client.send(peer, message.header(), frames[k] if frames is not None else ())
+            for k, (peer, message) in enumerate(zip(self.peers, messages, strict=True))
+        ]
+        return [
+            self.client.recv(peer, seq, timeout_s or self.timeout_s) for peer, seq in zip(self.peers, seqs, strict=True)
+        ]
+
+    def _broadcast(self, message: protocol.PSRequest) -> list[StepReply]:
+        replies = self.exchange([message] * len(self.peers))
+        return [StepReply.decode(h, message.op, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
+
+    def status(self) -> list[StatusReply]:
+        """Every PS's global step, snapshots held and counters, in PS order."""
+        replies = self.exchange([protocol.Status()] * len(self.peers))
+        return [StatusReply.decode(h, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
+
+    def snapshot_at(self, step: int) -> None:
+        """Every PS snapshots its state when the global step reaches `step`."""
+        self._broadcast(protocol.SnapshotAt(step=step))
+
+    def release_snapshots(self, through_step: int) -> None:
+        """The snapshots up to `through_step` are saved; the PS may drop them."""
+        self._broadcast(protocol.ReleaseSnapshots(through_step=through_step))
+
+    def stop(self) -> None:
+        """End training at the current step: every PS drops later pushes and tells the workers to stop."""
+        self._broadcast(protocol.Stop())
 
     def shutdown(self) -> None:
-        self.broadcast({"op": "shutdown"})
+        self._broadcast(protocol.Shutdown())
 
     # -- worker ---------------------------------------------------------------------------------
 
     def global_step(self) -> int:
-        header, _ = self.client.request("ps:0", {"op": "step"}, timeout_s=self.timeout_s)
-        return int(header["step"])
+        return read_global_step(self.client, self.peers[0], self.timeout_s)
 
     def pull(self, min_step: int = 0) -> StepReply:
         """Fetch every PS's shards in parallel and load them into the model."""
-        seqs = {peer: self.client.send(peer, {"op": "pull", "min_step": min_step}) for peer in self.peers}
-        return self._wait(seqs, load_params=True)
+        header = protocol.Pull(min_step=min_step).header()
+        seqs = {peer: self.client.send(peer, dict(header)) for peer in self.peers}
+        return self._wait(seqs, protocol.Pull.op, load_params=True)
 
-    def begin_push(self, header: dict[str, Any], step: int = 0) -> None:
-        """Start a step: each PS's gradients are pushed as soon as backward has produced all of them."""
-        self._push_header = {"op": "push", "w": self.worker_index, **header}
-        self._step = step
+    def begin_push(self, base_step: int) -> None:
+        """Start a step on the parameters of global step `base_step`: each PS's gradients are pushed as soon as
+        backward has produced all of them."""
+        self._base_step = self._step = base_step
         self._pending = {}
         self._row_grads = {}
         if not self._hooks:
@@ -234,7 +230,7 @@ class ParameterClient:
 
             self._hooks.append(self.named[name].register_post_accumulate_grad_hook(ready))
         # A sparse embedding fetches the rows it is about to look up, and only those.
-        for name, modules in lookup_modules(self.model, list(self.row_pieces)).items():
+        for name, modules in lookup_modules(self.model, list(self.layout.row_pieces)).items():
 
             def before_lookup(
                 _module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str = name
@@ -249,17 +245,20 @@ class ParameterClient:
         if peer not in self._pending:
             recorder = get_recorder()
             started = time.perf_counter_ns()
-            frames, counts = self._frames(ps, use_grads=True)
+            frames, counts = self.layout.dense_frames(ps, self.named, use_grads=True)
             frames += self._row_grad_frames(ps)
-            header = {**self._push_header, "n": counts}
-            if ps == 0 and self.input_state is not None:
+            push = protocol.Push(
+                worker_index=self.worker_index,
+                base_step=self._base_step,
+                frame_counts=tuple(counts),
                 # ps:0 keeps each worker's input position with the update it belongs to, for checkpoints.
-                header["it"] = self.input_state
-            seq = self.client.send(peer, header, frames)
+                input_state=self.input_state if ps == 0 else None,
+            )
+            seq = self.client.send(peer, push.header(), frames)
             self._pending[peer] = seq
             if recorder is not None:
-                recorder.flow("push", self._step, flow_id(self.client.sender_id, seq), start=True)
-                recorder.end("push", self._step, started, ps, sum(f.nbytes for f in frames))
+                recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True)
+                recorder.end(spans.PUSH, self._step, started, ps, sum(f.nbytes for f in frames))
 
     def end_push(self) -> dict[str, int]:
         """Push what the hooks have not sent (variables without gradients push zeros, row-sparse ones no rows);
@@ -269,10 +268,11 @@ class ParameterClient:
         return dict(self._pending)
 
     def wait_push(self, requests: dict[str, int], load_params: bool = True) -> StepReply:
-        return self._wait(requests, load_params=load_params)
+        return self._wait(requests, protocol.Push.op, load_params=load_params)
 
     def done(self) -> None:
-        self.broadcast({"op": "done", "w": self.worker_index})
+        """This worker has finished: the PS no longer wait for it."""
+        self._broadcast(protocol.Done(worker_index=self.worker_index))
 
     def close(self) -> None:
         for hook in self._hooks:

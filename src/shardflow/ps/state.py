@@ -69,3 +69,35 @@ def load_slots(
             state.update({key: torch.tensor(value, dtype=torch.float32) for key, value in part_scalars.items()})
         if state:
             optimizer.state[param] = state
+
+
+# Snapshots the chief has not saved yet; at this many the PS stops applying pushes until it catches up, so
+# every checkpoint and evaluation happens at its exact step, as TF's synchronous checkpoint hooks do.
+MAX_SNAPSHOTS = 4
+
+
+class Snapshots:
+    """A PS's checkpoint snapshots, taken at exact steps and held until the chief has saved them."""
+
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        self.every_n_steps = every_n_steps
+        self.at: int | None = None
+        """One more step to snapshot, asked for by the chief (a time-based checkpoint)."""
+        self.held: dict[int, ShardState] = {}
+
+    def due(self, step: int) -> bool:
+        every = self.every_n_steps
+        return bool(every and step % every == 0) or step == self.at
+
+    @property
+    def full(self) -> bool:
+        return len(self.held) >= MAX_SNAPSHOTS
+
+    def get(self, step: int) -> ShardState:
+        if step not in self.held:
+            raise ValueError(f"no snapshot at step {step}; the PS holds {sorted(self.held)}")
+        return self.held[step]
+
+    def release(self, through_step: int) -> None:
+        for step in [s for s in self.held if s <= through_step]:
+            del self.held[step]

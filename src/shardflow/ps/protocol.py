@@ -1,0 +1,405 @@
+"""The PS wire protocol: every request a parameter server serves and every reply it sends, typed, with its
+encoding and its validation. Nothing else in shardflow names an op or a header field.
+
+A message is a msgpack header and tensor frames (see comm/framing.py). comm/ adds its own envelope to each
+request header, the op name ("op") with the sender ("s") and sequence number ("q"); the keys below are the rest.
+Steps are ints >= 0; worker_index is a worker's number in [0, num_workers); frames are raw tensors.
+
+Requests (sender: request, fields; frames; reply):
+
+- chief -> every PS: `Init` (op "init"): dtypes, num_tables, optimizer, apply, step, frame_counts, slots,
+  scalars, iterators. Frames: the dense pieces of each dtype buffer (frame_counts[i] 1-D frames of dtypes[i],
+  concatenated by the PS), then each table whole, then the slot tensors that `slots` index. A restored PS also
+  gets its optimizer slots and, on ps:0, the workers' input positions. Reply: `StepReply`.
+- worker -> every PS: `Pull` (op "pull"): min_step. No frames. Answered once the PS reached min_step: a
+  `StepReply` and one frame per dtype buffer, the current parameters.
+- worker -> the PS holding the tables: `Rows` (op "rows"): table_indices. One frame of int64 row numbers per
+  table index. Reply: `StepReply` and one frame per table index, those rows' values.
+- worker -> every PS: `Push` (op "push"): worker_index, base_step (the step the gradient was computed at),
+  frame_counts, input_state (to ps:0 only: the worker's input position after this batch). Frames: the dense
+  gradient pieces grouped by dtype buffer as for `Init`, then per table its touched row numbers (int64) and
+  their gradient rows. Reply: `StepReply` and the parameters, when the update rule lets the worker go on
+  (ps/apply.py); `StepReply(dropped=True)` without frames once training is over; `stale=True` with the
+  parameters when sync training dropped the gradient as stale.
+- worker -> every PS: `Done` (op "done"): worker_index. The worker has finished; it no longer counts toward
+  aggregation or staleness. Reply: `StepReply`.
+- anyone -> a PS: `Status` (op "status"). Reply: `StatusReply`: step, initialized, snapshots held, stats.
+- chief -> every PS: `GetState` (op "state"): snapshot_step (None: now). Reply: `StateReply` and frames: one
+  per dtype buffer, one per table, then the slot tensors.
+- chief -> every PS: `SnapshotAt` (op "snapshot_at"): step. Snapshot the state when the global step reaches
+  it. `ReleaseSnapshots` (op "release_snapshots"): through_step; the chief saved every snapshot up to it.
+  `Stop` (op "stop"): end training at the current step. `Shutdown` (op "shutdown"): stop serving.
+  Each reply: `StepReply`.
+
+Every reply header carries the PS's global step and whether training is over ("stop"). A request that breaks
+these rules is answered with comm's error reply and raises `PSProtocolError` on the PS; it is never handled.
+The field checks live in ps/fields.py, the reply types in ps/replies.py; both are re-exported here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Self
+
+import torch
+
+from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.fields import (
+    Invalid,
+    PSProtocolError,
+    check_keys,
+    dense_groups,
+    int_field,
+    ints_field,
+    is_dtype,
+    map_field,
+    no_frames,
+    optional_int_field,
+    per_part,
+    short,
+)
+from shardflow.ps.optimizers import OptimizerSpec
+from shardflow.ps.replies import StateReply, StatusReply, StepReply
+
+__all__ = [
+    "BEFORE_INIT",
+    "Done",
+    "GetState",
+    "Init",
+    "Limits",
+    "PSProtocolError",
+    "PSRequest",
+    "Pull",
+    "Push",
+    "ReleaseSnapshots",
+    "Rows",
+    "Shutdown",
+    "SnapshotAt",
+    "StateReply",
+    "Status",
+    "StatusReply",
+    "StepReply",
+    "Stop",
+    "decode_request",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    """What an initialised PS checks requests against."""
+
+    num_workers: int
+    buffers: tuple[tuple[torch.dtype, int], ...]
+    """Each dense buffer's dtype and element count, in the order of frame_counts."""
+    num_tables: int
+
+
+# -- requests ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, kw_only=True)
+class Init:
+    """Give a PS its shards, optimizer and update rule; fresh, or restored from a checkpoint."""
+
+    op: ClassVar[str] = "init"
+    dtypes: tuple[str, ...]
+    """The dtype of each dense buffer, in frame order."""
+    num_tables: int
+    optimizer: OptimizerSpec
+    apply: ApplyConfig
+    step: int
+    """The global step to start from: 0, or the restored checkpoint's."""
+    frame_counts: tuple[int, ...]
+    slots: tuple[dict[str, int], ...] = ()
+    """Per part (dense buffer, then table): optimizer slot key -> index among the slot frames."""
+    scalars: tuple[dict[str, float], ...] = ()
+    """Per part: scalar optimizer state (e.g. Adam's step count)."""
+    iterators: dict[str, Any] = field(default_factory=dict)
+    """ps:0 only: each worker's input position, by "worker:<index>"."""
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "dtypes": list(self.dtypes),
+            "num_tables": self.num_tables,
+            "optimizer": self.optimizer.to_json(),
+            "apply": self.apply.to_json(),
+            "step": self.step,
+            "frame_counts": list(self.frame_counts),
+            "slots": list(self.slots),
+            "scalars": list(self.scalars),
+            "iterators": self.iterators,
+        }
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(
+            header,
+            ("dtypes", "num_tables", "optimizer", "apply", "step", "frame_counts", "slots", "scalars", "iterators"),
+        )
+        names = header["dtypes"]
+        if type(names) is not list or not all(type(n) is str and is_dtype(n) for n in names):
+            raise Invalid("dtypes", f"must be a list of torch dtype names, got {short(names)}")
+        dtypes = [getattr(torch, n) for n in names]
+        num_tables = int_field(header, "num_tables", below=len(frames) + 1)
+        counts = ints_field(header, "frame_counts")
+        # After the dense groups: the tables, then the slot frames.
+        trailing = len(frames) - sum(counts)
+        if trailing < 0:
+            raise Invalid("frame_counts", f"counts {sum(counts)} dense frames but {len(frames)} frames came")
+        if trailing < num_tables:
+            raise Invalid("num_tables", f"is {num_tables} but {trailing} frames follow the dense groups")
+        dense_groups(header, frames, dtypes, trailing)
+        num_slot_frames = trailing - num_tables
+        num_parts = len(dtypes) + num_tables
+        slots = per_part(header, "slots", num_parts, lambda v: type(v) is int and 0 <= v < num_slot_frames)
+        scalars = per_part(header, "scalars", num_parts, lambda v: type(v) in (int, float))
+        return cls(
+            dtypes=tuple(names),
+            num_tables=num_tables,
+            optimizer=_config(header, "optimizer", OptimizerSpec.from_json),
+            apply=_config(header, "apply", ApplyConfig.from_json),
+            step=int_field(header, "step"),
+            frame_counts=counts,
+            slots=slots,
+            scalars=scalars,
+            iterators=map_field(header, "iterators"),
+        )
+
+
+def _config(header: dict[Any, Any], name: str, from_json: Callable[[dict[str, Any]], Any]) -> Any:
+    value = map_field(header, name)
+    try:
+        return from_json(value)
+    except (TypeError, ValueError, KeyError) as error:
+        raise Invalid(name, f"is not valid: {error}") from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pull:
+    """Ask for the parameters once the global step is at least `min_step`."""
+
+    op: ClassVar[str] = "pull"
+    min_step: int = 0
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, "min_step": self.min_step}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("min_step",))
+        no_frames(frames)
+        return cls(min_step=int_field(header, "min_step"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rows:
+    """Ask for the rows of some tables that a batch looks up; one frame of row numbers per table index."""
+
+    op: ClassVar[str] = "rows"
+    table_indices: tuple[int, ...]
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, "table_indices": list(self.table_indices)}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("table_indices",))
+        indices = ints_field(header, "table_indices", below=limits.num_tables if limits is not None else None)
+        if len(indices) != len(frames):
+            raise Invalid("table_indices", f"names {len(indices)} tables but {len(frames)} frames came")
+        return cls(table_indices=indices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Push:
+    """One worker's gradients for this PS, computed on the parameters of `base_step`."""
+
+    op: ClassVar[str] = "push"
+    worker_index: int
+    base_step: int
+    frame_counts: tuple[int, ...]
+    input_state: dict[str, Any] | None = None
+    """ps:0 only: the worker's input position after the batch of this gradient, kept for checkpoints."""
+
+    def header(self) -> dict[str, Any]:
+        header = {
+            "op": self.op,
+            "worker_index": self.worker_index,
+            "base_step": self.base_step,
+            "frame_counts": list(self.frame_counts),
+        }
+        if self.input_state is not None:
+            header["input_state"] = self.input_state
+        return header
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        # The hot path: a handful of checks per push, and one per dense frame.
+        check_keys(header, ("worker_index", "base_step", "frame_counts"), ("input_state",))
+        input_state = header.get("input_state")
+        if input_state is not None:
+            input_state = map_field(header, "input_state")
+        if limits is None:  # not initialised: the PS refuses the push, whatever it holds
+            return cls(
+                worker_index=int_field(header, "worker_index"),
+                base_step=int_field(header, "base_step"),
+                frame_counts=ints_field(header, "frame_counts"),
+                input_state=input_state,
+            )
+        counts = ints_field(header, "frame_counts")
+        buffers = limits.buffers
+        if len(counts) != len(buffers) or sum(counts) + 2 * limits.num_tables != len(frames):
+            raise Invalid(
+                "frame_counts",
+                f"must group {len(frames)} frames into {len(buffers)} dense buffers and {2 * limits.num_tables} "
+                f"table frames, got {counts}",
+            )
+        start = 0
+        for index, count in enumerate(counts):
+            dtype, numel = buffers[index]
+            total = 0
+            for frame in frames[start : start + count]:
+                if frame.dtype != dtype or frame.dim() != 1:
+                    raise Invalid(
+                        "frames",
+                        f"of buffer {index} must be 1-D {dtype}, got {frame.dtype} shaped {tuple(frame.shape)}",
+                    )
+                total += frame.numel()
+            if total != numel:
+                raise Invalid("frames", f"of buffer {index} must hold {numel} elements in all, got {total}")
+            start += count
+        return cls(
+            worker_index=int_field(header, "worker_index", below=limits.num_workers),
+            base_step=int_field(header, "base_step"),
+            frame_counts=counts,
+            input_state=input_state,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Done:
+    """The worker has finished training."""
+
+    op: ClassVar[str] = "done"
+    worker_index: int
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, "worker_index": self.worker_index}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("worker_index",))
+        no_frames(frames)
+        return cls(worker_index=int_field(header, "worker_index", below=limits.num_workers if limits else None))
+
+
+@dataclass(frozen=True, kw_only=True)
+class GetState:
+    """Ask for parameters, optimizer slots and input positions: now, or as snapshotted at `snapshot_step`."""
+
+    op: ClassVar[str] = "state"
+    snapshot_step: int | None = None
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, "snapshot_step": self.snapshot_step}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("snapshot_step",))
+        no_frames(frames)
+        return cls(snapshot_step=optional_int_field(header, "snapshot_step"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotAt:
+    """Snapshot the state when the global step reaches `step` (a time-based checkpoint picks one just ahead)."""
+
+    op: ClassVar[str] = "snapshot_at"
+    step: int
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, "step": self.step}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("step",))
+        no_frames(frames)
+        return cls(step=int_field(header, "step"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReleaseSnapshots:
+    """The chief saved every snapshot up to and including `through_step`; the PS may drop them."""
+
+    op: ClassVar[str] = "release_snapshots"
+    through_step: int
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, "through_step": self.through_step}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("through_step",))
+        no_frames(frames)
+        return cls(through_step=int_field(header, "through_step"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _NoFields:
+    op: ClassVar[str]
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ())
+        no_frames(frames)
+        return cls()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Status(_NoFields):
+    """Ask for the global step, the snapshots held and the PS's counters."""
+
+    op: ClassVar[str] = "status"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stop(_NoFields):
+    """End training at the current step (early stopping): later pushes are dropped, workers told to stop."""
+
+    op: ClassVar[str] = "stop"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shutdown(_NoFields):
+    """Stop serving."""
+
+    op: ClassVar[str] = "shutdown"
+
+
+PSRequest = Init | Pull | Rows | Push | Done | Status | GetState | SnapshotAt | ReleaseSnapshots | Stop | Shutdown
+_REQUESTS: dict[str, type[PSRequest]] = {
+    cls.op: cls
+    for cls in (Init, Pull, Rows, Push, Done, Status, GetState, SnapshotAt, ReleaseSnapshots, Stop, Shutdown)
+}
+BEFORE_INIT = (Init, Status, Shutdown)
+"""The requests a PS serves before it is initialised."""
+
+
+def decode_request(
+    header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None, sender: str
+) -> PSRequest:
+    """The typed request in `header` and `frames`, checked against `limits` once the PS knows them.
+    Raises PSProtocolError for anything that breaks the protocol."""
+    op = header.get("op")
+    message_type = _REQUESTS.get(op) if type(op) is str else None
+    if message_type is None:
+        raise PSProtocolError(op, "op", sender, f"is not a PS request; one of {sorted(_REQUESTS)} is")
+    try:
+        return message_type.decode(header, frames, limits)
+    except Invalid as invalid:
+        raise PSProtocolError(op, invalid.field, sender, invalid.problem) from None

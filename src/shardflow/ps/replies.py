@@ -1,0 +1,142 @@
+"""The headers a PS replies with, typed and checked on receipt; see ps/protocol.py for which request gets which."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Self
+
+from shardflow.ps.fields import (
+    Invalid,
+    PSProtocolError,
+    bool_field,
+    check_keys,
+    int_field,
+    ints_field,
+    map_field,
+    per_part,
+    short,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepReply:
+    """The global step after a request, and whether training is over; what every reply carries."""
+
+    step: int
+    stop: bool
+    dropped: bool = False
+    """A push that arrived after training ended, not applied."""
+    stale: bool = False
+    """sync: a push computed on an older version, not applied; the current parameters come with it."""
+
+    def header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"step": self.step, "stop": self.stop}
+        if self.dropped:
+            header["dropped"] = True
+        if self.stale:
+            header["stale"] = True
+        return header
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], op: str, sender: str) -> Self:
+        try:
+            check_keys(header, ("step", "stop"), ("dropped", "stale"))
+            return cls(
+                step=int_field(header, "step"),
+                stop=bool_field(header, "stop"),
+                dropped="dropped" in header and bool_field(header, "dropped"),
+                stale="stale" in header and bool_field(header, "stale"),
+            )
+        except Invalid as invalid:
+            raise PSProtocolError(op, invalid.field, sender, invalid.problem) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StatusReply:
+    """A PS's answer to `Status`."""
+
+    step: int
+    stop: bool
+    initialized: bool
+    snapshots: tuple[int, ...]
+    """The steps of the snapshots the chief has not released yet, oldest first."""
+    stats: dict[str, float]
+    """Counters: updates applied, pushes dropped (stale, after max steps), requests malformed or failed, ..."""
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "stop": self.stop,
+            "initialized": self.initialized,
+            "snapshots": list(self.snapshots),
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], sender: str) -> Self:
+        try:
+            check_keys(header, ("step", "stop", "initialized", "snapshots", "stats"))
+            return cls(
+                step=int_field(header, "step"),
+                stop=bool_field(header, "stop"),
+                initialized=bool_field(header, "initialized"),
+                snapshots=ints_field(header, "snapshots"),
+                stats=stats_field(header),
+            )
+        except Invalid as invalid:
+            raise PSProtocolError("status", invalid.field, sender, invalid.problem) from None
+
+
+def stats_field(header: dict[Any, Any]) -> dict[str, float]:
+    stats = map_field(header, "stats")
+    if not all(type(value) in (int, float) for value in stats.values()):
+        raise Invalid("stats", f"must map names to numbers, got {short(stats)}")
+    return stats
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateReply:
+    """A PS's answer to `GetState`; its frames are the parameters (dense buffers, tables), then the slots."""
+
+    step: int
+    stop: bool
+    state_step: int
+    """The step the state is of: the snapshot's, or the current one."""
+    dtypes: tuple[str, ...]
+    slots: tuple[dict[str, int], ...]
+    scalars: tuple[dict[str, float], ...]
+    iterators: dict[str, Any]
+    stats: dict[str, float]
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "stop": self.stop,
+            "state_step": self.state_step,
+            "dtypes": list(self.dtypes),
+            "slots": list(self.slots),
+            "scalars": list(self.scalars),
+            "iterators": self.iterators,
+            "stats": self.stats,
+        }
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], sender: str) -> Self:
+        try:
+            check_keys(header, ("step", "stop", "state_step", "dtypes", "slots", "scalars", "iterators", "stats"))
+            dtypes = header["dtypes"]
+            if type(dtypes) is not list or not all(type(d) is str for d in dtypes):
+                raise Invalid("dtypes", f"must be a list of dtype names, got {short(dtypes)}")
+            num_parts = len(header["slots"]) if type(header["slots"]) is list else 0
+            return cls(
+                step=int_field(header, "step"),
+                stop=bool_field(header, "stop"),
+                state_step=int_field(header, "state_step"),
+                dtypes=tuple(dtypes),
+                slots=per_part(header, "slots", num_parts, lambda v: type(v) is int and v >= 0),
+                scalars=per_part(header, "scalars", num_parts, lambda v: type(v) in (int, float)),
+                iterators=map_field(header, "iterators"),
+                stats=stats_field(header),
+            )
+        except Invalid as invalid:
+            raise PSProtocolError("state", invalid.field, sender, invalid.problem) from None
