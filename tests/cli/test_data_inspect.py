@@ -6,19 +6,11 @@ import gzip
 import shutil
 from pathlib import Path
 
-import pytest
-
 from shardflow.cli.main import main
 
 # Written by TensorFlow 2.21 (tf.io.TFRecordWriter): 5 Examples with "x" (1 to 3 floats), "label" (one int64)
 # and "id" (one bytes).
 TF_WRITTEN = Path(__file__).parent / "fixtures" / "tf_examples.tfrecord"
-
-
-@pytest.fixture(autouse=True)
-def wide_terminal(monkeypatch):
-    # rich sizes its tables to the terminal; CI's is narrower than a developer's, and a long path would wrap.
-    monkeypatch.setenv("COLUMNS", "200")
 
 
 def inspect(capsys, *files: Path | str) -> tuple[int, str]:
@@ -29,13 +21,8 @@ def inspect(capsys, *files: Path | str) -> tuple[int, str]:
 def test_a_tensorflow_written_file_shows_its_record_count_and_example_schema(capsys):
     code, out = inspect(capsys, TF_WRITTEN)
     assert code == 0
-    file_row = next(line for line in out.splitlines() if "tf_examples" in line)
-    assert "│       5 │" in file_row and "ok" in file_row
-    rows = {
-        line.split("│")[1].strip(): [cell.strip() for cell in line.split("│")[2:-1]]
-        for line in out.splitlines()
-        if line.count("│") == 6
-    }
+    rows = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.strip()}
+    assert rows[str(TF_WRITTEN)] == ["5", "none", "ok"]
     assert rows["x"] == ["float", "5", "1", "3"]
     assert rows["label"] == ["int64", "5", "1", "1"]
     assert rows["id"] == ["bytes", "5", "1", "1"]
@@ -45,7 +32,8 @@ def test_gzip_files_are_recognized(capsys, tmp_path):
     compressed = tmp_path / "examples.tfrecord.gz"
     compressed.write_bytes(gzip.compress(TF_WRITTEN.read_bytes()))
     code, out = inspect(capsys, compressed)
-    assert code == 0 and "GZIP" in out and "│       5 │" in out
+    row = next(line for line in out.splitlines() if line.startswith(str(compressed)))
+    assert code == 0 and row.split()[1:] == ["5", "GZIP", "ok"]
 
 
 def test_a_corrupt_file_exits_non_zero_naming_the_file_and_the_offset_of_the_bad_record(capsys, tmp_path):

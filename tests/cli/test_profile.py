@@ -1,23 +1,25 @@
 """`shardflow profile ...` on the hand-built fixture capture: parse, run, check what is printed."""
 
-import gzip
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from shardflow.cli.main import main
+from shardflow.profile.capture import write_capture
+from shardflow.profile.trace import read_trace
 
 FIXTURE = Path(__file__).parents[1] / "profile" / "fixtures" / "three_roles"
 
 
 @pytest.fixture
 def fixture_model_dir(tmp_path):
-    """MODEL_DIR with the hand-built 3-role capture of tests/profile/fixtures, as gzipped role traces."""
-    capture = tmp_path / "model" / "profile" / "fixture"
-    capture.mkdir(parents=True)
-    for path in FIXTURE.glob("*.trace.json"):
-        (capture / (path.name + ".gz")).write_bytes(gzip.compress(path.read_bytes()))
+    """MODEL_DIR with the hand-built 3-role capture of tests/profile/fixtures, merged as the chief leaves it."""
+    write_capture(
+        [read_trace(path) for path in sorted(FIXTURE.glob("*.trace.json"))], tmp_path / "model" / "profile" / "fixture"
+    )
     return tmp_path / "model"
 
 
@@ -60,8 +62,9 @@ def test_top_by_memory_grouped_by_shape(capsys, fixture_model_dir):
 
 def test_memory_names_the_peak_and_what_was_live(capsys, fixture_model_dir):
     _, out, _ = profile(capsys, "memory", fixture_model_dir)
-    assert "worker:0  memory.rss  peak 152.000 MB at 13.000 ms (step 2; in step > backward)" in out
-    assert "live 0.016 MB in 1 tensors from aten::mm [[32,64],[64,64]] on cpu" in out
+    lines = [line.split() for line in out.splitlines()]
+    assert ["worker:0", "memory.rss", "152.000", "13.000", "2", "step", ">", "backward"] in lines
+    assert ["worker:0", "memory.torch_cpu_allocated", "0.016", "1", "aten::mm", "[[32,64],[64,64]]", "cpu"] in lines
 
 
 def test_diff_of_two_model_dirs(capsys, fixture_model_dir, tmp_path):
@@ -109,3 +112,17 @@ def test_malformed_step_range_is_rejected_by_the_parser(capsys, fixture_model_di
     with pytest.raises(SystemExit):
         main(["profile", "top", str(fixture_model_dir), "--steps", "a:b"])
     assert "expected A:B" in capsys.readouterr().err
+
+
+def test_output_into_a_closed_pipe_ends_quietly(fixture_model_dir):
+    """`shardflow profile top DIR | head -1`: the reader closes the pipe before the table is written."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "shardflow", "profile", "top", str(fixture_model_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()
+    error = process.stderr.read().decode()
+    assert process.wait(timeout=60) in (0, 141)
+    assert "Traceback" not in error and "BrokenPipeError" not in error, error

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import gzip
 import json
-import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from shardflow.profile.trace import check_legal
+from shardflow.cluster.control_keys import capture_done, capture_part
+from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.profile import set_recorder
+from shardflow.profile.spans import STEP
+from shardflow.profile.trace import check_legal, read_trace
+from shardflow.train.profiling import ChiefProfiler, RoleProfiler
 
 FIRST, LAST = 10, 16
 SKEW_US = 250_000.0
@@ -31,11 +36,11 @@ def capture(tmp_path_factory) -> tuple[Path, dict]:
         "profile_steps": [FIRST, LAST],
         "model_dir": str(tmp / "model"),
         "result": str(tmp / "result.json"),
+        "clock_skew": {"role": "worker:1", "us": SKEW_US},
     }
     (tmp / "config.json").write_text(json.dumps(config))
     proc = subprocess.run(
-        [sys.executable, str(Path(__file__).parent / "jobs" / "regression.py"), str(tmp / "config.json")],
-        env={**os.environ, "SHARDFLOW_TEST_CLOCK_SKEW_US": f"worker:1={SKEW_US}"},
+        [sys.executable, str(Path(__file__).parent / "jobs" / "skewed_clock.py"), str(tmp / "config.json")],
         capture_output=True,
         text=True,
         timeout=180,
@@ -68,8 +73,9 @@ def test_every_role_has_events_for_exactly_the_captured_steps(capture):
     for ps in ("ps:0", "ps:1"):
         applies = sorted(e["args"]["step"] for e in roles[ps] if e["name"] == "apply")
         assert applies == list(range(FIRST, LAST))
-    # The per-role files are kept beside the merged one.
-    assert {p.name for p in directory.glob("*.trace.json.gz")} >= {"worker_0.trace.json.gz", "ps_1.trace.json.gz"}
+    # The roles' traces are merged in memory: the capture holds the merged trace and its table only.
+    assert sorted(p.name for p in directory.glob("*.trace.json.gz")) == ["merged.trace.json.gz"]
+    assert (directory / "events.parquet").exists()
 
 
 def test_flows_connect_each_push_to_the_apply_that_consumed_it(capture):
@@ -163,3 +169,32 @@ def test_op_level_detail_is_folded_into_the_capture(run_job):
     assert any(row["shape"] for row in ops)
     # Allocations with the op and shape that made them.
     assert any(row["cat"] == "memory" and row["op"] and row["bytes"] for row in table)
+
+
+def test_the_chief_merges_its_own_part_from_memory_and_the_others_from_the_control_plane(tmp_path):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    chief_control = ControlPlane(f"127.0.0.1:{port}", is_chief=True, timeout_s=10.0)
+    chief = ChiefProfiler(chief_control, "127.0.0.1", tmp_path)
+    try:
+        worker = RoleProfiler("worker:0", ControlPlane(f"127.0.0.1:{port}", is_chief=False, timeout_s=10.0))
+        name = chief.request(0, 2)["name"]
+        worker.check_requests()
+        for step in range(3):
+            for profiler in (chief, worker):
+                with profiler.recorder.span(STEP, step):
+                    pass
+                profiler.at_step(step)
+        (directory,) = chief.collect(["chief", "worker:0"], timeout_s=10.0, final=True)
+    finally:
+        chief.close()
+        set_recorder(None)
+    assert chief_control.is_set(capture_part(name, "worker:0"))
+    assert not chief_control.is_set(capture_part(name, "chief"))
+    assert chief_control.get(capture_done(name), waiting_for="the merge") == str(directory)
+    assert sorted(p.name for p in directory.iterdir()) == ["capture.json", "events.parquet", "merged.trace.json.gz"]
+    trace = read_trace(directory / "merged.trace.json.gz")
+    assert set(trace["otherData"]["roles"]) == {"chief", "worker:0"}
+    steps = sorted(e["args"]["step"] for e in trace["traceEvents"] if e["ph"] == "X" and e["name"] == STEP)
+    assert steps == [0, 0, 1, 1]

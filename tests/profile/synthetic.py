@@ -10,8 +10,10 @@ import contextlib
 import heapq
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from shardflow.profile import recorder as recorder_module
+from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
 
 EPOCH_NS = 1_700_000_000_000_000_000
@@ -34,16 +36,16 @@ class FakeTime:
 
 @contextlib.contextmanager
 def fake_time(clock: FakeTime) -> Iterator[FakeTime]:
-    real = recorder_module.time
-    recorder_module.time = clock  # type: ignore[assignment]
+    real = vars(recorder_module)["time"]
+    setattr(recorder_module, "time", clock)  # noqa: B010 (the module's `time` is not exported, so mypy would refuse it)
     try:
         yield clock
     finally:
-        recorder_module.time = real
+        setattr(recorder_module, "time", real)  # noqa: B010
 
 
 def record(
-    recorder: SpanRecorder, clock: FakeTime, name: str, step: int, start_us: float, dur_us: float, **kwargs: int
+    recorder: SpanRecorder, clock: FakeTime, name: str, step: int, start_us: float, dur_us: float, **kwargs: Any
 ) -> None:
     with fake_time(clock):
         clock.now_ns = round(start_us * 1000)
@@ -98,9 +100,9 @@ class Cluster:
             t, w = heapq.heappop(ready)
             rec, clock = recorders[f"worker:{w}"], clocks[f"worker:{w}"]
             phases = [
-                ("input_wait", self.input_us),
-                ("forward", self.compute_us / 3),
-                ("backward", 2 * self.compute_us / 3),
+                (spans.INPUT_WAIT, self.input_us),
+                (spans.FORWARD, self.compute_us / 3),
+                (spans.BACKWARD, 2 * self.compute_us / 3),
             ]
             start = t
             for name, duration in phases:
@@ -109,28 +111,27 @@ class Cluster:
             replies = []
             for p in range(self.num_ps):
                 flow_id = step * 1000 + p
-                record(rec, clock, "push", step, t, self.push_us, arg0=p, arg1=self.bytes_per_ps)
-                flow(rec, clock, "push", step, t + self.push_us / 2, flow_id, True)
+                record(rec, clock, spans.PUSH, step, t, self.push_us, arg0=p, arg1=self.bytes_per_ps)
+                flow(rec, clock, spans.PUSH, step, t + self.push_us / 2, flow_id, True)
                 t += self.push_us
                 replies.append(self._serve(recorders, clocks, p, w, step, t, flow_id, ps_free))
             end = max(replies)
-            record(rec, clock, "pull_wait", step, t, end - t, arg0=0)
-            record(rec, clock, "step", step, start, end - start)
+            record(rec, clock, spans.PULL_WAIT, step, t, end - t, arg0=0)
+            record(rec, clock, spans.STEP, step, start, end - start)
             with fake_time(clock):
                 rec.counter("memory.rss", 100e6 + step * 1e6)
             heapq.heappush(ready, (end, w))
             if step % 10 == 9:
-                record(recorders["chief"], clocks["chief"], "checkpoint", step, end, 200)
+                record(recorders["chief"], clocks["chief"], spans.CHECKPOINT, step, end, 200)
 
     def _serve(
         self, recorders, clocks, p: int, w: int, step: int, arrival: float, flow_id: int, ps_free: list[float]
     ) -> float:
         rec, clock = recorders[f"ps:{p}"], clocks[f"ps:{p}"]
-        record(rec, clock, "receive", step, arrival, 5, arg0=w, arg1=self.bytes_per_ps, thread="receiver")
+        record(rec, clock, spans.RECEIVE, step, arrival, 5, arg0=w, arg1=self.bytes_per_ps, thread="receiver")
         begin = max(arrival + 5, ps_free[p])
-        record(rec, clock, "queue", step, arrival + 5, begin - arrival - 5, arg0=w, thread="queue")
-        record(rec, clock, "apply", step, begin, self.apply_us, arg0=w, arg1=self.bytes_per_ps, thread="handler")
-        flow(rec, clock, "apply", step, begin + self.apply_us / 2, flow_id, False, thread="handler")
-        record(rec, clock, "reply", step, begin + self.apply_us, self.reply_us, arg0=w, thread="handler")
+        record(rec, clock, spans.APPLY, step, begin, self.apply_us, arg0=w, arg1=self.bytes_per_ps, thread="handler")
+        flow(rec, clock, spans.APPLY, step, begin + self.apply_us / 2, flow_id, False, thread="handler")
+        record(rec, clock, spans.REPLY, step, begin + self.apply_us, self.reply_us, arg0=w, thread="handler")
         ps_free[p] = begin + self.apply_us + self.reply_us
         return ps_free[p]

@@ -21,7 +21,7 @@ def self_times(rows):
 
 
 def test_events_table_has_a_row_per_event_with_roles_threads_and_steps(table):
-    assert table.num_rows == 3 * 21 + 3 * 6 + 4
+    assert table.num_rows == 3 * 21 + 3 * 5 + 4
     worker_ops = table.filter(table["thread"].to_numpy(zero_copy_only=False) == "MainThread ops")
     assert set(worker_ops["role"].to_pylist()) == {"worker:0"}
     assert sorted(set(table["step"].drop_null().to_pylist())) == [0, 1, 2]
@@ -48,7 +48,7 @@ def test_top_groups_by_source_and_by_role(table):
     assert by_source["model.py(12): forward"] == (6, 600.0)
     assert by_source["train.py(30): step"] == (6, 570.0)
     by_role = self_times(top(table, group_by="role"))
-    assert by_role["ps:0"] == (12, 270.0)
+    assert by_role["ps:0"] == (9, 240.0)
     assert by_role["chief"] == (2, 400.0)
 
 

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from shardflow.profile.clock import estimate_offset
+from shardflow.profile.clock import estimate_offset, replied_time_ns, time_reply
 
 
 def fake_ping(skew_ns: int, delays, seed: int):
@@ -48,3 +48,9 @@ def test_symmetric_delays_give_the_exact_offset_and_keep_the_fastest_sample():
 def test_a_receive_before_the_send_is_rejected():
     with pytest.raises(ValueError, match="before its send time"):
         estimate_offset(lambda: (10, 0, 5), samples=1)
+
+
+def test_a_ping_answer_without_an_integer_time_names_the_field():
+    assert replied_time_ns(time_reply(123)) == 123
+    with pytest.raises(ValueError, match="'time_ns'"):
+        replied_time_ns({"time_ns": "soon"})

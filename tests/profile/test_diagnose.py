@@ -4,13 +4,16 @@ import pytest
 from synthetic import Cluster
 
 from shardflow.profile.diagnose import diagnose
-from shardflow.profile.events import build_table, load
+from shardflow.profile.events import load, write_table
 from shardflow.profile.merge import merge
 
 
+def table_of(role_traces, tmp_path):
+    return load(write_table(merge(role_traces)["traceEvents"], tmp_path / "events.parquet"))
+
+
 def diagnosed(cluster: Cluster, tmp_path):
-    trace = merge(cluster.role_traces(), tmp_path / "merged.trace.json.gz")
-    return diagnose(load(build_table(trace, tmp_path / "events.parquet")))
+    return diagnose(table_of(cluster.role_traces(), tmp_path))
 
 
 def test_slow_input_pipeline_is_input_bound_and_names_the_slowest_worker(tmp_path):
@@ -46,4 +49,4 @@ def test_heavy_forward_and_backward_is_compute_bound(tmp_path):
 
 def test_a_capture_without_workers_has_no_diagnosis(tmp_path):
     traces = [t for t in Cluster().role_traces() if "worker" not in next(iter(t["otherData"]["roles"]))]
-    assert diagnose(load(build_table(merge(traces, tmp_path / "m.trace.json.gz"), tmp_path / "e.parquet"))) == []
+    assert diagnose(table_of(traces, tmp_path)) == []

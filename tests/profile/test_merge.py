@@ -4,17 +4,19 @@ import gzip
 import json
 
 import pytest
-from synthetic import Cluster
+from synthetic import Cluster, FakeTime, fake_time, record
 
 from shardflow.profile.merge import cut, merge
-from shardflow.profile.trace import check_legal, read_trace
+from shardflow.profile.recorder import SpanRecorder
+from shardflow.profile.spans import REPLY
+from shardflow.profile.trace import check_legal, read_trace, write_trace
 
 SKEWED = Cluster(num_workers=2, num_ps=2, num_steps=12, skew_us={"worker:1": 2500.0, "ps:1": -1700.0})
 
 
 @pytest.fixture(scope="module")
 def merged(tmp_path_factory):
-    path = merge(SKEWED.role_traces(), tmp_path_factory.mktemp("merge") / "merged.trace.json.gz")
+    path = write_trace(merge(SKEWED.role_traces()), tmp_path_factory.mktemp("merge") / "merged.trace.json.gz")
     return path, read_trace(path)
 
 
@@ -37,7 +39,7 @@ def test_one_process_per_role_sorted_chief_workers_ps(merged):
     _, trace = merged
     names = {e["pid"]: e["args"]["name"] for e in events_of(trace, "M", "process_name")}
     sort_index = {e["pid"]: e["args"]["sort_index"] for e in events_of(trace, "M", "process_sort_index")}
-    assert [names[pid] for pid in sorted(names, key=sort_index.get)] == [
+    assert [names[pid] for pid in sorted(names, key=lambda pid: sort_index[pid])] == [
         "chief",
         "worker:0",
         "worker:1",
@@ -94,15 +96,15 @@ def test_metadata_keeps_each_roles_offset_and_error_bound(merged):
     assert roles["ps:1"]["clock_offset_us"] == 1700.0
 
 
-def test_spans_that_overlap_without_nesting_move_to_an_extra_lane(tmp_path):
-    trace = Cluster(num_workers=6, apply_us=400, num_steps=8).role_traces()
-    merged_trace = read_trace(merge(trace, tmp_path / "lanes.trace.json.gz"))
-    lanes = [
-        e["args"]["name"]
-        for e in events_of(merged_trace, "M", "thread_name")
-        if e["args"]["name"].startswith("queue (")
-    ]
-    assert lanes and check_legal(merged_trace) == []
+def test_spans_that_overlap_without_nesting_move_to_an_extra_lane():
+    clock = FakeTime()
+    with fake_time(clock):
+        recorder = SpanRecorder("ps:0")
+    record(recorder, clock, REPLY, 0, 0, 100, thread="sender")
+    record(recorder, clock, REPLY, 1, 50, 100, thread="sender")
+    merged_trace = merge([recorder.to_role_trace(0, 2, 0.0, 5.0)])
+    lanes = [e["args"]["name"] for e in events_of(merged_trace, "M", "thread_name")]
+    assert sorted(lanes) == ["sender", "sender (2)"] and check_legal(merged_trace) == []
 
 
 def test_cut_keeps_exactly_the_steps_of_the_window(merged, tmp_path):

@@ -35,7 +35,8 @@ def test_first_reached_is_the_first_evaluation_meeting_the_target():
     assert reached is not None
     assert (reached.global_step, reached.elapsed_s) == (100, 2.0)
     assert first_reached(parse_target("loss<0.2"), HISTORY) is None
-    assert first_reached(parse_target("loss<=0.2"), HISTORY).global_step == 150
+    inclusive = first_reached(parse_target("loss<=0.2"), HISTORY)
+    assert inclusive is not None and inclusive.global_step == 150
 
 
 def test_a_target_on_a_metric_never_evaluated_names_the_ones_that_were():

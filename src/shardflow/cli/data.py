@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shardflow.cli.tables import print_table
+
 if TYPE_CHECKING:
     from shardflow.data.example.schema import ExampleSchema
 
@@ -51,9 +53,10 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     schema = ExampleSchema()
     reports = [_inspect_file(filename, args.compression_type, schema) for filename in args.files]
-    console.print(_files_table(reports))
+    _print_files(reports)
     if schema.features:
-        console.print(_schema_table(schema))
+        print()
+        _print_schema(schema)
     elif schema.num_records:
         console.print("The records are not tf.train.Examples: no schema to show.")
     failed = [report for report in reports if report.error is not None]
@@ -84,34 +87,36 @@ def _inspect_file(filename: str, compression_type: str, schema: ExampleSchema) -
     return FileReport(filename, num_records, compression_type, None)
 
 
-def _files_table(reports: list[FileReport]) -> object:
-    from rich.markup import escape
-    from rich.table import Table
+def _print_files(reports: list[FileReport]) -> None:
+    from rich.text import Text
 
-    table = Table(title="Files")
-    table.add_column("file")
-    table.add_column("records", justify="right")
-    table.add_column("compression")
-    table.add_column("CRCs")
-    for report in reports:
-        status = "[green]ok[/]" if report.error is None else "[red]bad[/]"
-        table.add_row(escape(report.filename), f"{report.num_records:,}", report.compression_type, status)
-    return table
+    print_table(
+        "Files",
+        ["file", "records", "compression", "CRCs"],
+        [
+            [
+                report.filename,
+                f"{report.num_records:,}",
+                report.compression_type,
+                Text("ok", style="green") if report.error is None else Text("bad", style="red"),
+            ]
+            for report in reports
+        ],
+        right={"records"},
+    )
 
 
-def _schema_table(schema: ExampleSchema) -> object:
-    from rich.table import Table
-
+def _print_schema(schema: ExampleSchema) -> None:
     title = f"Example schema ({schema.num_records:,} records"
     title += f", {schema.num_not_examples:,} not Examples)" if schema.num_not_examples else ")"
-    table = Table(title=title)
-    table.add_column("feature")
-    table.add_column("kind")
-    table.add_column("in records", justify="right")
-    table.add_column("min length", justify="right")
-    table.add_column("max length", justify="right")
+    rows = []
     for name in sorted(schema.features):
         stats = schema.features[name]
         kind = "/".join(sorted(stats.kinds))
-        table.add_row(name, kind, f"{stats.num_records:,}", str(stats.min_length), str(stats.max_length))
-    return table
+        rows.append([name, kind, f"{stats.num_records:,}", stats.min_length, stats.max_length])
+    print_table(
+        title,
+        ["feature", "kind", "in records", "min length", "max length"],
+        rows,
+        right={"in records", "min length", "max length"},
+    )

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -36,5 +39,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         module.add_arguments(subparser)
     args = parser.parse_args(argv)
-    code: int = COMMANDS[args.command].run(args)
+    try:
+        code: int = COMMANDS[args.command].run(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`shardflow profile top DIR | head -1`): stop quietly, with the status a process
+        # killed by SIGPIPE has. stdout goes to devnull so that flushing it at exit does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     return code

@@ -7,6 +7,8 @@ import sys
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from shardflow.cli.tables import print_table
+
 if TYPE_CHECKING:
     from shardflow.tools.calibrate import Calibration
     from shardflow.tools.plan_model import PlanConfig
@@ -123,15 +125,25 @@ def _print_calibration(c: Calibration) -> None:
     from shardflow.tools.units import format_bandwidth, format_bytes, format_duration
 
     print(f"measured in {c.capture} ({_plural(c.num_workers, 'worker')}, {c.num_ps} PS):")
-    print(f"  model on the wire      {format_bytes(c.model_bytes)} pushed per worker step")
-    print(f"  compute per step       {format_duration(c.step_compute_s)} (forward + backward, pushes excluded)")
-    print(f"  effective bandwidth    {format_bandwidth(c.bandwidth)} (push, PS receive and reply spans)")
-    print(f"  PS apply per update    {format_duration(c.ps_apply_s)}")
+    rows = [
+        ["model on the wire", format_bytes(c.model_bytes), "pushed per worker step"],
+        ["compute per step", format_duration(c.step_compute_s), "forward + backward, pushes excluded"],
+        ["effective bandwidth", format_bandwidth(c.bandwidth), "push, PS receive and reply spans"],
+        ["PS apply per update", format_duration(c.ps_apply_s), ""],
+    ]
     if c.worker_cpu_s is not None and c.ps_cpu_s is not None:
-        print(f"  CPU per worker step    {format_duration(c.worker_cpu_s)} in the worker, ", end="")
-        print(f"{format_duration(c.ps_cpu_s)} in the PS (all threads); other roles {c.other_cores:.2f} cores")
-    print(f"  achieved               {format_duration(c.worker_step_s)} per worker step, ", end="")
-    print(f"{c.global_steps_per_s:.1f} global steps/s")
+        rows.append(
+            [
+                "CPU per worker step",
+                format_duration(c.worker_cpu_s),
+                f"in the worker, {format_duration(c.ps_cpu_s)} in the PS (all threads); "
+                f"other roles {c.other_cores:.2f} cores",
+            ]
+        )
+    rows.append(
+        ["achieved", format_duration(c.worker_step_s), f"per worker step, {c.global_steps_per_s:.1f} global steps/s"]
+    )
+    print_table(None, ["measured", "value", ""], rows, right={"value"})
     print()
 
 
@@ -154,9 +166,16 @@ def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
         "PS link": "n·M/(k·B) each way: the busiest PS moves n·M/k",
         "PS apply": f"{n if config.mode == 'async' else 1} update(s) per round, each split over the PS",
     }
-    for term in TERMS:
-        if term != "CPU cores" or config.cores:
-            print(f"  {term:<12} {format_duration(p.parts[term]):>10}  {explain[term]}")
+    print_table(
+        None,
+        ["part of a step", "time", "what it is"],
+        [
+            [term, format_duration(p.parts[term]), explain[term]]
+            for term in TERMS
+            if term != "CPU cores" or config.cores
+        ],
+        right={"time"},
+    )
     if config.cores:
         print("  (local run: a worker's link time adds to its compute, a PS's to its apply, as both are CPU work)")
     print()

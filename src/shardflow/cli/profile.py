@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from shardflow.cli.tables import print_table
 
 EPILOG = """\
 examples:
@@ -95,7 +96,8 @@ def _top(args: argparse.Namespace) -> int:
     rows = top(_load(args.model_dir, args.capture), args.by, args.group_by, shown, _steps_filter(args))
     unit, scale = ("ms", 1000) if args.by == "time" else ("MB", 1e6)
     header = [args.group_by, "calls", f"self {unit}", f"total {unit}", "share"]
-    _print_table(
+    print_table(
+        None,
         header,
         [
             [r.key, r.calls, f"{r.self_value / scale:.3f}", f"{r.total_value / scale:.3f}", f"{r.share:.1%}"]
@@ -128,7 +130,7 @@ def _steps(args: argparse.Namespace) -> int:
             ]
             for s in summaries
         ]
-    _print_table(header, lines)
+    print_table(None, header, lines)
     findings = diagnose(table, _steps_filter(args))
     print()
     for i, finding in enumerate(findings):
@@ -140,14 +142,34 @@ def _steps(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from shardflow.profile.analysis import memory
 
-    for peak in memory(_load(args.model_dir, args.capture), _steps_filter(args)):
-        step = f"step {peak.step}" if peak.step is not None else "between steps"
-        running = " > ".join(peak.active) or "nothing recorded"
-        at = f"{peak.ts / 1000:.3f} ms"
-        print(f"{peak.role}  {peak.counter}  peak {peak.peak / 1e6:.3f} MB at {at} ({step}; in {running})")
-        for group in peak.live[:10]:
-            tensors = f"{group.count} tensors from {group.op} {group.shape} on {group.device}"
-            print(f"    live {group.bytes / 1e6:.3f} MB in {tensors}")
+    peaks = memory(_load(args.model_dir, args.capture), _steps_filter(args))
+    print_table(
+        "Peaks",
+        ["role", "counter", "peak MB", "at ms", "step", "running at the peak"],
+        [
+            [
+                peak.role,
+                peak.counter,
+                f"{peak.peak / 1e6:.3f}",
+                f"{peak.ts / 1000:.3f}",
+                peak.step if peak.step is not None else "between steps",
+                " > ".join(peak.active) or "nothing recorded",
+            ]
+            for peak in peaks
+        ],
+        right={"peak MB", "at ms", "step"},
+    )
+    print()
+    print_table(
+        "Live at the peak (the 10 largest per peak)",
+        ["role", "counter", "live MB", "tensors", "op", "shape", "device"],
+        [
+            [peak.role, peak.counter, f"{group.bytes / 1e6:.3f}", group.count, group.op, group.shape, group.device]
+            for peak in peaks
+            for group in peak.live[:10]
+        ],
+        right={"live MB", "tensors"},
+    )
     return 0
 
 
@@ -158,7 +180,7 @@ def _diff(args: argparse.Namespace) -> int:
     lines = [
         [r.key, f"{r.a_us / 1000:.3f}", f"{r.b_us / 1000:.3f}", f"{r.delta_us / 1000:+.3f}"] for r in rows[: args.limit]
     ]
-    _print_table(["per global step", "A ms", "B ms", "B - A ms"], lines)
+    print_table(None, ["per global step", "A ms", "B ms", "B - A ms"], lines)
     return 0
 
 
@@ -175,7 +197,7 @@ def _sql(args: argparse.Namespace) -> int:
     except duckdb.Error as error:
         raise ValueError(f"the query failed: {error}") from None
     header = [column[0] for column in result.description or []]
-    _print_table(header, [list(row) for row in result.fetchall()])
+    print_table(None, header, result.fetchall())
     return 0
 
 
@@ -203,15 +225,6 @@ def _capture(args: argparse.Namespace) -> int:
         print(f"shardflow profile capture: {error}", file=sys.stderr)
         return 1
     return 0
-
-
-def _print_table(header: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
-    cells = [[str(h) for h in header], *([str(v) for v in row] for row in rows)]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    for n, row in enumerate(cells):
-        print("  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(row, widths, strict=True))))
-        if n == 0:
-            print("  ".join("-" * w for w in widths))
 
 
 _RUNNERS = {

@@ -8,6 +8,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from shardflow.cli.tables import print_table
+
 EPILOG = """\
 example:
   shardflow scale train.py --workers 1,2,4 --target 'accuracy>=0.95' --batch-size 64 -- --epochs 5
@@ -43,7 +45,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardflow.tools.scale_report import explain, format_table, plot, table_rows, write_html
+    from shardflow.tools.scale_report import explain, plot, table_rows, write_html
     from shardflow.tools.scaling import ScaleConfig, ScaleRunError, run_size, summarize
     from shardflow.tools.target import TargetError, parse_target
 
@@ -92,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     }
     (out / "scale.json").write_text(json.dumps(summary, indent=1))
     print()
-    print(format_table(table))
+    print_table(None, table[0], table[1:], right=table[0])
     print()
     for paragraph in paragraphs:
         print(paragraph)
@@ -140,9 +142,6 @@ def _sizes(text: str) -> list[int]:
 def _step_range(text: str) -> tuple[int, int]:
     first, _, last = text.partition(",")
     try:
-        steps = (int(first), int(last))
+        return int(first), int(last)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected A,B (global steps [A, B)), like 50,150; got {text!r}") from None
-    if not 0 <= steps[0] < steps[1]:
-        raise argparse.ArgumentTypeError(f"expected 0 <= A < B, like 50,150; got {text!r}")
-    return steps

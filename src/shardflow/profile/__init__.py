@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from shardflow._lazy import lazy_getattr
 from shardflow.profile.clock import ClockEstimate, estimate_offset
 from shardflow.profile.recorder import SpanRecorder, get_recorder, set_recorder
 
@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     from shardflow.profile.memory import MemorySampler
     from shardflow.profile.merge import cut, merge
     from shardflow.profile.torch_ops import OpCapture
-    from shardflow.profile.trace import role_file_name, write_trace
+    from shardflow.profile.trace import write_trace
 
 # Imported on first use: the runtime imports this package in every role for the recorder alone.
 _LAZY = {
@@ -23,7 +23,6 @@ _LAZY = {
     "cut": "shardflow.profile.merge",
     "finalize": "shardflow.profile.capture",
     "merge": "shardflow.profile.merge",
-    "role_file_name": "shardflow.profile.trace",
     "write_trace": "shardflow.profile.trace",
 }
 
@@ -38,13 +37,9 @@ __all__ = [
     "finalize",
     "get_recorder",
     "merge",
-    "role_file_name",
     "set_recorder",
     "write_trace",
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'shardflow.profile' has no attribute {name!r}")
-    return getattr(importlib.import_module(_LAZY[name]), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

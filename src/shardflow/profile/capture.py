@@ -1,12 +1,15 @@
-"""Where captures live under MODEL_DIR/profile/<capture>/ and how the per-role files become one table."""
+"""Where captures live under MODEL_DIR/profile/<capture>/, and how the roles' traces become its merged trace and
+its events table."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from shardflow.profile.events import build_table
+from shardflow.profile.events import build_table, write_table
 from shardflow.profile.merge import merge
-from shardflow.profile.trace import read_trace
+from shardflow.profile.trace import write_trace
 
 MERGED = "merged.trace.json.gz"
 EVENTS = "events.parquet"
@@ -14,6 +17,14 @@ EVENTS = "events.parquet"
 
 class CaptureNotFoundError(FileNotFoundError):
     pass
+
+
+def check_steps(steps: Sequence[int], what: str = "profile_steps") -> tuple[int, int]:
+    """`steps` as (first, last), the global steps [first, last) of a capture; a ValueError naming `what` unless
+    0 <= first < last."""
+    if len(steps) != 2 or not 0 <= steps[0] < steps[1]:
+        raise ValueError(f"{what} must be (first, last) with 0 <= first < last, got {tuple(steps)}")
+    return int(steps[0]), int(steps[1])
 
 
 def capture_dir(model_dir: str | Path, name: str | None = None) -> Path:
@@ -32,15 +43,22 @@ def capture_dir(model_dir: str | Path, name: str | None = None) -> Path:
     return max(captures, key=lambda p: (max(f.stat().st_mtime for f in p.iterdir()), p.name))
 
 
+def write_capture(role_traces: list[dict[str, Any]], directory: str | Path) -> Path:
+    """Merges the roles' traces (one dict per role) and writes the merged trace and its events table, both from
+    the merged events in memory; returns the directory."""
+    directory = Path(directory)
+    merged = merge(role_traces)
+    write_trace(merged, directory / MERGED)
+    write_table(merged["traceEvents"], directory / EVENTS)
+    return directory
+
+
 def finalize(directory: str | Path) -> Path:
-    """Merges the role files of a capture (if not yet merged) and builds its events table; returns the table."""
+    """The events table of a capture, rebuilt from its merged trace when missing or older; returns its path."""
     directory = Path(directory)
     merged, events = directory / MERGED, directory / EVENTS
     if not merged.exists():
-        role_files = sorted(p for p in directory.glob("*.trace.json.gz") if p.name != MERGED)
-        if not role_files:
-            raise CaptureNotFoundError(f"no role traces (*.trace.json.gz) in {directory}")
-        merge([read_trace(p) for p in role_files], merged)
+        raise CaptureNotFoundError(f"no merged trace ({MERGED}) in {directory}")
     if not events.exists() or events.stat().st_mtime < merged.stat().st_mtime:
         build_table(merged, events)
     return events

@@ -1,9 +1,13 @@
-"""Clock offset between two processes from NTP-style ping exchanges, with its error bound."""
+"""Clock offset between two processes from NTP-style ping exchanges, with its error bound, and the two messages
+of a ping: a request with the op "time", and a reply whose "time_ns" is the answering process's `time.time_ns()`."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
+
+TIME_OP = "time"
 
 
 @dataclass(frozen=True)
@@ -36,3 +40,21 @@ def estimate_offset(ping: Callable[[], tuple[int, int, int]], samples: int = 16)
     t0, t_remote, t1 = best
     rtt = t1 - t0
     return ClockEstimate(offset_ns=t_remote - (t0 + t1) // 2, error_ns=(rtt + 1) // 2, rtt_ns=rtt)
+
+
+def time_request() -> dict[str, Any]:
+    """The header of a ping (a new dict each time: the sender adds its envelope to it)."""
+    return {"op": TIME_OP}
+
+
+def time_reply(time_ns: int) -> dict[str, Any]:
+    """The header of the answer to a ping: the answering process's `time.time_ns()`."""
+    return {"time_ns": time_ns}
+
+
+def replied_time_ns(header: dict[str, Any]) -> int:
+    """The time in the answer to a ping; a ValueError names the field when it is not an integer."""
+    time_ns = header.get("time_ns")
+    if type(time_ns) is not int:
+        raise ValueError(f"the answer to a clock ping needs an integer 'time_ns', got {time_ns!r}")
+    return time_ns

@@ -9,19 +9,32 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardflow.profile.events import Filter
+from shardflow.profile.spans import (
+    APPLY,
+    BACKWARD,
+    CHECKPOINT,
+    EVAL,
+    FORWARD,
+    INPUT_WAIT,
+    PULL_WAIT,
+    PUSH,
+    RECEIVE,
+    REPLY,
+    STEP,
+)
 
-# Worker and PS spans by the part of a step they account for; "queue" is waiting, not work, so it is left out.
+# Worker, PS and chief spans by the part of a step they account for.
 CATEGORY = {
-    "input_wait": "input_wait",
-    "forward": "compute",
-    "backward": "compute",
-    "push": "communication",
-    "pull_wait": "communication",
-    "receive": "communication",
-    "reply": "communication",
-    "apply": "ps_apply",
-    "checkpoint": "other",
-    "eval": "other",
+    INPUT_WAIT: "input_wait",
+    FORWARD: "compute",
+    BACKWARD: "compute",
+    PUSH: "communication",
+    PULL_WAIT: "communication",
+    RECEIVE: "communication",
+    REPLY: "communication",
+    APPLY: "ps_apply",
+    CHECKPOINT: "other",
+    EVAL: "other",
 }
 CATEGORIES = ("input_wait", "compute", "communication", "ps_apply", "other")
 
@@ -47,10 +60,10 @@ def steps(table: pa.Table, step_range: Filter | None = None) -> list[StepRow]:
         return []
     window_us = max(r["ts"] + r["dur"] for r in rows) - min(r["ts"] for r in rows)
     num_steps = len({r["step"] for r in rows})
-    step_spans = {(r["role"], r["step"]): r for r in rows if r["name"] == "step"}
+    step_spans = {(r["role"], r["step"]): r for r in rows if r["name"] == STEP}
     stepping_roles = {role for role, _ in step_spans}
     parts: dict[tuple[str, int], dict[str, float]] = {}
-    backwards = {(r["role"], r["step"], r["tid"]): r for r in rows if r["name"] == "backward"}
+    backwards = {(r["role"], r["step"], r["tid"]): r for r in rows if r["name"] == BACKWARD}
     for r in rows:
         category = CATEGORY.get(r["name"])
         owner = step_spans.get((r["role"], r["step"]))
@@ -59,7 +72,7 @@ def steps(table: pa.Table, step_range: Filter | None = None) -> list[StepRow]:
         bucket = parts.setdefault((r["role"], r["step"]), dict.fromkeys(CATEGORIES, 0.0))
         bucket[category] += r["dur"]
         # A push sent from inside backward (as soon as a PS's gradients are ready) is communication, not compute.
-        around = backwards.get((r["role"], r["step"], r["tid"])) if r["name"] == "push" else None
+        around = backwards.get((r["role"], r["step"], r["tid"])) if r["name"] == PUSH else None
         if around is not None and around["ts"] <= r["ts"] and r["ts"] + r["dur"] <= around["ts"] + around["dur"]:
             bucket["compute"] -= r["dur"]
     result = []
@@ -170,7 +183,7 @@ def _compute(workers: list[RoleSummary]) -> Finding:
 
 
 def _bytes_by_ps(table: pa.Table) -> dict[str, int]:
-    applies = table.filter(pc.and_(pc.equal(table["ph"], "X"), pc.equal(table["name"], "apply")))
+    applies = table.filter(pc.and_(pc.equal(table["ph"], "X"), pc.equal(table["name"], APPLY)))
     totals: dict[str, int] = {}
     for role, size in zip(applies["role"].to_pylist(), applies["bytes"].to_pylist(), strict=True):
         totals[role] = totals.get(role, 0) + (size or 0)

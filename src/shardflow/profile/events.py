@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +43,21 @@ ROWS_PER_GROUP = 1 << 17
 
 
 def build_table(trace_path: str | Path, out_path: str | Path) -> Path:
-    """Converts `ROWS_PER_GROUP` events at a time, so only one batch of columns is alive next to the stream."""
+    """The table of a trace file, streamed from it."""
     _, stream = open_events(trace_path)
+    return write_table(stream, out_path)
+
+
+def write_table(trace_events: Iterable[dict[str, Any]], out_path: str | Path) -> Path:
+    """Converts `ROWS_PER_GROUP` events at a time, so only one batch of columns is alive next to the stream; names
+    (ph "M") must come before the events of their process and thread, as in the traces shardflow writes."""
     out_path = Path(out_path)
     temporary = out_path.with_name(out_path.name + ".partial")
     roles: dict[int, str] = {}
     threads: dict[tuple[int, int], str] = {}
     columns: dict[str, list[Any]] = {field.name: [] for field in SCHEMA}
     with pq.ParquetWriter(temporary, SCHEMA, compression="zstd") as writer:
-        for event in stream:
+        for event in trace_events:
             phase = event.get("ph")
             if phase == "M":
                 _remember_name(event, roles, threads)

@@ -12,7 +12,7 @@ from shardflow.profile.trace import open_events, role_sort_key, write_trace
 _LANE_TID_STRIDE = 1000
 
 
-def merge(role_traces: list[dict[str, Any]], out_path: str | Path) -> Path:
+def merge(role_traces: list[dict[str, Any]]) -> dict[str, Any]:
     """One process per role, sorted chief, workers, PS; each role shifted by its clock offset to the chief."""
     roles = [_only_role(trace) for trace in role_traces]
     if len(set(roles)) != len(roles):
@@ -29,7 +29,7 @@ def merge(role_traces: list[dict[str, Any]], out_path: str | Path) -> Path:
         events += _shift_role(role_traces[i]["traceEvents"], pid, shift_us, role_sort_key(roles[i]))
     events = _connect_flows(_separate_lanes(events))
     metadata = {"base_time_ns": base_ns, "roles": {roles[i]: _role_info(role_traces[i]) for i in order}}
-    return write_trace({"traceEvents": events, "otherData": metadata}, out_path)
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}
 
 
 def cut(trace_path: str | Path, first_step: int, last_step: int, out_path: str | Path) -> Path:

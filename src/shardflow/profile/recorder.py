@@ -11,17 +11,10 @@ from typing import Any
 
 import numpy as np
 
+from shardflow.profile.spans import ARG_NAMES
+
 get_ident = threading.get_ident
 
-# What the two integer arguments of a span mean, by span name; other spans call them arg0 and arg1.
-ARG_NAMES: dict[str, tuple[str, str]] = {
-    "push": ("ps", "bytes"),
-    "pull_wait": ("ps", "bytes"),
-    "receive": ("worker", "bytes"),
-    "queue": ("worker", "bytes"),
-    "apply": ("worker", "bytes"),
-    "reply": ("worker", "bytes"),
-}
 SPAN, FLOW_START, FLOW_END = 0, 1, 2
 _THREAD_SHIFT, _KIND_SHIFT = 20, 40
 _ID_MASK = (1 << _THREAD_SHIFT) - 1

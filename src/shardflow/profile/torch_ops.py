@@ -11,6 +11,7 @@ import numpy as np
 import orjson
 
 from shardflow.profile.recorder import SpanRecorder
+from shardflow.profile.spans import STEP
 
 _GPU_CATEGORIES = {"kernel", "gpu_memcpy", "gpu_memset"}
 _LIBRARY_FRAMES = ("torch/", "<built-in", "site-packages/", "shardflow/profile/")
@@ -152,7 +153,7 @@ def _track(tracks: dict[int, int], recorder: SpanRecorder, os_tid: int, name: st
 
 
 def _step_spans(recorder: SpanRecorder) -> tuple[np.ndarray, np.ndarray]:
-    steps = [e for e in recorder.events(-(1 << 62), 1 << 62) if e["ph"] == "X" and e["name"] == "step"]
+    steps = [e for e in recorder.events(-(1 << 62), 1 << 62) if e["ph"] == "X" and e["name"] == STEP]
     return np.array([e["ts"] for e in steps], dtype=np.float64), np.array([e["args"]["step"] for e in steps])
 
 

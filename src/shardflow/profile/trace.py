@@ -23,11 +23,6 @@ def role_sort_key(role: str) -> tuple[int, str, int]:
     return _KIND_ORDER.get(kind, len(_KIND_ORDER)), kind, index
 
 
-def role_file_name(role: str) -> str:
-    """ "worker:0" -> "worker_0.trace.json.gz"."""
-    return role.replace(":", "_") + ".trace.json.gz"
-
-
 def write_trace(trace: dict[str, Any], path: str | Path) -> Path:
     """Writes otherData on the first line and each event on its own line; any JSON reader reads it whole."""
     path = Path(path)

@@ -15,6 +15,7 @@ import pyarrow.compute as pc
 from shardflow.profile.capture import capture_dir, finalize
 from shardflow.profile.events import load
 from shardflow.profile.memory import CPU_CORES
+from shardflow.profile.spans import APPLY, BACKWARD, FORWARD, PUSH, RECEIVE, REPLY, STEP
 
 _COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes"]
 
@@ -57,26 +58,26 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     for span in spans:
         if span["step"] is not None:
             by_name[span["name"]].append(span)
-    worker_steps = [s for s in by_name["step"] if s["role"].startswith("worker")]
-    applies = by_name["apply"]
-    if not worker_steps or not applies or not by_name["push"]:
+    worker_steps = [s for s in by_name[STEP] if s["role"].startswith("worker")]
+    applies = by_name[APPLY]
+    if not worker_steps or not applies or not by_name[PUSH]:
         raise ValueError(
             f"{directory} has no worker steps, pushes or PS applies; profile a few steady steps of a training run "
             "with Estimator(..., profile_steps=(a, b))"
         )
     num_steps = len(worker_steps)
-    pushes = by_name["push"]
+    pushes = by_name[PUSH]
     # Medians, not means: on a shared machine other programs preempt the roles now and then, and a preempted span
     # measures that wait, not the work.
     compute_us: dict[tuple[str, int], float] = defaultdict(float)
-    for span in by_name["forward"] + by_name["backward"]:
+    for span in by_name[FORWARD] + by_name[BACKWARD]:
         compute_us[(span["role"], span["step"])] += span["dur"]
-    for span in _nested(pushes, by_name["backward"]):
+    for span in _nested(pushes, by_name[BACKWARD]):
         compute_us[(span["role"], span["step"])] -= span["dur"]
     shard_bytes = {s["role"]: s["bytes"] or 0 for s in applies}
-    moved = sum(s["bytes"] or 0 for s in pushes + by_name["receive"])
-    moved += sum(shard_bytes.get(s["role"], 0) for s in by_name["reply"])
-    moving_us = sum(len(by_name[name]) * _median(by_name[name]) for name in ("push", "receive", "reply"))
+    moved = sum(s["bytes"] or 0 for s in pushes + by_name[RECEIVE])
+    moved += sum(shard_bytes.get(s["role"], 0) for s in by_name[REPLY])
+    moving_us = sum(len(by_name[name]) * _median(by_name[name]) for name in (PUSH, RECEIVE, REPLY))
     applies_by_ps: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in applies:
         applies_by_ps[span["role"]].append(span)

@@ -31,13 +31,6 @@ def table_rows(rows: Sequence[SizeRow], target: Target | None) -> list[list[str]
     return lines
 
 
-def format_table(lines: list[list[str]]) -> str:
-    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
-    text = ["  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in lines]
-    text.insert(1, "  ".join("-" * width for width in widths))
-    return "\n".join(text)
-
-
 def explain(rows: Sequence[SizeRow], target: Target | None, batch_size: int | None) -> list[str]:
     """Paragraphs: batch per worker and per global step, staleness, speed-up, target, and where the time went."""
     first = rows[0]

@@ -13,11 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardflow import env
+from shardflow.profile.capture import check_steps
 from shardflow.tools.target import Target, first_reached
-
-MODEL_DIR_ENV = "SHARDFLOW_MODEL_DIR"
-RESULT_ENV = "SHARDFLOW_RESULT_JSON"
-PROFILE_ENV = "SHARDFLOW_PROFILE_STEPS"
 
 
 class ScaleRunError(RuntimeError):
@@ -48,6 +46,8 @@ class ScaleConfig:
             raise ValueError(f"--ps must be at least 1, e.g. --ps 2; got {self.num_ps}")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout must be positive, e.g. --timeout 600; got {self.timeout_s}")
+        if self.profile_steps is not None:
+            check_steps(self.profile_steps, what="--profile-steps")
 
 
 @dataclass(frozen=True)
@@ -90,15 +90,17 @@ def run_size(config: ScaleConfig, num_workers: int, log: Callable[[str], None] =
     result_path.unlink(missing_ok=True)
     if model_dir.exists():
         raise ScaleRunError(f"{model_dir} exists from an earlier run; pass a new --out or delete it")
-    env = {**os.environ, MODEL_DIR_ENV: str(model_dir), RESULT_ENV: str(result_path)}
+    variables = {**os.environ, env.MODEL_DIR: str(model_dir), env.RESULT_JSON: str(result_path)}
     if config.profile_steps is not None:
-        env[PROFILE_ENV] = ",".join(map(str, config.profile_steps))
+        variables[env.PROFILE_STEPS] = ",".join(map(str, config.profile_steps))
     command = [sys.executable, "-m", "shardflow", "launch", "--workers", str(num_workers), "--ps", str(config.num_ps)]
     command += [str(config.script), *config.script_args]
     log(f"running {num_workers} worker{'s' if num_workers > 1 else ''}, {config.num_ps} PS ...")
     started = time.monotonic()
     with log_path.open("w") as output:
-        process = subprocess.Popen(command, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True)
+        process = subprocess.Popen(
+            command, env=variables, stdout=output, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = process.wait(timeout=config.timeout_s)
         except subprocess.TimeoutExpired:

@@ -14,6 +14,7 @@ import shardflow as sf
 with open(sys.argv[1]) as f:
     config = json.load(f)
 KIND = config["kind"]
+ROWS = 200_000
 
 
 class Lookup(torch.nn.Module):
@@ -21,7 +22,7 @@ class Lookup(torch.nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.table = torch.nn.Embedding(200_000, 16)
+        self.table = torch.nn.Embedding(ROWS, 16)
         self.out = torch.nn.Linear(16, 1)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,7 @@ def input_fn(ctx: sf.InputContext):
         if KIND == "input":
             time.sleep(0.02)  # a slow input pipeline
         if KIND == "ps":
-            yield torch.randint(0, 200_000, (batch,), generator=generator), torch.randn(batch, 1, generator=generator)
+            yield torch.randint(0, ROWS, (batch,), generator=generator), torch.randn(batch, 1, generator=generator)
         else:
             yield torch.randn(batch, 64, generator=generator), torch.randn(batch, 1, generator=generator)
 
@@ -52,7 +53,10 @@ def loss_fn(model, batch):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
-strategy = sf.ParameterServerStrategy(num_ps=1, num_workers=3 if KIND == "ps" else 1, mode="sync")
+# PS-bound: async, so the PS applies Adam to the whole table once per push, not once per three.
+strategy = sf.ParameterServerStrategy(
+    num_ps=1, num_workers=3 if KIND == "ps" else 1, mode="async" if KIND == "ps" else "sync"
+)
 optimizer = sf.optim.Adam(lr=1e-3) if KIND == "ps" else sf.optim.SGD(lr=1e-3)
 est = sf.Estimator(model_fn, loss_fn, optimizer, strategy, config["model_dir"], profile_steps=(10, 30))
 result = est.train(input_fn, epochs=1)

@@ -1,0 +1,46 @@
+"""The span and flow names the runtime records and the analyses read back: the profiler's one vocabulary.
+
+Worker spans, one set per local step, all carrying the global step the worker saw:
+
+- `INPUT_WAIT`: waiting for the next batch from the input pipeline.
+- `FORWARD`, `BACKWARD`: the model's forward pass and backward pass.
+- `PUSH`: sending one PS its gradients (args: ps, bytes); a flow of the same name starts inside it.
+- `PULL_WAIT`: waiting for one PS's reply with parameters or rows (args: ps, bytes).
+- `STEP`: the whole local step, input to the last reply it waits for.
+
+PS spans:
+
+- `RECEIVE`: taking a push's frames apart (args: worker, bytes).
+- `APPLY`: one update of the global step (args: worker, or -1 for an aggregated one; bytes); the push's flow
+  ends inside it.
+- `REPLY`: sending a worker the parameters after an update (args: worker).
+
+Chief spans: `CHECKPOINT` (writing one) and `EVAL` (one inline evaluation).
+"""
+
+from __future__ import annotations
+
+INPUT_WAIT = "input_wait"
+FORWARD = "forward"
+BACKWARD = "backward"
+PUSH = "push"
+PULL_WAIT = "pull_wait"
+STEP = "step"
+
+RECEIVE = "receive"
+APPLY = "apply"
+REPLY = "reply"
+
+CHECKPOINT = "checkpoint"
+EVAL = "eval"
+
+ALL = (INPUT_WAIT, FORWARD, BACKWARD, PUSH, PULL_WAIT, STEP, RECEIVE, APPLY, REPLY, CHECKPOINT, EVAL)
+
+ARG_NAMES: dict[str, tuple[str, str]] = {
+    PUSH: ("ps", "bytes"),
+    PULL_WAIT: ("ps", "bytes"),
+    RECEIVE: ("worker", "bytes"),
+    APPLY: ("worker", "bytes"),
+    REPLY: ("worker", "bytes"),
+}
+"""What the two integer arguments of a span mean, by span name; other spans call them arg0 and arg1."""
