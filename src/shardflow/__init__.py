@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shardflow._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from shardflow import optim
     from shardflow.ps.placement import Partitioner
-    from shardflow.train.estimator import Estimator, RoleFailedError, train_and_evaluate
+    from shardflow.train.estimator import Estimator, train_and_evaluate
     from shardflow.train.hooks import Hook, StepInfo
+    from shardflow.train.job import RoleFailedError
     from shardflow.train.specs import EarlyStopping, EvalSpec, InputContext, TrainResult, TrainSpec
     from shardflow.train.strategy import ParameterServerStrategy
 
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "optim": "shardflow.optim",
     "Estimator": "shardflow.train.estimator",
-    "RoleFailedError": "shardflow.train.estimator",
+    "RoleFailedError": "shardflow.train.job",
     "train_and_evaluate": "shardflow.train.estimator",
     "EarlyStopping": "shardflow.train.specs",
     "EvalSpec": "shardflow.train.specs",
@@ -48,10 +50,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        raise AttributeError(f"module 'shardflow' has no attribute {name!r}")
-    module = importlib.import_module(_LAZY[name])
-    value = module if name == "optim" else getattr(module, name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, submodules=("optim",))

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import shardflow as sf
+from shardflow.data.torch_edge import to_torch
 from shardflow.train import checkpoint
-from shardflow.train.batches import to_torch
 
 
 def test_train_spec_needs_a_length():

@@ -16,7 +16,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import IO, Any, TextIO
 
-from shardflow.cluster.spec import CLUSTER_ENV, ClusterSpec, TaskSpec
+from shardflow import env
+from shardflow.cluster.spec import ClusterSpec, TaskSpec
 
 _PR_SET_PDEATHSIG = 1
 
@@ -167,12 +168,12 @@ class LocalLauncher:
         self.stop()
 
     def _child_env(self, task: TaskSpec) -> dict[str, str]:
-        env = {**os.environ, **self._env}
+        child = {**os.environ, **self._env}
         # Without TF_CONFIG no reader of the environment can take it for this task's role.
-        env.pop("TF_CONFIG", None)
-        env[CLUSTER_ENV] = self._spec.to_json(task)
-        env["PYTHONUNBUFFERED"] = "1"
-        return env
+        child.pop("TF_CONFIG", None)
+        child[env.CLUSTER] = self._spec.to_json(task)
+        child["PYTHONUNBUFFERED"] = "1"
+        return child
 
     def _start_thread(self, target: Callable[..., None], *args: object) -> threading.Thread:
         thread = threading.Thread(target=target, args=args, daemon=True)
@@ -234,16 +235,13 @@ class LocalLauncher:
             raise RuntimeError("call LocalLauncher.start() first")
 
 
-THREADS_ENV = "SHARDFLOW_LOCAL_THREADS"
-
-
 def local_threads(spec: ClusterSpec) -> dict[str, str]:
     """The environment that shares this machine's cores among the roles: otherwise every worker starts one
     torch thread per core and they oversubscribe the machine many times over. A value the user set is kept."""
-    if THREADS_ENV in os.environ:
+    if env.get(env.LOCAL_THREADS) is not None:
         return {}
     roles = max(spec.num("worker") + spec.num("ps"), 1)
-    return {THREADS_ENV: str(max(1, (os.cpu_count() or 1) // roles))}
+    return {env.LOCAL_THREADS: str(max(1, (os.cpu_count() or 1) // roles))}
 
 
 def run_local(spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0) -> int:

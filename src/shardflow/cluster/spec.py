@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from shardflow import env
+
 ROLES = ("chief", "worker", "ps", "evaluator")
 DYNAMIC = "*"
-CLUSTER_ENV = "SHARDFLOW_CLUSTER"
-NUM_PS_ENV = "SHARDFLOW_NUM_PS"
 
 _TASK_ORDER = ("chief", "ps", "worker", "evaluator")
 _SINGLE_ROLES = ("chief", "evaluator")
@@ -167,17 +167,17 @@ def cluster_from_env(
     """This process's cluster and task from SHARDFLOW_CLUSTER, TF_CONFIG or torchrun; else None."""
     if environ is None:
         environ = os.environ
-    for name in (CLUSTER_ENV, "TF_CONFIG"):
+    for name in (env.CLUSTER, "TF_CONFIG"):
         if environ.get(name, "").strip():
             return ClusterSpec.from_tf_config(environ[name], source=name)
     if "RANK" in environ and "WORLD_SIZE" in environ:
         if num_ps is None:
-            if not environ.get(NUM_PS_ENV):
+            if not environ.get(env.NUM_PS):
                 raise ClusterSpecError(
                     "running under torchrun (RANK and WORLD_SIZE are set) but the number of PS "
-                    f"is unknown: pass num_ps or set {NUM_PS_ENV}"
+                    f"is unknown: pass num_ps or set {env.NUM_PS}"
                 )
-            num_ps = _env_int(environ, NUM_PS_ENV)
+            num_ps = _env_int(environ, env.NUM_PS)
         return ClusterSpec.from_torchrun(environ, num_ps)
     return None
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
-import os
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -13,10 +12,7 @@ import zmq
 import zmq.auth.thread
 from zmq.utils import z85
 
-SECRET_ENV = "SHARDFLOW_CLUSTER_SECRET"
-"""A secret shared by every process of a job: with it, a PS accepts only clients that hold it too."""
-ENCRYPT_ENV = "SHARDFLOW_ENCRYPT"
-""""always" encrypts loopback traffic too (a machine shared with untrusted users)."""
+from shardflow import env
 
 
 @dataclass(frozen=True)
@@ -43,7 +39,7 @@ def _derived(secret: str, purpose: str) -> CurveKeys:
 
 def _keys(purpose: str, secret: str | None) -> CurveKeys:
     """Derived from the cluster secret when there is one (so every holder can prove it), else fresh."""
-    secret = secret if secret is not None else os.environ.get(SECRET_ENV)
+    secret = secret if secret is not None else env.get(env.CLUSTER_SECRET)
     if secret:
         return _derived(secret, purpose)
     public, secret_key = zmq.curve_keypair()

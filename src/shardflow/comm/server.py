@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import time
 from collections.abc import Sequence
@@ -14,11 +13,10 @@ from typing import Any
 import torch
 import zmq
 
+from shardflow import env
 from shardflow.comm.errors import CommError, ProtocolError
 from shardflow.comm.framing import SNDMORE, Receiver, decode, encode, send_frames, timeout_ms
 from shardflow.comm.security import (
-    ENCRYPT_ENV,
-    SECRET_ENV,
     CurveKeys,
     client_keys,
     is_loopback,
@@ -205,9 +203,9 @@ class Server:
 def secure_server(bind: str) -> Server:
     """A Server that encrypts (CURVE) unless it binds to loopback; with SHARDFLOW_CLUSTER_SECRET set, it also
     accepts only clients that hold the secret."""
-    if is_loopback(bind) and os.environ.get(ENCRYPT_ENV) != "always":
+    if is_loopback(bind) and env.get(env.ENCRYPT) != "always":
         return Server(bind)
-    allowed = client_keys().public if os.environ.get(SECRET_ENV) else None
+    allowed = client_keys().public if env.get(env.CLUSTER_SECRET) else None
     return Server(bind, curve=server_keys(), allowed_client=allowed)
 
 

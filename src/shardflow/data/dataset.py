@@ -92,6 +92,7 @@ class Dataset(abc.ABC, Generic[T]):
 
     def options(self) -> Options:
         """The options of the whole pipeline up to here, later `with_options` calls winning."""
+        # Here, not at the top: options subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.options import Options
 
         merged = Options()
@@ -104,18 +105,21 @@ class Dataset(abc.ABC, Generic[T]):
     @staticmethod
     def range(*args: int) -> Dataset[Any]:
         """range(stop), range(start, stop) or range(start, stop, step) of int64 scalars."""
+        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import RangeDataset
 
         return RangeDataset(*args)
 
     @staticmethod
     def from_tensors(element: Any) -> Dataset[Any]:
+        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import TensorsDataset
 
         return TensorsDataset(element)
 
     @staticmethod
     def from_tensor_slices(element: Any) -> Dataset[Any]:
+        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import TensorSlicesDataset
 
         return TensorSlicesDataset(element)
@@ -124,12 +128,14 @@ class Dataset(abc.ABC, Generic[T]):
     def from_generator(
         generator: Callable[..., Any], output_signature: Any = None, args: tuple[Any, ...] | None = None
     ) -> Dataset[Any]:
+        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import GeneratorDataset
 
         return GeneratorDataset(generator, output_signature=output_signature, args=args)
 
     @staticmethod
     def list_files(file_pattern: str | list[str], shuffle: bool | None = None, seed: int | None = None) -> Dataset[Any]:
+        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import ListFilesDataset
 
         return ListFilesDataset(file_pattern, shuffle=shuffle, seed=seed)
@@ -137,6 +143,7 @@ class Dataset(abc.ABC, Generic[T]):
     @staticmethod
     def zip(*datasets: Any) -> Dataset[Any]:
         """zip(a, b) or zip((a, b)) or zip({"x": a, "y": b}): elements shaped like the argument."""
+        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import ZipDataset
 
         return ZipDataset(datasets[0] if len(datasets) == 1 else datasets)
@@ -152,11 +159,13 @@ class Dataset(abc.ABC, Generic[T]):
         use_processes: bool = False,
     ) -> Dataset[Any]:
         """`use_processes=True` runs a Python-heavy `map_func` in forked worker processes (see processes.py)."""
+        # Here, not at the top: mapping subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.mapping import MapDataset
 
         return MapDataset(self, map_func, num_parallel_calls, deterministic, use_processes=use_processes)
 
     def flat_map(self, map_func: Callable[..., Dataset[Any]]) -> Dataset[Any]:
+        # Here, not at the top: interleave subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.interleave import InterleaveDataset
 
         return InterleaveDataset(self, map_func, cycle_length=1, block_length=1)
@@ -169,16 +178,19 @@ class Dataset(abc.ABC, Generic[T]):
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
     ) -> Dataset[Any]:
+        # Here, not at the top: interleave subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.interleave import InterleaveDataset
 
         return InterleaveDataset(self, map_func, cycle_length, block_length, num_parallel_calls, deterministic)
 
     def filter(self, predicate: Callable[..., Any]) -> Dataset[T]:
+        # Here, not at the top: mapping subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.mapping import FilterDataset
 
         return FilterDataset(self, predicate)
 
     def shuffle(self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True) -> Dataset[T]:
+        # Here, not at the top: shuffle subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.shuffle import ShuffleDataset
 
         return ShuffleDataset(self, buffer_size, seed, reshuffle_each_iteration)
@@ -191,6 +203,7 @@ class Dataset(abc.ABC, Generic[T]):
         deterministic: bool | None = None,
     ) -> Dataset[Any]:
         """Stacks elements; `num_parallel_calls` and `deterministic` are accepted for tf.data compatibility."""
+        # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.batching import BatchDataset
 
         return BatchDataset(self, batch_size, drop_remainder)
@@ -198,16 +211,19 @@ class Dataset(abc.ABC, Generic[T]):
     def padded_batch(
         self, batch_size: int, padded_shapes: Any = None, padding_values: Any = None, drop_remainder: bool = False
     ) -> Dataset[Any]:
+        # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.batching import PaddedBatchDataset
 
         return PaddedBatchDataset(self, batch_size, padded_shapes, padding_values, drop_remainder)
 
     def unbatch(self) -> Dataset[Any]:
+        # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.batching import UnbatchDataset
 
         return UnbatchDataset(self)
 
     def rebatch(self, batch_size: int | list[int], drop_remainder: bool = False) -> Dataset[Any]:
+        # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.batching import RebatchDataset
 
         return RebatchDataset(self, batch_size, drop_remainder)
@@ -216,46 +232,55 @@ class Dataset(abc.ABC, Generic[T]):
         self, size: int, shift: int | None = None, stride: int = 1, drop_remainder: bool = False
     ) -> Dataset[Any]:
         """A dataset of windows; each window is the element structure with a Dataset at every leaf."""
+        # Here, not at the top: window subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.window import WindowDataset
 
         return WindowDataset(self, size, shift, stride, drop_remainder)
 
     def cache(self, filename: str = "") -> Dataset[T]:
+        # Here, not at the top: cache subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.cache import CacheDataset
 
         return CacheDataset(self, filename)
 
     def repeat(self, count: int | None = None) -> Dataset[T]:
+        # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import RepeatDataset
 
         return RepeatDataset(self, count)
 
     def take(self, count: int) -> Dataset[T]:
+        # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import TakeDataset
 
         return TakeDataset(self, count)
 
     def skip(self, count: int) -> Dataset[T]:
+        # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import SkipDataset
 
         return SkipDataset(self, count)
 
     def shard(self, num_shards: int, index: int) -> Dataset[T]:
+        # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import ShardDataset
 
         return ShardDataset(self, num_shards, index)
 
     def concatenate(self, dataset: Dataset[Any]) -> Dataset[Any]:
+        # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import ConcatenateDataset
 
         return ConcatenateDataset(self, dataset)
 
     def enumerate(self, start: int = 0) -> Dataset[Any]:
+        # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import EnumerateDataset
 
         return EnumerateDataset(self, start)
 
     def prefetch(self, buffer_size: int) -> Dataset[T]:
+        # Here, not at the top: prefetch subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.prefetch import PrefetchDataset
 
         return PrefetchDataset(self, buffer_size)
@@ -265,11 +290,13 @@ class Dataset(abc.ABC, Generic[T]):
 
     def ignore_errors(self, log_warning: bool = False) -> Dataset[T]:
         """Skips elements whose production raised; the iterator counts them in `num_skipped` and its state."""
+        # Here, not at the top: errors subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.errors import IgnoreErrorsDataset
 
         return IgnoreErrorsDataset(self, log_warning)
 
     def with_options(self, options: Options) -> Dataset[T]:
+        # Here, not at the top: options subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.options import OptionsDataset
 
         return OptionsDataset(self, options)
@@ -280,6 +307,7 @@ class Dataset(abc.ABC, Generic[T]):
 
     def as_torch(self, device: Any = None, pin_memory: bool = False) -> TorchDataset:
         """Elements with numeric arrays as torch tensors (bytes stay numpy), copied ahead to `device` if given."""
+        # Here, not at the top: torch_edge subclasses Dataset (a cycle) and keeps torch's import off this path.
         from shardflow.data.torch_edge import TorchDataset
 
         return TorchDataset(self, device, pin_memory)
@@ -340,6 +368,7 @@ def replay(iterator: DatasetIterator[Any], count: int) -> None:
 
 def active_options() -> Options:
     """The options of the pipeline whose iterator is being built (defaults outside an `iter()` call)."""
+    # Here, not at the top: options imports this module.
     from shardflow.data.options import Options
 
     return _ACTIVE_OPTIONS.get() or Options()

@@ -1,4 +1,5 @@
-"""as_torch(): numeric numpy leaves become torch tensors at the pipeline's edge, optionally copied to a device."""
+"""as_torch() and to_torch(): numeric numpy leaves become torch tensors at the pipeline's edge, optionally copied to
+a device."""
 
 from __future__ import annotations
 
@@ -34,6 +35,19 @@ class TorchDataset(UnaryDataset[Any]):
         return _DeviceIterator(PrefetchIterator(converter, _DEVICE_PREFETCH))
 
 
+def to_torch(element: Any) -> Any:
+    """`element` with its numeric numpy values as torch tensors (sharing memory unless read-only), inside dicts,
+    tuples and lists; strings, tensors and other values as they are. Where a training step meets its batch."""
+    if isinstance(element, dict):
+        return {key: to_torch(value) for key, value in element.items()}
+    if isinstance(element, tuple):
+        items = [to_torch(value) for value in element]
+        return type(element)(*items) if hasattr(element, "_fields") else tuple(items)
+    if isinstance(element, list):
+        return [to_torch(value) for value in element]
+    return _to_tensor(element)
+
+
 def _to_tensor(leaf: Any) -> Any:
     import torch
 
@@ -43,7 +57,7 @@ def _to_tensor(leaf: Any) -> Any:
         if not leaf.flags.writeable:
             # torch.from_numpy shares memory and would let torch write into a read-only buffer.
             leaf = leaf.copy()
-        return torch.from_numpy(leaf)
+        return torch.from_numpy(np.ascontiguousarray(leaf))
     if isinstance(leaf, np.generic) and not isinstance(leaf, np.bytes_ | np.str_ | np.void):
         return torch.from_numpy(np.asarray(leaf))
     return leaf

@@ -4,30 +4,27 @@ from __future__ import annotations
 
 import json
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from shardflow.cluster import control_keys
+from shardflow.cluster.launcher import RoleExit
 from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.profile import spans
 from shardflow.ps.checkpointing import ModelState, fetch_state
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.client import ParameterClient, StatusReply
 from shardflow.train import checkpoint
-from shardflow.train.profiling import REQUEST, ChiefProfiler
+from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
-from shardflow.train.specs import EvalSpec, TrainSpec
+from shardflow.train.roles import RoleContext
 from shardflow.train.summaries import Summaries
-
-if TYPE_CHECKING:
-    from shardflow.train.estimator import Estimator
-    from shardflow.train.roles import RoleContext
 
 _POLL_S = 0.05
 _PS_POLL_S = 0.25
 _SLOW_POLL_S = 1.0
-
-
-class WorkerFailedError(RuntimeError):
-    """A worker reported a failure, or stopped reporting, while the job ran."""
 
 
 class ChiefLoop:
@@ -35,24 +32,24 @@ class ChiefLoop:
 
     def __init__(
         self,
-        est: Estimator,
-        spec: TrainSpec,
-        eval_spec: EvalSpec | None,
+        job: JobConfig,
         role: RoleContext,
         client: ParameterClient,
         model: torch.nn.Module,
         profiler: ChiefProfiler,
         manifest: dict[str, Any],
         start_step: int,
+        failures: Sequence[RoleExit] = (),
     ) -> None:
-        self.est, self.spec, self.role, self.client, self.model = est, spec, role, client, model
+        self.job, self.role, self.client, self.model = job, role, client, model
+        self.failures = failures
         self.profiler = profiler
         self.manifest = manifest
         self.control: ControlPlane = role.control
         self.workers = [f"worker:{i}" for i in range(role.num_workers)]
         self.capture_roles = [t.name for t in role.spec.tasks() if t.type in ("chief", "ps", "worker")]
         # A side-car evaluator follows checkpoints; otherwise the chief evaluates inline.
-        self.eval_spec = None if role.spec.num("evaluator") else eval_spec
+        self.eval_spec = None if role.spec.num("evaluator") else job.eval_spec
         self.started = time.monotonic()
         self.global_step = start_step
         self.progress: dict[str, dict[str, Any]] = {}
@@ -62,8 +59,8 @@ class ChiefLoop:
         self.requested_snapshot: int | None = None
         self.last_checkpoint_time = time.monotonic()
         self.last_eval_time = time.monotonic()
-        self.summaries = Summaries(est.model_dir)
-        self.display = ProgressDisplay(spec.max_steps, spec.epochs, start_step)
+        self.summaries = Summaries(job.model_dir)
+        self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
 
     def run(self) -> None:
@@ -76,7 +73,7 @@ class ChiefLoop:
                 now = time.monotonic()
                 if done:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
-                    self._save_snapshots(self.client.broadcast({"op": "step"}))
+                    self._save_snapshots(self.client.status())
                     return
                 if now >= next_ps_poll:
                     next_ps_poll = now + _PS_POLL_S
@@ -98,67 +95,70 @@ class ChiefLoop:
 
     def _watch_workers(self, last_seen: dict[str, float]) -> bool:
         """Read progress reports; fail on a reported failure or a silent worker; True once all are done."""
-        timeout_s = self.est.strategy.heartbeat_timeout_s
-        if self.est._role_failures:
-            raise WorkerFailedError(f"{self.est._role_failures[0].describe()}; the job was stopped")
+        timeout_s = self.job.strategy.heartbeat_timeout_s
+        if self.failures:
+            raise RoleFailedError(f"{self.failures[0].describe()}; the job was stopped")
         # Read the count before the reports: a worker sets its final report before it counts itself done, so once
         # all are counted, the reports read below are the final ones.
-        all_done = self.control.add("workers_done", 0) >= len(self.workers)
+        all_done = self.control.add(control_keys.WORKERS_DONE, 0) >= len(self.workers)
         for name in self.workers:
-            if self.control.is_set(f"failed/{name}"):
-                raise WorkerFailedError(f"{name} failed: {self.control.get(f'failed/{name}', waiting_for=name)}")
-            if self.control.is_set(f"progress/{name}"):
-                report = json.loads(self.control.get(f"progress/{name}", waiting_for=name))
+            failed = control_keys.failed(name)
+            if self.control.is_set(failed):
+                raise RoleFailedError(f"{name} failed: {self.control.get(failed, waiting_for=name)}")
+            progress = control_keys.progress(name)
+            if self.control.is_set(progress):
+                report = json.loads(self.control.get(progress, waiting_for=name))
                 if report != self.progress.get(name):
                     last_seen[name] = time.monotonic()
                 self.progress[name] = report
             if self.progress.get(name, {}).get("done"):
                 continue
             if time.monotonic() - last_seen[name] > timeout_s:
-                raise WorkerFailedError(f"{name} has not reported for {timeout_s:.0f}s")
+                raise RoleFailedError(f"{name} has not reported for {timeout_s:.0f}s")
         return all_done
 
     # -- checkpoints and evaluation ---------------------------------------------------------------
 
     def _poll_servers(self) -> None:
-        replies = self.client.broadcast({"op": "step"})
-        self.global_step = int(replies[0]["step"])
-        self._ps_stats = [r["stats"] for r in replies]
-        by_time = self.est.save_checkpoints_secs is not None and not self.est.save_checkpoints_steps
+        replies = self.client.status()
+        self.global_step = replies[0].step
+        self._ps_stats = [r.stats for r in replies]
+        by_time = self.job.save_checkpoints_secs is not None and not self.job.save_checkpoints_steps
         if self._save_snapshots(replies):
             pass
-        elif by_time and time.monotonic() - self.last_checkpoint_time >= (self.est.save_checkpoints_secs or 0):
-            self._request_snapshot(max(int(r["step"]) for r in replies))
+        elif by_time and time.monotonic() - self.last_checkpoint_time >= (self.job.save_checkpoints_secs or 0):
+            self._request_snapshot(max(r.step for r in replies))
         self._evaluate_if_due()
 
-    def _save_snapshots(self, replies: list[dict[str, Any]]) -> bool:
+    def _save_snapshots(self, replies: list[StatusReply]) -> bool:
         """Checkpoint and evaluate, oldest first, every snapshot all PS hold that is not handled yet: so both
         happen at exact multiples of their step counts, however late the chief looks."""
-        common = set.intersection(*(set(r["snapshots"]) for r in replies))
+        common = set.intersection(*(set(r.snapshots) for r in replies))
         ready = sorted(s for s in common if s > self.last_snapshot_step)
-        every_checkpoint = self.est.save_checkpoints_steps
+        every_checkpoint = self.job.save_checkpoints_steps
         every_eval = self.eval_spec.every_n_steps if self.eval_spec is not None else None
         for step in ready:
             state = fetch_state(self.client, step)
             if (every_checkpoint and step % every_checkpoint == 0) or step == self.requested_snapshot:
                 self._save(state)
             if every_eval is not None and step % every_eval == 0 and not self.stopped_early:
+                self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
                 self._evaluate_and_maybe_stop(step)
             self.last_snapshot_step = step
         if ready:
-            self.client.broadcast({"op": "release_snapshots", "step": ready[-1]})
+            self.client.release_snapshots(ready[-1])
         return bool(ready)
 
     def _request_snapshot(self, highest_step: int) -> None:
         # Ahead of every PS, so each snapshots exactly this step (async PS may be a few updates apart).
-        target = highest_step + (1 if self.est.strategy.mode == "sync" else len(self.workers) + 1)
-        self.client.broadcast({"op": "snapshot_at", "step": target})
+        target = highest_step + (1 if self.job.strategy.mode == "sync" else len(self.workers) + 1)
+        self.client.snapshot_at(target)
         self.requested_snapshot = target
         self.last_checkpoint_time = time.monotonic()
 
     def _save(self, state: ModelState) -> str:
-        with self.profiler.recorder.span("checkpoint", state.step):
-            path = checkpoint.save_state(self.est.model_dir, state, self.manifest, keep=self.est.keep_checkpoint_max)
+        with self.profiler.recorder.span(spans.CHECKPOINT, state.step):
+            path = checkpoint.save_state(self.job.model_dir, state, self.manifest, keep=self.job.keep_checkpoint_max)
         self.last_checkpoint_time = time.monotonic()
         return str(path)
 
@@ -168,7 +168,9 @@ class ChiefLoop:
         if spec is None or spec.every_n_secs is None or self.stopped_early:
             return
         if time.monotonic() - self.last_eval_time >= spec.every_n_secs:
-            self._evaluate_and_maybe_stop(fetch_state(self.client).step)
+            state = fetch_state(self.client)
+            self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
+            self._evaluate_and_maybe_stop(state.step)
 
     def _evaluate_and_maybe_stop(self, step: int) -> None:
         assert self.eval_spec is not None
@@ -178,14 +180,14 @@ class ChiefLoop:
             values = [e["metrics"][stopping.metric] for e in self.eval_history]
             if stopping.should_stop(values):
                 self.stopped_early = True
-                self.client.broadcast({"op": "stop"})
+                self.client.stop()
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the parameters now loaded in the chief's model, and record the result."""
         assert self.eval_spec is not None
         self.last_eval_time = time.monotonic()
-        with self.profiler.recorder.span("eval", step):
-            metrics = self.est.evaluate_model(self.model, self.eval_spec)
+        with self.profiler.recorder.span(spans.EVAL, step):
+            metrics = self.job.evaluate(self.model, self.eval_spec)
         self.eval_history.append(
             {"global_step": step, "elapsed_s": time.monotonic() - self.started, "metrics": metrics}
         )
@@ -196,11 +198,11 @@ class ChiefLoop:
 
     def _pick_up_capture(self) -> None:
         """A tool asked for a capture of the running job through the control plane."""
-        if not self.control.is_set(REQUEST):
+        if not self.control.is_set(control_keys.CAPTURE_REQUEST):
             return
-        request = json.loads(self.control.get(REQUEST, waiting_for="the capture request"))
+        request = json.loads(self.control.get(control_keys.CAPTURE_REQUEST, waiting_for="the capture request"))
         known = any(p["name"] == request["name"] for p in self.profiler.pending)
-        if not known and not self.control.is_set(f"capture/{request['name']}/done"):
+        if not known and not self.control.is_set(control_keys.capture_done(request["name"])):
             self.profiler.request(
                 request["first"], request["last"], ops=request.get("ops", False), name=request["name"]
             )

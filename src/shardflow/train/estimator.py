@@ -8,32 +8,31 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
 
-from shardflow.cluster.launcher import THREADS_ENV, LocalLauncher, RoleExit, local_threads
+from shardflow import env
+from shardflow.cluster import control_keys
+from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
 from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
+from shardflow.profile.capture import check_steps
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.optimizers import SGD, OptimizerSpec
 from shardflow.train import checkpoint
-from shardflow.train.batches import to_torch
 from shardflow.train.chief import run_chief
+from shardflow.train.job import JobConfig, LossFn, RoleFailedError, build_model, evaluate_model
 from shardflow.train.roles import RoleContext, run_evaluator, run_ps
-from shardflow.train.specs import EvalSpec, InputContext, TrainResult, TrainSpec
+from shardflow.train.specs import EvalSpec, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
 from shardflow.train.worker import run_worker
 
 log = logging.getLogger(__name__)
 
-LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
-
-
-class RoleFailedError(RuntimeError):
-    """A process of the local cluster exited with an error; the message names its role and exit code."""
+__all__ = ["Estimator", "RoleFailedError", "train_and_evaluate"]
 
 
 class Estimator:
@@ -68,15 +67,11 @@ class Estimator:
         self.optimizer = optimizer or SGD(lr=0.01)
         self.strategy = strategy or ParameterServerStrategy()
         # Tools (shardflow scale) point each run at its own directory and capture window.
-        self.model_dir = Path(os.environ.get("SHARDFLOW_MODEL_DIR") or model_dir)
+        self.model_dir = Path(env.get(env.MODEL_DIR) or model_dir)
         self.seed = seed
-        if os.environ.get("SHARDFLOW_PROFILE_STEPS"):
-            first, _, last = os.environ["SHARDFLOW_PROFILE_STEPS"].partition(",")
-            profile_steps = (int(first), int(last))
-        if profile_steps is not None and not (len(profile_steps) == 2 and 0 <= profile_steps[0] < profile_steps[1]):
-            raise ValueError(
-                f"Estimator.profile_steps must be (first, last) with 0 <= first < last, got {profile_steps}"
-            )
+        profile_steps = env.profile_steps() or profile_steps
+        if profile_steps is not None:
+            profile_steps = check_steps(profile_steps, what="Estimator.profile_steps")
         self.profile_steps = profile_steps
         """Global steps [first, last) captured on every role into model_dir/profile/."""
         self.profile_ops = profile_ops
@@ -95,17 +90,33 @@ class Estimator:
         """Checkpoint at most this often; a final checkpoint is always written."""
         self.keep_checkpoint_max = keep_checkpoint_max
         """Keep only the newest checkpoints; None keeps all."""
+        # The client of this process's role while it trains, so that global_step reads the live value.
         self._live_parameters: ParameterClient | None = None
-        # The embedded cluster's launcher appends roles that exited with an error; the chief's loop checks it.
-        self._role_failures: list[RoleExit] = []
 
     def build_model(self) -> torch.nn.Module:
         """The model as model_fn builds it, with the same initial values in every process."""
-        torch.manual_seed(self.seed)
-        model = self.model_fn()
-        if not isinstance(model, torch.nn.Module):
-            raise ValueError(f"Estimator.model_fn must return a torch.nn.Module, got {type(model).__name__}")
-        return model
+        return build_model(self.model_fn, self.seed)
+
+    def job(self, train_spec: TrainSpec, eval_spec: EvalSpec | None = None) -> JobConfig:
+        """The job every role of a run receives."""
+        return JobConfig(
+            model_fn=self.model_fn,
+            loss_fn=self.loss_fn,
+            optimizer=self.optimizer,
+            strategy=self.strategy,
+            model_dir=self.model_dir,
+            seed=self.seed,
+            train_spec=train_spec,
+            eval_spec=eval_spec,
+            profile_steps=self.profile_steps,
+            profile_ops=self.profile_ops,
+            save_checkpoints_steps=self.save_checkpoints_steps,
+            save_checkpoints_secs=self.save_checkpoints_secs,
+            keep_checkpoint_max=self.keep_checkpoint_max,
+        )
+
+    def _set_live(self, client: ParameterClient | None) -> None:
+        self._live_parameters = client
 
     def train(self, input_fn: Any, max_steps: int | None = None, epochs: int | None = None) -> TrainResult:
         """Train without evaluation; returns in the chief, exits the process in every other role."""
@@ -136,91 +147,74 @@ class Estimator:
         return self.evaluate_model(model, eval_spec)
 
     def evaluate_model(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:
-        totals: dict[str, float] = {"loss": 0.0, **dict.fromkeys(eval_spec.metrics, 0.0)}
-        num_batches = 0
-        model.eval()
-        with torch.no_grad():
-            for batch in eval_spec.input_fn(InputContext(1, 0)):
-                if eval_spec.steps is not None and num_batches >= eval_spec.steps:
-                    break
-                batch = to_torch(batch)
-                totals["loss"] += float(self.loss_fn(model, batch))
-                for name, fn in eval_spec.metrics.items():
-                    totals[name] += float(fn(model, batch))
-                num_batches += 1
-        model.train()
-        return {k: v / max(num_batches, 1) for k, v in totals.items()}
+        """The mean loss and metrics of `model` over the evaluation input, in this process."""
+        return evaluate_model(model, self.loss_fn, eval_spec)
 
 
 def train_and_evaluate(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | None = None) -> TrainResult:
     """Run this process's role. Returns the result in the chief; other roles exit the process when the job is done."""
-    found = cluster_from_env(num_ps=est.strategy.num_ps)
+    job = est.job(train_spec, eval_spec)
+    found = cluster_from_env(num_ps=job.strategy.num_ps)
     if found is None:
-        return _run_embedded(est, train_spec, eval_spec)
+        return _run_embedded(est, job)
     spec, task = found
     if task.type == "chief":
-        return _run_chief(est, train_spec, eval_spec, spec, task)
-    _run_other_role(est, train_spec, eval_spec, spec, task)
+        return _run_chief(est, job, spec, task)
+    _run_other_role(est, job, spec, task)
 
 
-def _connect(est: Estimator, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
+def _connect(job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
     if spec.num("ps") < 1:
         raise ValueError("the cluster has no 'ps' tasks; parameter-server training needs at least one")
     if spec.num("worker") < 1:
         raise ValueError("the cluster has no 'worker' tasks; training needs at least one")
     chief = spec.address(TaskSpec("chief", 0))
-    control = ControlPlane(chief, is_chief=task.type == "chief", timeout_s=est.strategy.startup_timeout_s)
+    control = ControlPlane(chief, is_chief=task.type == "chief", timeout_s=job.strategy.startup_timeout_s)
     return RoleContext(spec, task, control)
 
 
 def _run_chief(
     est: Estimator,
-    train_spec: TrainSpec,
-    eval_spec: EvalSpec | None,
+    job: JobConfig,
     spec: ClusterSpec,
     task: TaskSpec,
-    failures: list[RoleExit] | None = None,
+    failures: Sequence[RoleExit] = (),
 ) -> TrainResult:
-    role = _connect(est, spec, task)
-    log_handler = _log_to(est.model_dir / "logs" / "chief.log")
+    role = _connect(job, spec, task)
+    log_handler = _log_to(job.model_dir / "logs" / "chief.log")
     try:
-        result = run_chief(est, train_spec, eval_spec, role)
-        _write_result(est, role, result)
+        result = run_chief(job, role, failures=failures, on_connect=est._set_live)
+        _write_result(job, role, result)
         return result
     except KeyboardInterrupt:
         if not failures:
             raise
         failed = failures[0]
-        key = f"failed/{failed.task.name}"
+        key = control_keys.failed(failed.task.name)
         reason = role.control.get(key, waiting_for=failed.task.name) if role.control.is_set(key) else ""
         raise RoleFailedError(f"{failed.describe()}{': ' + reason if reason else ''}; the job was stopped") from None
     finally:
         # Tell every role the job is over so none waits for a chief that is gone.
-        role.control.set("shutdown", "1")
+        role.control.set(control_keys.SHUTDOWN, "1")
         logging.getLogger("shardflow").removeHandler(log_handler)
         log_handler.close()
 
 
-def _run_other_role(
-    est: Estimator,
-    train_spec: TrainSpec,
-    eval_spec: EvalSpec | None,
-    spec: ClusterSpec,
-    task: TaskSpec,
-) -> NoReturn:
-    if os.environ.get(THREADS_ENV):
-        torch.set_num_threads(int(os.environ[THREADS_ENV]))
-    role = _connect(est, spec, task)
+def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> NoReturn:
+    threads = env.get_int(env.LOCAL_THREADS)
+    if threads:
+        torch.set_num_threads(threads)
+    role = _connect(job, spec, task)
     try:
         if task.type == "ps":
             run_ps(role)
         elif task.type == "worker":
-            run_worker(est, train_spec, role)
+            run_worker(job, role, on_connect=est._set_live)
         elif task.type == "evaluator":
-            run_evaluator(est, eval_spec, role)
+            run_evaluator(job, role)
     except Exception as error:
         if task.type == "worker":
-            role.control.set(f"failed/{task.name}", f"{type(error).__name__}: {error}")
+            role.control.set(control_keys.failed(task.name), f"{type(error).__name__}: {error}")
         raise
     sys.stdout.flush()
     raise SystemExit(0)
@@ -238,14 +232,14 @@ def _log_to(path: Path) -> logging.Handler:
     return handler
 
 
-def _write_result(est: Estimator, role: RoleContext, result: TrainResult) -> None:
+def _write_result(job: JobConfig, role: RoleContext, result: TrainResult) -> None:
     """SHARDFLOW_RESULT_JSON: where tools such as `shardflow scale` read what the run did."""
-    path = os.environ.get("SHARDFLOW_RESULT_JSON")
+    path = env.get(env.RESULT_JSON)
     if not path:
         return
     fields = ("global_step", "training_s", "elapsed_s", "worker_steps", "metrics", "eval_history", "profile_dir")
     payload = {name: getattr(result, name) for name in fields}
-    payload.update(num_workers=role.num_workers, num_ps=role.num_ps, mode=est.strategy.mode)
+    payload.update(num_workers=role.num_workers, num_ps=role.num_ps, mode=job.strategy.mode)
     payload.update(first_loss=result.first_loss, final_loss=result.final_loss, checkpoint=result.checkpoint)
     Path(path).write_text(json.dumps(payload, indent=1))
 
@@ -260,9 +254,9 @@ def _embedded_command() -> list[str]:
     return [sys.executable, *argv]
 
 
-def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | None) -> TrainResult:
+def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
     """No cluster in the environment: this process becomes the chief and starts the other roles itself."""
-    strategy = est.strategy
+    strategy = job.strategy
     spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps, evaluator=strategy.evaluator)
     chief = TaskSpec("chief", 0)
     launcher = LocalLauncher(
@@ -270,10 +264,10 @@ def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | N
         _embedded_command(),
         skip=[chief],
         env=local_threads(spec),
-        log_dir=est.model_dir / "logs",
+        log_dir=job.model_dir / "logs",
     )
+    # The launcher appends roles that exit with an error; the chief's loop reads it on every poll.
     failures: list[RoleExit] = []
-    est._role_failures = failures
     main_thread = threading.main_thread().ident
 
     def on_failure(exit_: RoleExit) -> None:
@@ -286,7 +280,7 @@ def _run_embedded(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | N
     with launcher:
         launcher.start()
         launcher.watch(on_failure)
-        result = _run_chief(est, train_spec, eval_spec, spec, chief, failures)
+        result = _run_chief(est, job, spec, chief, failures)
         leftover = launcher.wait(timeout_s=strategy.request_timeout_s)
         if leftover is not None:
             raise RoleFailedError(f"{leftover.describe()} after training finished")

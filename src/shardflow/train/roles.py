@@ -7,22 +7,19 @@ import logging
 import socket
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from shardflow.cluster import control_keys
 from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
 from shardflow.comm.security import is_loopback
 from shardflow.comm.server import secure_server
 from shardflow.ps.server import ParameterServer
 from shardflow.train import checkpoint
+from shardflow.train.job import JobConfig
 from shardflow.train.profiling import RoleProfiler
-from shardflow.train.specs import EvalSpec
 from shardflow.train.summaries import Summaries
-
-if TYPE_CHECKING:
-    from shardflow.train.estimator import Estimator
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +64,7 @@ def run_ps(role: RoleContext) -> None:
     server = secure_server(_bind_address(role.spec.address(role.task), chief))
     try:
         address = _connect_address(server.address)
-        role.control.publish_endpoint(f"ps/{role.task.index}", address, server.public_key)
+        role.control.publish_endpoint(control_keys.ps_endpoint(role.task.index), address, server.public_key)
         encryption = "CURVE-encrypted" if server.public_key is not None else "plaintext on loopback"
         print(f"{role.task.name} serving at {address} ({encryption})", flush=True)
         ps = ParameterServer(server, role.task.index)
@@ -80,7 +77,7 @@ def run_ps(role: RoleContext) -> None:
 
         def job_over() -> bool:
             try:
-                return role.control.is_set("shutdown")
+                return role.control.is_set(control_keys.SHUTDOWN)
             except RuntimeError as error:
                 raise ControlPlaneError(
                     f"{role.task.name} lost the chief's control plane at {role.control.address}: {error}"
@@ -93,30 +90,33 @@ def run_ps(role: RoleContext) -> None:
         server.close()
 
 
-def run_evaluator(est: Estimator, eval_spec: EvalSpec | None, role: RoleContext) -> None:
+def run_evaluator(job: JobConfig, role: RoleContext) -> None:
     """The side-car evaluator: evaluate each new checkpoint as the chief writes it, until the job ends."""
+    eval_spec = job.eval_spec
     evaluated: str | None = None
     summaries = None
-    history = est.model_dir / "eval" / "history.jsonl"
+    history = job.model_dir / "eval" / "history.jsonl"
     while True:
-        over = role.control.is_set("shutdown")
-        path = checkpoint.latest(est.model_dir)
+        over = role.control.is_set(control_keys.SHUTDOWN)
+        path = checkpoint.latest(job.model_dir)
         if eval_spec is not None and path is not None and path.name != evaluated:
             evaluated = path.name
             step = int(json.loads((path / "manifest.json").read_text())["global_step"])
-            metrics = est.evaluate(eval_spec, path)
+            model = job.build_model()
+            model.load_state_dict(checkpoint.load_state(path)[0].params)
+            metrics = job.evaluate(model, eval_spec)
             history.parent.mkdir(parents=True, exist_ok=True)
             with open(history, "a") as f:
                 f.write(json.dumps({"global_step": step, "checkpoint": path.name, "metrics": metrics}) + "\n")
             if summaries is None:
-                summaries = Summaries(est.model_dir)
+                summaries = Summaries(job.model_dir)
             summaries.evaluation(step, metrics)
             log.info("evaluator: %s at global step %d: %s", path.name, step, metrics)
             continue
         if over:
             # The chief writes its final checkpoint before it says the job is over, so this one is the last.
             final = {"metrics": {}} if evaluated is None else {"checkpoint": evaluated, "metrics": metrics}
-            role.control.set("eval/final", json.dumps(final))
+            role.control.set(control_keys.EVAL_FINAL, json.dumps(final))
             break
         time.sleep(0.5)
     if summaries is not None:

@@ -5,34 +5,37 @@ from __future__ import annotations
 import json
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
+from shardflow.cluster import control_keys
 from shardflow.comm.client import Client
+from shardflow.data.torch_edge import to_torch
+from shardflow.profile import spans
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import Placement
-from shardflow.train.batches import to_torch
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
+from shardflow.train.job import JobConfig
 from shardflow.train.profiling import RoleProfiler
-from shardflow.train.specs import InputContext, TrainSpec
-
-if TYPE_CHECKING:
-    from shardflow.train.estimator import Estimator
-    from shardflow.train.roles import RoleContext
+from shardflow.train.roles import RoleContext
+from shardflow.train.specs import InputContext
 
 _REPORT_EVERY_S = 1.0
 
 
-def connect_parameters(est: Estimator, role: RoleContext, model: torch.nn.Module) -> ParameterClient:
+def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module) -> ParameterClient:
     """Find the PS through the control plane and build a client that moves this model's variables."""
     control = role.control
-    strategy = est.strategy
+    strategy = job.strategy
     placement = Placement.from_json(
-        json.loads(control.get("placement", waiting_for="the chief to place the variables"))
+        json.loads(control.get(control_keys.PLACEMENT, waiting_for="the chief to place the variables"))
     )
-    addresses = [control.endpoint(f"ps/{k}", waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)]
+    addresses = [
+        control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)
+    ]
     return ParameterClient(
         Client(role.task.name),
         addresses,
@@ -45,24 +48,29 @@ def connect_parameters(est: Estimator, role: RoleContext, model: torch.nn.Module
 
 def _restored_position(role: RoleContext) -> dict[str, Any] | None:
     """This worker's input position from the checkpoint the chief restored, if any."""
-    if not role.control.is_set("restore/iterators"):
+    if not role.control.is_set(control_keys.RESTORE_ITERATORS):
         return None
-    positions = json.loads(role.control.get("restore/iterators", waiting_for="the restored input positions"))
+    positions = json.loads(role.control.get(control_keys.RESTORE_ITERATORS, waiting_for="the restored input positions"))
     position: dict[str, Any] | None = positions.get(role.task.name)
     return position
 
 
-def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
+def run_worker(
+    job: JobConfig, role: RoleContext, on_connect: Callable[[ParameterClient | None], None] = lambda _: None
+) -> None:
+    """Train on this worker's shard until the PS say stop or the input ends; `on_connect` is told the client to
+    the PS while it exists (Estimator.global_step reads it)."""
     control = role.control
+    spec = job.train_spec
     profiler = RoleProfiler(role.task.name, control)
     recorder = profiler.recorder
-    control.get("ready", waiting_for="the chief to initialise the parameter servers")
-    model = est.build_model()
-    params = connect_parameters(est, role, model)
-    est._live_parameters = params
-    mode = est.strategy.mode
+    control.get(control_keys.READY, waiting_for="the chief to initialise the parameter servers")
+    model = job.build_model()
+    params = connect_parameters(job, role, model)
+    on_connect(params)
+    mode = job.strategy.mode
     # Async only: push step t, then compute step t+1 while the PS applies it (the result is one step staler).
-    depth = 1 if mode == "async" and est.strategy.overlap else 0
+    depth = 1 if mode == "async" and job.strategy.overlap else 0
     position = InputPosition(spec, InputContext(role.num_workers, role.task.index), _restored_position(role))
     profiler.check_requests()
     hooks = StepHooks(spec.hooks, role.task.name, role.task.index)
@@ -75,26 +83,26 @@ def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
         while not stop:
             step_started = time.perf_counter_ns()
             batch = position.next()
-            recorder.end("input_wait", step, step_started)
+            recorder.end(spans.INPUT_WAIT, step, step_started)
             report.input_wait_ns += time.perf_counter_ns() - step_started
             if batch is None:
                 break
             batch = to_torch(batch)
             model.zero_grad(set_to_none=True)
             params.input_state = position.get_state()
-            params.begin_push({"base_step": step}, step)
+            params.begin_push(step)
             t = time.perf_counter_ns()
-            loss = est.loss_fn(model, batch)
-            recorder.end("forward", step, t)
+            loss = job.loss_fn(model, batch)
+            recorder.end(spans.FORWARD, step, t)
             t = time.perf_counter_ns()
             loss.backward()
-            recorder.end("backward", step, t)
+            recorder.end(spans.BACKWARD, step, t)
             in_flight.append(params.end_push())
             recorded_step = step
             while len(in_flight) > depth:
                 reply = params.wait_push(in_flight.popleft())
                 step, stop = reply.step, stop or reply.stop
-            recorder.end("step", recorded_step, step_started)
+            recorder.end(spans.STEP, recorded_step, step_started)
             report.step(float(loss.detach()), position.epoch)
             stop = hooks.after_step(report.local_step, step, report.last_loss) or stop
             profiler.at_step(step)
@@ -106,10 +114,11 @@ def run_worker(est: Estimator, spec: TrainSpec, role: RoleContext) -> None:
         params.done()
     finally:
         params.close()
+        on_connect(None)
         profiler.finish()
     hooks.end(report.local_step, step)
     report.send(done=True)
-    control.add("workers_done", 1)
+    control.add(control_keys.WORKERS_DONE, 1)
 
 
 class Report:
@@ -147,4 +156,4 @@ class Report:
             "time": time.time(),
             "done": done,
         }
-        self.role.control.set(f"progress/{self.role.task.name}", json.dumps(progress))
+        self.role.control.set(control_keys.progress(self.role.task.name), json.dumps(progress))

@@ -1,0 +1,72 @@
+"""The control-plane protocol: every key and counter the roles of one job share through the chief's control
+plane, who writes it, who reads it and what it means. No key is spelled anywhere else.
+
+Values are UTF-8 text (JSON where structured) unless a key says bytes. Each entry reads
+`key`: writer -> readers. Meaning.
+
+Start-up, in order:
+
+- `ps/<k>/address`, `ps/<k>/curve`: ps:k -> chief, workers, `shardflow profile capture`. Where ps:k serves, and
+  its CURVE public key (bytes) when it encrypts.
+- `restore/iterators`: chief, when it restored a checkpoint -> workers. JSON: each worker's input position.
+- `placement`: chief -> workers. JSON: which PS holds which piece of which variable.
+- `ready`: chief -> workers. The PS are initialised; workers may pull.
+
+While training:
+
+- `progress/<role>`: each worker, about once a second -> chief. JSON progress report; also its heartbeat.
+- `failed/<role>`: a worker that raised -> chief. The error, as `Type: message`.
+- `workers_done` (a counter): each worker, once, after its final report -> chief. Workers that finished.
+- `chief/clock/address`, `chief/clock/curve`: chief -> every role handing over a capture. The clock service.
+- `capture/current`: chief -> every role. JSON: the capture being recorded (name, first, last, ops).
+- `capture/request`: `shardflow profile capture` -> chief. JSON: a capture asked for from outside the job.
+- `capture/<name>/part/<role>`: each role but the chief -> chief. Its gzipped trace of the capture (bytes).
+- `capture/<name>/done`: chief -> `shardflow profile capture`. The merged capture's directory.
+
+The end:
+
+- `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
+- `eval/final`: evaluator -> chief. JSON: the side-car evaluator's last checkpoint and metrics.
+"""
+
+from __future__ import annotations
+
+READY = "ready"
+PLACEMENT = "placement"
+RESTORE_ITERATORS = "restore/iterators"
+WORKERS_DONE = "workers_done"
+SHUTDOWN = "shutdown"
+EVAL_FINAL = "eval/final"
+CAPTURE_CURRENT = "capture/current"
+CAPTURE_REQUEST = "capture/request"
+CHIEF_CLOCK = "chief/clock"
+"""An endpoint name: see `endpoint_address` and `endpoint_curve`."""
+
+
+def ps_endpoint(index: int) -> str:
+    """The endpoint name of ps:`index`."""
+    return f"ps/{index}"
+
+
+def endpoint_address(endpoint: str) -> str:
+    return f"{endpoint}/address"
+
+
+def endpoint_curve(endpoint: str) -> str:
+    return f"{endpoint}/curve"
+
+
+def progress(role: str) -> str:
+    return f"progress/{role}"
+
+
+def failed(role: str) -> str:
+    return f"failed/{role}"
+
+
+def capture_part(capture: str, role: str) -> str:
+    return f"capture/{capture}/part/{role}"
+
+
+def capture_done(capture: str) -> str:
+    return f"capture/{capture}/done"

@@ -1,0 +1,87 @@
+"""The job as every role receives it: one frozen config built from the Estimator and the specs, and what a role
+does with the model it describes (build it, evaluate it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardflow.data.torch_edge import to_torch
+from shardflow.ps.optimizers import OptimizerSpec
+from shardflow.train.specs import EvalSpec, InputContext, TrainSpec
+from shardflow.train.strategy import ParameterServerStrategy
+
+LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+
+
+class RoleFailedError(RuntimeError):
+    """A process of the job failed or stopped answering; the message names its role and why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    """What the chief, the workers, the PS and the evaluator are given; built once per job by `train_and_evaluate`."""
+
+    model_fn: Callable[[], torch.nn.Module]
+    """Builds the model, the same in every process (see `build_model`)."""
+    loss_fn: LossFn
+    """(model, batch) -> scalar loss tensor."""
+    optimizer: OptimizerSpec
+    """The optimizer the PS apply."""
+    strategy: ParameterServerStrategy
+    """How training is distributed."""
+    model_dir: Path
+    """Checkpoints, logs, summaries and captures."""
+    seed: int = 0
+    """Seeds the model's initial values."""
+    train_spec: TrainSpec
+    """The training input and how long to train."""
+    eval_spec: EvalSpec | None = None
+    """Evaluation during training; None trains only."""
+    profile_steps: tuple[int, int] | None = None
+    """Global steps [first, last) captured on every role."""
+    profile_ops: bool = False
+    """Also record torch ops, shapes, memory and Python source in the capture."""
+    save_checkpoints_steps: int | None = None
+    """Checkpoint at every multiple of this global step."""
+    save_checkpoints_secs: float | None = 600.0
+    """Checkpoint at most this often when save_checkpoints_steps is None."""
+    keep_checkpoint_max: int | None = 5
+    """Checkpoints kept; None keeps all."""
+
+    def build_model(self) -> torch.nn.Module:
+        return build_model(self.model_fn, self.seed)
+
+    def evaluate(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:
+        return evaluate_model(model, self.loss_fn, eval_spec)
+
+
+def build_model(model_fn: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
+    """The model as model_fn builds it, with the same initial values in every process."""
+    torch.manual_seed(seed)
+    model = model_fn()
+    if not isinstance(model, torch.nn.Module):
+        raise ValueError(f"Estimator.model_fn must return a torch.nn.Module, got {type(model).__name__}")
+    return model
+
+
+def evaluate_model(model: torch.nn.Module, loss_fn: LossFn, eval_spec: EvalSpec) -> dict[str, float]:
+    """The mean loss and metrics of `model` over the evaluation input, in this process."""
+    totals: dict[str, float] = {"loss": 0.0, **dict.fromkeys(eval_spec.metrics, 0.0)}
+    num_batches = 0
+    model.eval()
+    with torch.no_grad():
+        for batch in eval_spec.input_fn(InputContext(1, 0)):
+            if eval_spec.steps is not None and num_batches >= eval_spec.steps:
+                break
+            batch = to_torch(batch)
+            totals["loss"] += float(loss_fn(model, batch))
+            for name, fn in eval_spec.metrics.items():
+                totals[name] += float(fn(model, batch))
+            num_batches += 1
+    model.train()
+    return {k: v / max(num_batches, 1) for k, v in totals.items()}
