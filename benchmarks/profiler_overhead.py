@@ -17,7 +17,6 @@ Usage: python benchmarks/profiler_overhead.py [--steps N] [--repeats R]
 from __future__ import annotations
 
 import argparse
-import gzip
 import itertools
 import json
 import os
@@ -28,7 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
+from shardflow.profile.trace import read_trace
 
 HERE = Path(__file__).parent
 
@@ -73,16 +74,17 @@ def alternating(steps: int, block: int, settle: int) -> tuple[float, int, int]:
 
 def recorder_calls(profile_dir: str) -> dict[str, float]:
     """Recorder entries (spans and flows) per worker step and per PS update, by role, from a capture."""
+    trace = read_trace(Path(profile_dir) / "merged.trace.json.gz")
+    events = trace["traceEvents"]
+    roles = {e["pid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     calls = {}
-    for path in Path(profile_dir).glob("*.trace.json.gz"):
-        role = path.name.split(".")[0].replace("_", ":")
+    for pid, role in roles.items():
         if not role.startswith(("worker", "ps")):
             continue
-        with gzip.open(path) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e["ph"] in "Xsf"]
-        unit = "step" if role.startswith("worker") else "apply"
-        units = sum(e["ph"] == "X" and e["name"] == unit for e in events)
-        calls[role] = len(events) / max(units, 1)
+        recorded = [e for e in events if e["pid"] == pid and e["ph"] in "Xsf"]
+        unit = spans.STEP if role.startswith("worker") else spans.APPLY
+        units = sum(e["ph"] == "X" and e["name"] == unit for e in recorded)
+        calls[role] = len(recorded) / max(units, 1)
     return calls
 
 
