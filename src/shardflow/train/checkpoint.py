@@ -1,19 +1,36 @@
-"""Checkpoints in model_dir: safetensors plus a JSON manifest, written to a temporary name and renamed."""
+"""Checkpoints in model_dir: safetensors plus a JSON manifest with each file's size and CRC-32C, written under a
+temporary name, synced, renamed in, and only then pointed to; a damaged checkpoint is skipped for an older one."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+import uuid
 from pathlib import Path
 from typing import Any
 
+import google_crc32c
 import torch
 from safetensors.torch import load_file, save_file
 
 from shardflow.ps.checkpointing import ModelState
 
+log = logging.getLogger(__name__)
+
 _LATEST = "latest"
+_MODEL = "model.safetensors"
+_MANIFEST = "manifest.json"
+# Everything under this prefix is a save or a removal in progress, never a checkpoint; `clean` removes it.
+_TEMPORARY = ".tmp-"
+# `ckpt-000000100`; a second copy of the same step (a re-save) is `ckpt-000000100.1`.
+_NAME = re.compile(r"ckpt-(\d+)(?:\.(\d+))?")
+_CHUNK_BYTES = 4 << 20
+# (path, stat of manifest, stat of model) -> whether it verified; the evaluator asks every 0.5 s.
+_verified: dict[tuple[str, tuple[int, ...] | None, tuple[int, ...] | None], bool] = {}
+_MAX_VERIFIED = 1024
 
 
 def _fsync_dir(path: Path) -> None:
@@ -24,6 +41,73 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _write_synced(fd: int, data: bytes) -> None:
+    """Write all of `data` to `fd`, sync and close it."""
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _file_record(path: Path, *, sync: bool = False) -> dict[str, Any]:
+    """Size and CRC-32C of a file, read in chunks; with `sync`, the file is also fsynced."""
+    checksum = google_crc32c.Checksum()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK_BYTES):
+            checksum.update(chunk)
+            size += len(chunk)
+        if sync:
+            os.fsync(f.fileno())
+    return {"bytes": size, "crc32c": checksum.hexdigest().decode()}
+
+
+def _step_of(path: Path) -> int | None:
+    match = _NAME.fullmatch(path.name)
+    return int(match.group(1)) if match else None
+
+
+def _checkpoints(root: Path) -> list[Path]:
+    try:
+        return [p for p in root.iterdir() if _step_of(p) is not None]
+    except FileNotFoundError:
+        return []
+
+
+def _free_name(root: Path, step: int) -> Path:
+    name = f"ckpt-{step:09d}"
+    copy = 0
+    while (root / name).exists():
+        copy += 1
+        name = f"ckpt-{step:09d}.{copy}"
+    return root / name
+
+
+def _temporary(root: Path, what: str) -> Path:
+    return root / f"{_TEMPORARY}{what}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+
+
+def _point_latest(root: Path, name: str) -> None:
+    """Switch `latest` to `name` atomically, and durably: a synced temporary file renamed over it."""
+    tmp = _temporary(root, "latest")
+    _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), name.encode())
+    os.replace(tmp, root / _LATEST)
+    _fsync_dir(root)
+
+
+def _retire(path: Path) -> None:
+    """Remove a checkpoint: renamed out of the checkpoint names first, so a crash never leaves half of one."""
+    trash = _temporary(path.parent, f"old-{path.name}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
+
+
 def save(
     model_dir: str | os.PathLike[str],
     step: int,
@@ -31,48 +115,171 @@ def save(
     manifest: dict[str, Any],
     keep: int | None = None,
 ) -> Path:
-    """Write checkpoint `ckpt-<step>` atomically: a crash leaves either the old latest or the new one, never half.
+    """Write checkpoint `ckpt-<step>` so that at every instant an intact copy of the newest step exists: the new one is
+    complete and synced before `latest` points to it. A step saved again is written as `ckpt-<step>.1`, and the older
+    copy goes only after `latest` moved to it (an identical one stays instead); then it takes the plain name back.
     With `keep`, only the newest `keep` checkpoints stay."""
     root = Path(model_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"ckpt-{step:09d}"
-    tmp = root / f".tmp-ckpt-{step:09d}-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"))
-    with open(tmp / "manifest.json", "w") as f:
-        json.dump({"global_step": step, **manifest}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = root / f".{_LATEST}.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, root / _LATEST)
-    _fsync_dir(root)
+    tmp = _temporary(root, f"ckpt-{step:09d}")
+    tmp.mkdir()  # not tempfile.mkdtemp: a checkpoint keeps the umask's permissions, not 0700
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / _MODEL))
+        full = {"global_step": step, **manifest, "files": {_MODEL: _file_record(tmp / _MODEL, sync=True)}}
+        text = json.dumps(full, indent=1).encode()
+        _write_synced(os.open(tmp / _MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), text)
+        _fsync_dir(tmp)
+        copies = [p for p in _checkpoints(root) if _step_of(p) == step]
+        final = next((p for p in copies if _read_bytes(p / _MANIFEST) == text and _intact(p, step)), None)
+        if final is None:
+            final = _free_name(root, step)
+            os.rename(tmp, final)
+            _fsync_dir(root)
+        else:
+            shutil.rmtree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if _read_pointer(root) != final.name:
+        _point_latest(root, final.name)
+    for old in copies:
+        if old != final:
+            _retire(old)
+    plain = root / f"ckpt-{step:09d}"
+    if final != plain and not plain.exists():
+        # Back to the plain name; until `latest` follows, the scan in `latest()` finds it under that name.
+        os.rename(final, plain)
+        _fsync_dir(root)
+        final = plain
+        _point_latest(root, final.name)
     if keep is not None:
         # Oldest written first, so a directory that already held higher steps never loses the newest.
-        written = sorted((p for p in root.glob("ckpt-*") if p != final), key=lambda p: p.stat().st_mtime)
+        written = sorted((p for p in _checkpoints(root) if p != final), key=lambda p: p.stat().st_mtime)
         for old in written[: max(len(written) - (keep - 1), 0)]:
-            shutil.rmtree(old, ignore_errors=True)
+            _retire(old)
     return final
 
 
-def latest(model_dir: str | os.PathLike[str]) -> Path | None:
-    pointer = Path(model_dir) / "checkpoints" / _LATEST
-    if not pointer.exists():
+def _read_bytes(path: Path) -> bytes | None:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if path.is_dir() else None
+
+
+def _read_pointer(root: Path) -> str | None:
+    data = _read_bytes(root / _LATEST)
+    return None if data is None else data.decode(errors="replace").strip()
+
+
+def _problem(path: Path, step: int) -> str | None:
+    """What is wrong with the checkpoint at `path`, or None if it verifies."""
+    try:
+        manifest = json.loads((path / _MANIFEST).read_bytes())
+    except FileNotFoundError:
+        return f"{_MANIFEST} is missing"
+    except OSError as error:
+        return f"cannot read {_MANIFEST}: {error}"
+    except ValueError as error:
+        return f"{_MANIFEST} is not valid JSON ({error})"
+    if not isinstance(manifest, dict):
+        return f"{_MANIFEST} is not a JSON object"
+    if manifest.get("global_step") != step:
+        return f"{_MANIFEST} says global step {manifest.get('global_step')!r}, the directory's name {step}"
+    files = manifest.get("files", {})  # none in checkpoints written before the manifest listed them
+    if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
+        return f"{_MANIFEST} has a malformed 'files' entry"
+    for name in {_MODEL, *files}:
+        file = path / name
+        try:
+            size = file.stat().st_size
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except OSError as error:
+            return f"cannot read {name}: {error}"
+        if name not in files:
+            continue
+        record = files[name]
+        if size != record.get("bytes"):
+            return f"{name} has {size} bytes, the manifest says {record.get('bytes')}"
+        try:
+            crc = _file_record(file)["crc32c"]
+        except OSError as error:
+            return f"cannot read {name}: {error}"
+        if crc != record.get("crc32c"):
+            return f"{name} has CRC-32C {crc}, the manifest says {record.get('crc32c')}"
+    return None
+
+
+def _stat_key(path: Path) -> tuple[int, ...] | None:
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return (stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def _intact(path: Path, step: int) -> bool:
+    """Whether the checkpoint verifies; a damaged one is logged once. Files are checksummed only when they changed."""
+    key = (str(path), _stat_key(path / _MANIFEST), _stat_key(path / _MODEL))
+    if key in _verified:
+        return _verified[key]
+    problem = _problem(path, step)
+    if problem is not None and not path.exists():
+        return False  # removed while we looked: an older copy being retired, not damage
+    if problem is not None:
+        log.warning("skipping damaged checkpoint %s: %s", path, problem)
+    if len(_verified) >= _MAX_VERIFIED:
+        _verified.clear()
+    _verified[key] = problem is None
+    return problem is None
+
+
+def latest(model_dir: str | os.PathLike[str]) -> Path | None:
+    """The newest checkpoint in model_dir that verifies (of two copies of one step, the one `latest` points to),
+    or None. A damaged one is skipped with a warning naming it."""
+    root = Path(model_dir) / "checkpoints"
+    pointed = _read_pointer(root)
+
+    def newest_first(path: Path) -> tuple[int, bool, int]:
+        try:
+            written = path.stat().st_mtime_ns
+        except FileNotFoundError:
+            written = 0
+        return (_step_of(path) or 0, path.name == pointed, written)
+
+    for path in sorted(_checkpoints(root), key=newest_first, reverse=True):
+        step = _step_of(path)
+        if step is not None and _intact(path, step):
+            return path
+    return None
+
+
+def clean(model_dir: str | os.PathLike[str]) -> None:
+    """Remove what interrupted saves left (temporary directories and pointer files). Only when no save of this
+    job can be running: at the start of the chief."""
+    root = Path(model_dir) / "checkpoints"
+    if not root.is_dir():
+        return
+    leftovers = [p for p in root.iterdir() if p.name.startswith(_TEMPORARY) or p.name == f".{_LATEST}.tmp"]
+    for path in leftovers:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    if leftovers:
+        log.info("removed %d leftovers of interrupted checkpoint saves from %s", len(leftovers), root)
+
+
+def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The manifest of a checkpoint, without loading its tensors."""
+    manifest: dict[str, Any] = json.loads((Path(path) / _MANIFEST).read_bytes())
+    return manifest
 
 
 def load(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     path = Path(path)
-    with open(path / "manifest.json") as f:
-        manifest = json.load(f)
-    return load_file(str(path / "model.safetensors")), manifest
+    return load_file(str(path / _MODEL)), read_manifest(path)
 
 
 SLOT_SEPARATOR = "::"
