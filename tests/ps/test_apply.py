@@ -44,17 +44,34 @@ class _Recorded:
     def __init__(self, config: ApplyConfig, step: int = 0) -> None:
         self.updates_applied: list[list[str]] = []
         self.answers: list[tuple[str, bool, bool]] = []
+        self.refusals: list[tuple[str, int]] = []
         self.updates: Updates[str] = Updates(config, step, self.apply, self.answer)
 
     def apply(self, gradients: Gradients, pushes: list[str]) -> None:
         self.updates_applied.append(pushes)
 
-    def answer(self, pending: str, *, stale: bool = False, dropped: bool = False) -> None:
-        self.answers.append((pending, stale, dropped))
+    def answer(self, pending: str, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
+        if nonfinite:
+            self.refusals.append((pending, nonfinite))
+        else:
+            self.answers.append((pending, stale, dropped))
 
 
 def _gradients() -> Gradients:
     return [torch.ones(2)], []
+
+
+def test_a_refused_push_is_answered_at_once_counted_per_worker_and_is_not_a_replica():
+    recorded = _Recorded(ApplyConfig(mode="sync", num_workers=2))
+    updates = recorded.updates
+    updates.push("w0", 0, _gradients())
+    updates.refuse("w1-nan", 1)
+    updates.refuse("w1-nan-again", 1)
+    assert (updates.step, recorded.updates_applied) == (0, [])
+    assert recorded.refusals == [("w1-nan", 1), ("w1-nan-again", 2)]
+    updates.push("w1", 1, _gradients())
+    assert (updates.step, recorded.updates_applied) == (1, [["w0", "w1"]])
+    assert (updates.stats["applied"], updates.stats["nonfinite"], updates.stats["nonfinite/worker:1"]) == (1, 2, 2)
 
 
 def test_sync_applies_one_update_once_enough_replicas_pushed_and_drops_a_stale_one():

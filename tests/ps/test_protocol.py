@@ -49,6 +49,8 @@ def _requests() -> list[tuple[protocol.PSRequest, list[torch.Tensor]]]:
         (protocol.Rows(table_indices=(0,)), [torch.tensor([1, 2])]),
         (protocol.Push(worker_index=1, base_step=2, frame_counts=(2,), input_state={"epoch": 0}), DENSE + ROW_GRAD),
         (protocol.Push(worker_index=0, base_step=0, frame_counts=(2,)), DENSE + ROW_GRAD),
+        (protocol.NonFinite(worker_index=1, base_step=4, found_in="loss", input_state={"epoch": 0}), []),
+        (protocol.NonFinite(worker_index=0, base_step=0, found_in="gradients"), []),
         (protocol.Done(worker_index=1), []),
         (protocol.Status(), []),
         (protocol.GetState(), []),
@@ -79,6 +81,7 @@ def test_every_request_round_trips_through_the_wire(message, frames):
         StepReply(step=3, stop=False),
         StepReply(step=10, stop=True, dropped=True),
         StepReply(step=4, stop=False, stale=True),
+        StepReply(step=5, stop=False, nonfinite=2),
     ],
 )
 def test_every_step_reply_round_trips_through_the_wire(reply):
@@ -142,6 +145,13 @@ _MALFORMED = [
     ("rows", "table_indices", [1], "table_indices"),
     ("rows", "table_indices", [-1], "table_indices"),
     ("rows", "table_indices", _MISSING, "table_indices"),
+    ("nonfinite", "found_in", "weights", "found_in"),
+    ("nonfinite", "found_in", ["loss"], "found_in"),
+    ("nonfinite", "found_in", _MISSING, "found_in"),
+    ("nonfinite", "worker_index", 2, "worker_index"),
+    ("nonfinite", "base_step", -1, "base_step"),
+    ("nonfinite", "input_state", "start", "input_state"),
+    ("nonfinite", "frame_counts", [2], "'frame_counts'"),
     ("done", "worker_index", None, "worker_index"),
     ("done", "worker_index", 7, "worker_index"),
     ("state", "snapshot_step", -1, "snapshot_step"),
@@ -197,6 +207,7 @@ def test_a_malformed_request_is_refused_naming_its_op_field_and_sender(op, field
         ("push", [torch.zeros(4), torch.ones(2), *ROW_GRAD], "frames"),
         ("rows", [], "table_indices"),
         ("pull", [torch.zeros(1)], "frames"),
+        ("nonfinite", DENSE, "frames"),
         ("stop", [torch.zeros(1)], "frames"),
         ("init", DENSE, "num_tables"),
         ("init", [torch.zeros(3)], "frame_counts"),
@@ -223,6 +234,8 @@ def test_an_unknown_op_is_refused_naming_the_op_field(op):
         ({"step": 1, "stop": 1}, "stop"),
         ({"step": 1}, "stop"),
         ({"step": 1, "stop": False, "dropped": "yes"}, "dropped"),
+        ({"step": 1, "stop": False, "nonfinite": -1}, "nonfinite"),
+        ({"step": 1, "stop": False, "nonfinite": True}, "nonfinite"),
         ({"step": 1, "stop": False, "params": True}, "'params'"),
     ],
 )
@@ -286,7 +299,11 @@ def test_the_decoder_only_ever_returns_a_request_or_raises_its_protocol_error(op
 
 
 @settings(max_examples=200, deadline=None)
-@given(header=st.dictionaries(st.sampled_from(["step", "stop", "dropped", "stale", "snapshots", "stats"]), _VALUES))
+@given(
+    header=st.dictionaries(
+        st.sampled_from(["step", "stop", "dropped", "stale", "nonfinite", "snapshots", "stats"]), _VALUES
+    )
+)
 def test_the_reply_decoders_only_ever_return_a_reply_or_raise_the_protocol_error(header):
     for decode_reply in (lambda h: StepReply.decode(h, "pull", "ps:0"), lambda h: StatusReply.decode(h, "ps:0")):
         with contextlib.suppress(PSProtocolError):

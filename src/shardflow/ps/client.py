@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,18 +14,30 @@ from shardflow.comm.client import Client
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import protocol
+from shardflow.ps.apply import all_finite
 from shardflow.ps.layout import ShardLayout
 from shardflow.ps.placement import Placement
 from shardflow.ps.protocol import StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, coalesced, lookup_modules, rows_between
 
-__all__ = ["ParameterClient", "StatusReply", "StepReply", "read_global_step"]
+__all__ = ["ParameterClient", "Pushed", "StatusReply", "StepReply", "read_global_step"]
 
 
 def read_global_step(client: Client, peer: str, timeout_s: float) -> int:
     """The global step as `peer` (a PS, connected to `client`) counts it now."""
     header, _ = client.request(peer, protocol.Status().header(), timeout_s=timeout_s)
     return StatusReply.decode(header, peer).step
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pushed:
+    """One step's requests in flight, one per PS (peer -> sequence number)."""
+
+    requests: dict[str, int]
+    base_step: int
+    """The global step of the parameters the step was computed on."""
+    nonfinite: str | None = None
+    """Where this worker found NaN or inf ("loss", "gradients"), so it sent `NonFinite` in place of the pushes."""
 
 
 class ParameterClient:
@@ -58,7 +71,10 @@ class ParameterClient:
         self.named = named
         self.layout = ShardLayout(placement)
         self._row_grads: dict[str, RowGrad] = {}
-        self._pending: dict[str, int] = {}
+        # This step's frames and frame counts per PS, built once its pieces are complete, and whether all are finite.
+        self._prepared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        self._finite = True
+        self._pushed: Pushed | None = None
         self.model = model
         self._hooks: list[Any] = []
         self._remaining: list[int] = []
@@ -132,7 +148,7 @@ class ParameterClient:
             self.named[name].data = tensor
 
     def _wait(self, peer_seqs: dict[str, int], op: str, load_params: bool) -> StepReply:
-        step, stop = 0, False
+        step, stop, nonfinite = 0, False, 0
         replies: dict[int, Sequence[torch.Tensor]] = {}
         recorder = get_recorder()
         for peer, seq in peer_seqs.items():
@@ -147,9 +163,10 @@ class ParameterClient:
             if ps == 0:
                 step = reply.step
             stop = stop or reply.stop
+            nonfinite = max(nonfinite, reply.nonfinite)
         if replies:
             self._load(replies)
-        return StepReply(step=step, stop=stop)
+        return StepReply(step=step, stop=stop, nonfinite=nonfinite)
 
     # -- chief (see ps/checkpointing.py for state) ------------------------------------------------
 
@@ -207,11 +224,13 @@ class ParameterClient:
         return self._wait(seqs, protocol.Pull.op, load_params=True)
 
     def begin_push(self, base_step: int) -> None:
-        """Start a step on the parameters of global step `base_step`: each PS's gradients are pushed as soon as
-        backward has produced all of them."""
+        """Start a step on the parameters of global step `base_step`: the pushes go out as soon as backward has
+        produced every gradient and all of them are finite; see `end_push`."""
         self._base_step = self._step = base_step
-        self._pending = {}
         self._row_grads = {}
+        self._prepared = {}
+        self._finite = True
+        self._pushed = None
         if not self._hooks:
             self._install_hooks()
         self._remaining = [len(self.placement.on_ps(k)) for k in range(self.placement.num_ps)]
@@ -226,7 +245,9 @@ class ParameterClient:
                 for ps in servers:
                     self._remaining[ps] -= 1
                     if self._remaining[ps] == 0:
-                        self._send_push(ps)
+                        self._prepare(ps)
+                if not any(self._remaining):
+                    self._send()
 
             self._hooks.append(self.named[name].register_post_accumulate_grad_hook(ready))
         # A sparse embedding fetches the rows it is about to look up, and only those.
@@ -240,35 +261,74 @@ class ParameterClient:
             for module in modules:
                 self._hooks.append(module.register_forward_pre_hook(before_lookup, with_kwargs=True))
 
-    def _send_push(self, ps: int) -> None:
-        peer = self.peers[ps]
-        if peer not in self._pending:
-            recorder = get_recorder()
+    def _prepare(self, ps: int) -> None:
+        """Build `ps`'s frames once its pieces are complete, and check that they are finite."""
+        if ps in self._prepared:
+            return
+        frames, counts = self.layout.dense_frames(ps, self.named, use_grads=True)
+        frames += self._row_grad_frames(ps)
+        self._prepared[ps] = frames, counts
+        self._finite = self._finite and all_finite(frames)
+
+    def _send(self, nonfinite: str | None = None) -> None:
+        """Send this step to every PS: the pushes, or `NonFinite` to each if the loss or any gradient held NaN or
+        inf. All or none: a PS applies a push on arrival, and the PS hold disjoint shards, so were ps:0 sent its
+        finite pieces before ps:1's NaN was seen, ps:0 would apply a step that ps:1 refuses, and their global
+        steps would part for good. So the pushes wait until every PS's pieces are complete and checked (with
+        one PS, as before: its pieces complete last), and every PS reaches the same verdict, the worker's."""
+        if self._pushed is not None:
+            return
+        if nonfinite is None:
+            for ps in range(len(self.peers)):
+                self._prepare(ps)
+            if not self._finite:
+                nonfinite = "gradients"
+        recorder = get_recorder()
+        requests: dict[str, int] = {}
+        for ps, peer in enumerate(self.peers):
+            # ps:0 keeps each worker's input position with the update it belongs to, for checkpoints.
+            input_state = self.input_state if ps == 0 else None
             started = time.perf_counter_ns()
-            frames, counts = self.layout.dense_frames(ps, self.named, use_grads=True)
-            frames += self._row_grad_frames(ps)
+            if nonfinite is not None:
+                message = protocol.NonFinite(
+                    worker_index=self.worker_index,
+                    base_step=self._base_step,
+                    found_in=nonfinite,
+                    input_state=input_state,
+                )
+                requests[peer] = self.client.send(peer, message.header())
+                continue
+            frames, counts = self._prepared[ps]
             push = protocol.Push(
                 worker_index=self.worker_index,
                 base_step=self._base_step,
                 frame_counts=tuple(counts),
-                # ps:0 keeps each worker's input position with the update it belongs to, for checkpoints.
-                input_state=self.input_state if ps == 0 else None,
+                input_state=input_state,
             )
-            seq = self.client.send(peer, push.header(), frames)
-            self._pending[peer] = seq
+            seq = requests[peer] = self.client.send(peer, push.header(), frames)
             if recorder is not None:
                 recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True)
                 recorder.end(spans.PUSH, self._step, started, ps, sum(f.nbytes for f in frames))
+        self._prepared = {}
+        self._pushed = Pushed(requests=requests, base_step=self._base_step, nonfinite=nonfinite)
 
-    def end_push(self) -> dict[str, int]:
+    def end_push(self) -> Pushed:
         """Push what the hooks have not sent (variables without gradients push zeros, row-sparse ones no rows);
-        returns the requests."""
-        for ps in range(len(self.peers)):
-            self._send_push(ps)
-        return dict(self._pending)
+        returns the requests. If any gradient for any PS holds NaN or inf, every PS gets `NonFinite` instead."""
+        self._send()
+        assert self._pushed is not None
+        return self._pushed
 
-    def wait_push(self, requests: dict[str, int], load_params: bool = True) -> StepReply:
-        return self._wait(requests, protocol.Push.op, load_params=load_params)
+    def push_nonfinite_loss(self) -> Pushed:
+        """In place of backward and `end_push`: the loss held NaN or inf, so every PS gets `NonFinite`."""
+        self._send(nonfinite="loss")
+        assert self._pushed is not None
+        return self._pushed
+
+    def wait_push(self, pushed: Pushed, load_params: bool = True) -> StepReply:
+        """Every PS's reply to a step's pushes; `nonfinite` is set when they were refused (see StepReply)."""
+        op = protocol.Push.op if pushed.nonfinite is None else protocol.NonFinite.op
+        return self._wait(pushed.requests, op, load_params=load_params)
 
     def done(self) -> None:
         """This worker has finished: the PS no longer wait for it."""

@@ -20,7 +20,11 @@ Requests (sender: request, fields; frames; reply):
   gradient pieces grouped by dtype buffer as for `Init`, then per table its touched row numbers (int64) and
   their gradient rows. Reply: `StepReply` and the parameters, when the update rule lets the worker go on
   (ps/apply.py); `StepReply(dropped=True)` without frames once training is over; `stale=True` with the
-  parameters when sync training dropped the gradient as stale.
+  parameters when sync training dropped the gradient as stale; `nonfinite=<count>` with the parameters when a
+  gradient held NaN or inf and was refused.
+- worker -> every PS: `NonFinite` (op "nonfinite"): worker_index, base_step, found_in ("loss" or "gradients"),
+  input_state (to ps:0 only). No frames. In place of a `Push` when the worker's loss or any of its gradients
+  held NaN or inf: nothing is applied, the refusal is counted. Reply: as a refused `Push`.
 - worker -> every PS: `Done` (op "done"): worker_index. The worker has finished; it no longer counts toward
   aggregation or staleness. Reply: `StepReply`.
 - anyone -> a PS: `Status` (op "status"). Reply: `StatusReply`: step, initialized, snapshots held, stats.
@@ -68,6 +72,7 @@ __all__ = [
     "GetState",
     "Init",
     "Limits",
+    "NonFinite",
     "PSProtocolError",
     "PSRequest",
     "Pull",
@@ -278,6 +283,48 @@ class Push:
         )
 
 
+NONFINITE_FOUND_IN = ("loss", "gradients")
+
+
+@dataclass(frozen=True, kw_only=True)
+class NonFinite:
+    """In place of a push: this worker's step, computed on the parameters of `base_step`, held NaN or inf in its
+    loss or its gradients. Sent to every PS, so that every PS refuses the step alike (see ps/client.py)."""
+
+    op: ClassVar[str] = "nonfinite"
+    worker_index: int
+    base_step: int
+    found_in: str
+    """"loss" or "gradients"."""
+    input_state: dict[str, Any] | None = None
+    """ps:0 only: the worker's input position after the refused batch, as for `Push`."""
+
+    def header(self) -> dict[str, Any]:
+        header = {
+            "op": self.op,
+            "worker_index": self.worker_index,
+            "base_step": self.base_step,
+            "found_in": self.found_in,
+        }
+        if self.input_state is not None:
+            header["input_state"] = self.input_state
+        return header
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("worker_index", "base_step", "found_in"), ("input_state",))
+        no_frames(frames)
+        found_in = header["found_in"]
+        if found_in not in NONFINITE_FOUND_IN:
+            raise Invalid("found_in", f"must be one of {NONFINITE_FOUND_IN}, got {short(found_in)}")
+        return cls(
+            worker_index=int_field(header, "worker_index", below=limits.num_workers if limits else None),
+            base_step=int_field(header, "base_step"),
+            found_in=found_in,
+            input_state=map_field(header, "input_state") if header.get("input_state") is not None else None,
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Done:
     """The worker has finished training."""
@@ -381,10 +428,12 @@ class Shutdown(_NoFields):
     op: ClassVar[str] = "shutdown"
 
 
-PSRequest = Init | Pull | Rows | Push | Done | Status | GetState | SnapshotAt | ReleaseSnapshots | Stop | Shutdown
+PSRequest = (
+    Init | Pull | Rows | Push | NonFinite | Done | Status | GetState | SnapshotAt | ReleaseSnapshots | Stop | Shutdown
+)
 _REQUESTS: dict[str, type[PSRequest]] = {
     cls.op: cls
-    for cls in (Init, Pull, Rows, Push, Done, Status, GetState, SnapshotAt, ReleaseSnapshots, Stop, Shutdown)
+    for cls in (Init, Pull, Rows, Push, NonFinite, Done, Status, GetState, SnapshotAt, ReleaseSnapshots, Stop, Shutdown)
 }
 BEFORE_INIT = (Init, Status, Shutdown)
 """The requests a PS serves before it is initialised."""

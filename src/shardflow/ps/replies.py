@@ -28,6 +28,9 @@ class StepReply:
     """A push that arrived after training ended, not applied."""
     stale: bool = False
     """sync: a push computed on an older version, not applied; the current parameters come with it."""
+    nonfinite: int = 0
+    """A push refused because it held NaN or inf (or its worker's loss did), not applied: how many such pushes
+    this PS has refused in all, this one included; the current parameters come with it. 0 for any other reply."""
 
     def header(self) -> dict[str, Any]:
         header: dict[str, Any] = {"step": self.step, "stop": self.stop}
@@ -35,17 +38,20 @@ class StepReply:
             header["dropped"] = True
         if self.stale:
             header["stale"] = True
+        if self.nonfinite:
+            header["nonfinite"] = self.nonfinite
         return header
 
     @classmethod
     def decode(cls, header: dict[Any, Any], op: str, sender: str) -> Self:
         try:
-            check_keys(header, ("step", "stop"), ("dropped", "stale"))
+            check_keys(header, ("step", "stop"), ("dropped", "stale", "nonfinite"))
             return cls(
                 step=int_field(header, "step"),
                 stop=bool_field(header, "stop"),
                 dropped="dropped" in header and bool_field(header, "dropped"),
                 stale="stale" in header and bool_field(header, "stale"),
+                nonfinite=int_field(header, "nonfinite") if "nonfinite" in header else 0,
             )
         except Invalid as invalid:
             raise PSProtocolError(op, invalid.field, sender, invalid.problem) from None

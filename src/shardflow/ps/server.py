@@ -14,7 +14,7 @@ from shardflow.comm.server import Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import protocol
-from shardflow.ps.apply import ApplyConfig, Gradients, Updates
+from shardflow.ps.apply import ApplyConfig, Gradients, Updates, all_finite
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
 from shardflow.ps.state import Part, Snapshots, capture, load_slots
@@ -23,6 +23,12 @@ log = logging.getLogger(__name__)
 
 # A flood of bad requests must not flood the log: one line per kind of problem per this many seconds.
 _LOG_EVERY_S = 10.0
+
+
+def _finite(gradients: Gradients) -> bool:
+    """Whether every dense buffer and row-sparse value of a push is finite."""
+    grads, row_grads = gradients
+    return all_finite([*grads, *(values for table in row_grads for _, values in table)])
 
 
 class ParameterServer:
@@ -45,7 +51,7 @@ class ParameterServer:
         # Checkpoint snapshots taken at exact steps, until the chief saved them; ps:0 also tracks input positions.
         self.snapshots = Snapshots()
         self.iterators: dict[str, Any] = {}
-        self._deferred_pushes: list[tuple[Request, protocol.Push]] = []
+        self._deferred_pushes: list[tuple[Request, protocol.Push | protocol.NonFinite]] = []
         self._handling_since = 0
         self._shutdown = False
         self._last_logged: dict[tuple[str, str], float] = {}
@@ -54,6 +60,7 @@ class ParameterServer:
             protocol.Pull: self._on_pull,
             protocol.Rows: self._on_rows,
             protocol.Push: self._on_push,
+            protocol.NonFinite: self._on_nonfinite,
             protocol.Done: self._on_done,
             protocol.Status: self._on_status,
             protocol.GetState: self._on_state,
@@ -99,7 +106,7 @@ class ParameterServer:
         if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
             self.server.reply_error(request, f"ps:{self.index} is not initialised yet; the chief sends 'init' first")
             return
-        if isinstance(message, protocol.Push) and self.snapshots.full:
+        if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
             self._deferred_pushes.append((request, message))
             return
         try:
@@ -114,7 +121,8 @@ class ParameterServer:
         now = time.monotonic()
         if now - self._last_logged.get(key, -_LOG_EVERY_S) >= _LOG_EVERY_S:
             self._last_logged[key] = now
-            log.warning("%s (%d so far; repeats are not logged for %.0fs)", line, self.stats[kind], _LOG_EVERY_S)
+            so_far = {**self.updates.stats, **self.stats}[kind]
+            log.warning("%s (%d so far; repeats are not logged for %.0fs)", line, so_far, _LOG_EVERY_S)
 
     # -- state --------------------------------------------------------------------------------
 
@@ -130,8 +138,11 @@ class ParameterServer:
     def finished(self) -> bool:
         return self.updates.finished
 
-    def _reply(self, request: Request, tensors: list[torch.Tensor] | tuple[()] = (), **flags: bool) -> None:
-        self.server.reply(request, StepReply(step=self.step, stop=self.finished, **flags).header(), tensors)
+    def _reply(
+        self, request: Request, tensors: list[torch.Tensor] | tuple[()] = (), *, stale: bool = False, nonfinite: int = 0
+    ) -> None:
+        reply = StepReply(step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite)
+        self.server.reply(request, reply.header(), tensors)
 
     def _params_snapshot(self) -> list[torch.Tensor]:
         # Replies go out zero-copy while the next update changes the buffers in place, so they carry a copy,
@@ -140,13 +151,13 @@ class ParameterServer:
             self._snapshot = [p.detach().clone() for p in self.params]
         return self._snapshot
 
-    def _answer(self, request: Request, *, stale: bool = False, dropped: bool = False) -> None:
+    def _answer(self, request: Request, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
         """The update rule's reply to a push or pull: the current parameters, or none for a dropped push."""
         if dropped:
-            self._reply(request, dropped=True)
+            self.server.reply(request, StepReply(step=self.step, stop=self.finished, dropped=True).header())
             return
         started = time.perf_counter_ns()
-        self._reply(request, self._params_snapshot(), stale=stale)
+        self._reply(request, self._params_snapshot(), stale=stale, nonfinite=nonfinite)
         if (recorder := get_recorder()) is not None:
             worker = request.header.get("worker_index", -1)  # decoded already; pulls carry none
             recorder.end(spans.REPLY, self.step - 1, started, worker)
@@ -254,7 +265,28 @@ class ParameterServer:
         if (recorder := get_recorder()) is not None:
             nbytes = sum(f.nbytes for f in request.tensors)
             recorder.end(spans.RECEIVE, self.step, started, push.worker_index, nbytes)
+        # Checked before it is applied or (sync) accumulated, so a NaN never reaches the parameters, the optimizer
+        # slots or the sum of the other replicas. A shardflow worker checks first and sends `NonFinite` to every
+        # PS instead (ps/client.py); this is the last guard, for a push that only this PS would refuse.
+        if not _finite(gradients):
+            self._refuse(request, push.worker_index, push.base_step, "gradients")
+            return
         self.updates.push(request, push.worker_index, gradients)
+
+    def _on_nonfinite(self, request: Request, nonfinite: protocol.NonFinite) -> None:
+        if nonfinite.input_state is not None:
+            # The refused batch was read: a restore goes on after it, as after an applied one.
+            self.iterators[f"worker:{nonfinite.worker_index}"] = nonfinite.input_state
+        self._refuse(request, nonfinite.worker_index, nonfinite.base_step, nonfinite.found_in)
+
+    def _refuse(self, request: Request, worker_index: int, base_step: int, found_in: str) -> None:
+        self.updates.refuse(request, worker_index)
+        self._log(
+            "nonfinite",
+            found_in,
+            f"ps:{self.index} refused a step of worker:{worker_index} on the parameters of global step {base_step}: "
+            f"its {found_in} held NaN or inf",
+        )
 
     def _on_done(self, request: Request, done: protocol.Done) -> None:
         self._reply(request)
@@ -304,9 +336,9 @@ class ParameterServer:
         while self._deferred_pushes and not self.snapshots.full:
             self._handle_deferred(*self._deferred_pushes.pop(0))
 
-    def _handle_deferred(self, request: Request, push: protocol.Push) -> None:
+    def _handle_deferred(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
         try:
-            self._on_push(request, push)
+            self._handlers[type(push)](request, push)
         except Exception as error:  # as in handle(): answered and counted
             self.stats["failed"] += 1
             self._log("failed", push.op, f"ps:{self.index} failed on a deferred push from {request.sender}: {error}")
