@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from shardflow.train.estimator import Estimator, train_and_evaluate
     from shardflow.train.hooks import Hook, StepInfo
     from shardflow.train.job import RoleFailedError
-    from shardflow.train.specs import EarlyStopping, EvalSpec, InputContext, TrainResult, TrainSpec
+    from shardflow.train.specs import EarlyStopping, EvalSpec, InputContext, Preempted, TrainResult, TrainSpec
     from shardflow.train.strategy import ParameterServerStrategy
 
 # Imported on first use, so that the command-line tool and `shardflow.data` start without torch's import cost.
@@ -27,6 +27,7 @@ _LAZY = {
     "StepInfo": "shardflow.train.hooks",
     "Partitioner": "shardflow.ps.placement",
     "InputContext": "shardflow.train.specs",
+    "Preempted": "shardflow.train.specs",
     "TrainResult": "shardflow.train.specs",
     "TrainSpec": "shardflow.train.specs",
     "ParameterServerStrategy": "shardflow.train.strategy",
@@ -40,6 +41,7 @@ __all__ = [
     "InputContext",
     "ParameterServerStrategy",
     "Partitioner",
+    "Preempted",
     "RoleFailedError",
     "StepInfo",
     "TrainResult",

@@ -16,7 +16,9 @@ example:
 
 Every role runs `python train.py --lr 0.1`; the environment variable SHARDFLOW_CLUSTER tells
 each process its role. Output lines are prefixed with the role, e.g. "[worker:0] ...".
-If one role fails, the others are stopped and the exit code is 1; Ctrl-C stops all roles.
+If one role fails, the others are stopped and the exit code is 1; Ctrl-C stops all roles (130).
+SIGTERM, as a cluster manager sends on preemption, goes to the chief: it checkpoints at the current
+step and ends the job, every role exits, and the exit code is 143; launching again resumes there.
 """
 
 
@@ -32,6 +34,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="how long roles get to exit after SIGTERM before SIGKILL (5)",
     )
+    parser.add_argument(
+        "--termination-grace",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="on SIGTERM, how long the chief gets to checkpoint and every role to exit before they are stopped; "
+        "as the script's ParameterServerStrategy.termination_grace_s (30)",
+    )
     parser.add_argument("script", help="the Python training script every role runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched")
 
@@ -44,7 +54,8 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     spec = ClusterSpec.local(args.workers, args.ps, evaluator=args.evaluator)
-    return run_local(spec, [sys.executable, args.script, *args.script_args], grace_s=args.grace)
+    command = [sys.executable, args.script, *args.script_args]
+    return run_local(spec, command, grace_s=args.grace, termination_grace_s=args.termination_grace)
 
 
 def _count(minimum: int) -> Callable[[str], int]:

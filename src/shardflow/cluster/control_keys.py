@@ -16,6 +16,8 @@ While training:
 
 - `progress/<role>`: each worker, about once a second -> chief. JSON progress report; also its heartbeat.
 - `failed/<role>`: a worker that raised -> chief. The error, as `Type: message`.
+- `preempted/<role>`: a worker, PS or evaluator sent SIGTERM -> chief. Why (e.g. `SIGTERM`); the chief then ends
+  the whole job at the current step, checkpointed, within the strategy's termination_grace_s.
 - `workers_done` (a counter): each worker, once, after its final report -> chief. Workers that finished.
 - `chief/clock/address`, `chief/clock/curve`: chief -> every role handing over a capture. The clock service.
 - `capture/current`: chief -> every role. JSON: the capture being recorded (name, first, last, ops).
@@ -62,6 +64,10 @@ def progress(role: str) -> str:
 
 def failed(role: str) -> str:
     return f"failed/{role}"
+
+
+def preempted(role: str) -> str:
+    return f"preempted/{role}"
 
 
 def capture_part(capture: str, role: str) -> str:

@@ -20,6 +20,8 @@ from shardflow import env
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
 
 _PR_SET_PDEATHSIG = 1
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
+"""How a preempted job's chief exits, checkpointed or not: the status SIGTERM gives (143)."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +158,19 @@ class LocalLauncher:
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
 
+    def preempt(self, grace_s: float) -> None:
+        """SIGTERM to the chief alone, which checkpoints and ends the job (see train/preemption.py); waits up to
+        grace_s for every task to exit. How they exit is no failure; stop() ends what is left."""
+        with self._state:
+            self._stopping = True
+        chief = next((process for task, process in self._processes.items() if task.type == "chief"), None)
+        if chief is not None:
+            # The process, not its group: the chief's own subprocesses are the chief's to end.
+            with contextlib.suppress(ProcessLookupError):
+                chief.send_signal(signal.SIGTERM)
+        with self._state:
+            self._state.wait_for(lambda: len(self._exits) == len(self._processes), grace_s)
+
     def __enter__(self) -> LocalLauncher:
         return self
 
@@ -244,8 +259,11 @@ def local_threads(spec: ClusterSpec) -> dict[str, str]:
     return {env.LOCAL_THREADS: str(max(1, (os.cpu_count() or 1) // roles))}
 
 
-def run_local(spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0) -> int:
-    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`)."""
+def run_local(
+    spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0, termination_grace_s: float = 30.0
+) -> int:
+    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`). SIGTERM preempts the
+    job: the chief checkpoints and every task gets `termination_grace_s` to exit; the exit status is then 143."""
     launcher = LocalLauncher(spec, command, env=local_threads(spec))
     previous = _install_interrupt_handlers()
     try:
@@ -253,15 +271,31 @@ def run_local(spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0) -
         failure = launcher.wait()
         if failure is None:
             return 0
+        if failure.task.type == "chief" and failure.returncode == PREEMPTED_EXIT_CODE:
+            # A role was preempted and the chief ended the job; the others are on their way out.
+            print("shardflow launch: the job was preempted; stopping all roles", file=sys.stderr, flush=True)
+            launcher.preempt(termination_grace_s)
+            return PREEMPTED_EXIT_CODE
         print(
             f"shardflow launch: {failure.describe()}; stopping the other roles",
             file=sys.stderr,
             flush=True,
         )
         return 1
-    except _Interrupted:
-        print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
-        return 130
+    except _Interrupted as interrupted:
+        if interrupted.signum != signal.SIGTERM:
+            print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
+            return 130
+        print(
+            f"shardflow launch: SIGTERM; the chief checkpoints and every role exits within {termination_grace_s:g}s",
+            file=sys.stderr,
+            flush=True,
+        )
+        try:
+            launcher.preempt(termination_grace_s)
+        except _Interrupted:  # a second signal: stop now
+            print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
     finally:
         _ignore_interrupts(previous)
         launcher.stop(grace_s)
@@ -271,13 +305,17 @@ def run_local(spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0) -
 class _Interrupted(Exception):
     """SIGINT or SIGTERM reached the launcher."""
 
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
 
 _Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
 _Handlers = dict[signal.Signals, _Handler]
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    raise _Interrupted
+    raise _Interrupted(signum)
 
 
 def _install_interrupt_handlers() -> _Handlers:

@@ -24,6 +24,7 @@ from shardflow.train import checkpoint
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
+from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.roles import RoleContext
 from shardflow.train.specs import TrainResult
@@ -68,12 +69,17 @@ def run_chief(
     *,
     failures: Sequence[RoleExit] = (),
     on_connect: Callable[[ParameterClient | None], None] = lambda _: None,
+    preemption: Preemption | None = None,
 ) -> TrainResult:
     """Run the job to its end and return what it did. `failures` lists roles the local launcher saw exit with an
-    error (the loop fails on the first); `on_connect` is told the client to the PS while it exists."""
+    error (the loop fails on the first); `on_connect` is told the client to the PS while it exists. Once
+    `preemption` is requested, training ends at the current step and the result says `preempted`."""
+    preemption = preemption or Preemption(job.strategy.termination_grace_s)
     control = role.control
     strategy = job.strategy
     started = time.monotonic()
+    # The chief is the only role that saves, and none of its saves has started yet.
+    checkpoint.clean(job.model_dir)
     model = job.build_model()
     restored = _restore(job, model, role)
     start_step = restored.step if restored else 0
@@ -108,23 +114,28 @@ def run_chief(
     control.set(control_keys.READY, "1")
     try:
         training_started = time.monotonic()
-        loop.run()
+        loop.run(preemption)
         training_s = time.monotonic() - training_started
         state = fetch_state(client)
         model.load_state_dict(state.params, strict=False)  # what a final inline evaluation evaluates
         path = checkpoint.save_state(
             job.model_dir, state, {**manifest, "ps_stats": state.stats}, keep=job.keep_checkpoint_max
         )
+        if loop.preempted:
+            log.warning("preempted: checkpoint %s at global step %d; the next run resumes from it", path, state.step)
         metrics: dict[str, float] = {}
         if loop.eval_spec is not None:
             last = loop.eval_history[-1] if loop.eval_history else None
-            metrics = last["metrics"] if last and last["global_step"] == state.step else loop.evaluate(state.step)
+            if last and last["global_step"] == state.step:
+                metrics = last["metrics"]
+            elif not loop.preempted:  # no time for a final evaluation within the grace period
+                metrics = loop.evaluate(state.step)
         client.shutdown()
         control.set(control_keys.SHUTDOWN, "1")
-        if role.spec.num("evaluator") and job.eval_spec is not None:
+        if role.spec.num("evaluator") and job.eval_spec is not None and not loop.preempted:
             final = control.get(control_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
             metrics = json.loads(final)["metrics"]
-        profiler.collect(loop.capture_roles, timeout_s=30.0, final=True)
+        profiler.collect(loop.capture_roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
         captures = profiler.completed
     finally:
         job_file.unlink(missing_ok=True)
@@ -149,6 +160,7 @@ def run_chief(
         profile_dir=str(captures[-1]) if captures else None,
         eval_history=loop.eval_history,
         stopped_early=loop.stopped_early,
+        preempted=loop.preempted,
     )
 
 

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -21,6 +22,11 @@ from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
 from shardflow.train.roles import RoleContext
 from shardflow.train.summaries import Summaries
+
+if TYPE_CHECKING:
+    from shardflow.train.preemption import Preemption
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _PS_POLL_S = 0.25
@@ -55,6 +61,7 @@ class ChiefLoop:
         self.progress: dict[str, dict[str, Any]] = {}
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
+        self.preempted = False
         self.last_snapshot_step = start_step
         self.requested_snapshot: int | None = None
         self.last_checkpoint_time = time.monotonic()
@@ -63,18 +70,23 @@ class ChiefLoop:
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
 
-    def run(self) -> None:
+    def run(self, preemption: Preemption | None = None) -> None:
+        """Until every worker is done; or, once `preemption` is requested, until they finished their step in flight
+        (waiting at most half the grace period: the other half is the final checkpoint's and the exit's)."""
         self.started = time.monotonic()  # evaluation times count from the start of training, not start-up
         last_seen = dict.fromkeys(self.workers, time.monotonic())
         next_ps_poll = next_slow = time.monotonic()
+        stop_waiting_at = float("inf")
         try:
             while True:
                 done = self._watch_workers(last_seen)
                 now = time.monotonic()
-                if done:
+                if done or now >= stop_waiting_at:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
                     self._save_snapshots(self.client.status())
                     return
+                if preemption is not None and not self.preempted and self._preempt(preemption, now >= next_ps_poll):
+                    stop_waiting_at = now + preemption.remaining_s() / 2
                 if now >= next_ps_poll:
                     next_ps_poll = now + _PS_POLL_S
                     self._poll_servers()
@@ -90,6 +102,27 @@ class ChiefLoop:
             self.summaries.training(self.global_step, self.progress, self._ps_stats)
             self.display.update(self.global_step, self.progress)
             self.display.close()
+
+    def _preempt(self, preemption: Preemption, ask_roles: bool) -> bool:
+        """Whether this process got SIGTERM or (when `ask_roles`) another role told that it did; if so, end training
+        at the current step, as early stopping does: the PS drop later updates and tell the workers to stop."""
+        if not preemption.requested and ask_roles:
+            for task in self.role.spec.tasks():
+                key = control_keys.preempted(task.name)
+                if task.type != "chief" and self.control.is_set(key):
+                    preemption.request(f"{self.control.get(key, waiting_for=task.name)} to {task.name}")
+                    break
+        if not preemption.requested:
+            return False
+        self.preempted = True
+        self.client.stop()
+        log.warning(
+            "preempted by %s at global step %d: checkpointing and ending the job within %.0fs",
+            preemption.reason,
+            self.global_step,
+            preemption.remaining_s(),
+        )
+        return True
 
     # -- workers ----------------------------------------------------------------------------------
 

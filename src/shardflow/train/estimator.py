@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,20 +20,22 @@ from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
 from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
+from shardflow.comm.errors import CommError
 from shardflow.profile.capture import check_steps
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.optimizers import SGD, OptimizerSpec
 from shardflow.train import checkpoint
 from shardflow.train.chief import run_chief
 from shardflow.train.job import JobConfig, LossFn, RoleFailedError, build_model, evaluate_model
+from shardflow.train.preemption import Preemption, tell_chief
 from shardflow.train.roles import RoleContext, run_evaluator, run_ps
-from shardflow.train.specs import EvalSpec, TrainResult, TrainSpec
+from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
 from shardflow.train.worker import run_worker
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Estimator", "RoleFailedError", "train_and_evaluate"]
+__all__ = ["Estimator", "Preempted", "RoleFailedError", "train_and_evaluate"]
 
 
 class Estimator:
@@ -154,13 +157,57 @@ class Estimator:
 def train_and_evaluate(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | None = None) -> TrainResult:
     """Run this process's role. Returns the result in the chief; other roles exit the process when the job is done."""
     job = est.job(train_spec, eval_spec)
+    finished = _already_finished(job)
     found = cluster_from_env(num_ps=job.strategy.num_ps)
+    if finished is not None:
+        if found is None or found[1].type == "chief":
+            return finished
+        sys.stdout.flush()
+        raise SystemExit(0)
     if found is None:
         return _run_embedded(est, job)
     spec, task = found
     if task.type == "chief":
         return _run_chief(est, job, spec, task)
     _run_other_role(est, job, spec, task)
+
+
+def _already_finished(job: JobConfig) -> TrainResult | None:
+    """What the latest checkpoint holds when it is already at max_steps: a re-run then trains nothing and starts
+    no cluster."""
+    max_steps = job.train_spec.max_steps
+    path = checkpoint.latest(job.model_dir) if max_steps is not None else None
+    if max_steps is None or path is None:
+        return None
+    manifest = checkpoint.read_manifest(path)
+    step = int(manifest["global_step"])
+    if step < max_steps:
+        return None
+    log.warning(
+        "model_dir %s already holds global step %d >= max_steps %d; raise max_steps to train further",
+        job.model_dir,
+        step,
+        max_steps,
+    )
+    metrics: dict[str, float] = {}
+    history = job.model_dir / "eval" / "history.jsonl"
+    if job.eval_spec is not None and history.exists():
+        lines = history.read_text().splitlines()
+        last = json.loads(lines[-1]) if lines else {}
+        if last.get("global_step") == step:
+            metrics = last["metrics"]
+    return TrainResult(
+        global_step=step,
+        metrics=metrics,
+        checkpoint=str(path),
+        first_loss=None,
+        final_loss=None,
+        elapsed_s=0.0,
+        training_s=0.0,
+        start_step=step,
+        worker_steps={},
+        ps_stats=manifest.get("ps_stats", {}),
+    )
 
 
 def _connect(job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
@@ -179,12 +226,19 @@ def _run_chief(
     spec: ClusterSpec,
     task: TaskSpec,
     failures: Sequence[RoleExit] = (),
+    preemption: Preemption | None = None,
 ) -> TrainResult:
+    """Raises Preempted, after the final checkpoint, when SIGTERM (or a role's preemption) ended training early."""
+    own_preemption = preemption is None
+    if preemption is None:
+        preemption = Preemption(job.strategy.termination_grace_s).install()
     role = _connect(job, spec, task)
     log_handler = _log_to(job.model_dir / "logs" / "chief.log")
     try:
-        result = run_chief(job, role, failures=failures, on_connect=est._set_live)
+        result = run_chief(job, role, failures=failures, on_connect=est._set_live, preemption=preemption)
         _write_result(job, role, result)
+        if result.preempted:
+            raise Preempted(result)
         return result
     except KeyboardInterrupt:
         if not failures:
@@ -193,11 +247,16 @@ def _run_chief(
         key = control_keys.failed(failed.task.name)
         reason = role.control.get(key, waiting_for=failed.task.name) if role.control.is_set(key) else ""
         raise RoleFailedError(f"{failed.describe()}{': ' + reason if reason else ''}; the job was stopped") from None
+    except CommError as error:
+        # A PS that stopped answering the chief: the same error as any other failed role, naming it.
+        raise RoleFailedError(str(error)) from error
     finally:
         # Tell every role the job is over so none waits for a chief that is gone.
         role.control.set(control_keys.SHUTDOWN, "1")
         logging.getLogger("shardflow").removeHandler(log_handler)
         log_handler.close()
+        if own_preemption:
+            preemption.uninstall()
 
 
 def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> NoReturn:
@@ -205,6 +264,9 @@ def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: Tas
     if threads:
         torch.set_num_threads(threads)
     role = _connect(job, spec, task)
+    # On SIGTERM the role asks the chief to end the job at the current step and carries on until it is over:
+    # the process then exits 0 as at any end, or 143 at the deadline if the job never ends.
+    Preemption(job.strategy.termination_grace_s).install(tell_chief(role))
     try:
         if task.type == "ps":
             run_ps(role)
@@ -237,7 +299,16 @@ def _write_result(job: JobConfig, role: RoleContext, result: TrainResult) -> Non
     path = env.get(env.RESULT_JSON)
     if not path:
         return
-    fields = ("global_step", "training_s", "elapsed_s", "worker_steps", "metrics", "eval_history", "profile_dir")
+    fields = (
+        "global_step",
+        "training_s",
+        "elapsed_s",
+        "worker_steps",
+        "metrics",
+        "eval_history",
+        "profile_dir",
+        "preempted",
+    )
     payload = {name: getattr(result, name) for name in fields}
     payload.update(num_workers=role.num_workers, num_ps=role.num_ps, mode=job.strategy.mode)
     payload.update(first_loss=result.first_loss, final_loss=result.final_loss, checkpoint=result.checkpoint)
@@ -269,19 +340,33 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
     # The launcher appends roles that exit with an error; the chief's loop reads it on every poll.
     failures: list[RoleExit] = []
     main_thread = threading.main_thread().ident
+    # SIGTERM to this process preempts the whole job; the roles end when the chief says the job is over.
+    preemption = Preemption(strategy.termination_grace_s).install()
 
     def on_failure(exit_: RoleExit) -> None:
         failures.append(exit_)
         # A real signal, so that a wait inside C code in the main thread is interrupted too; the chief's loop also
-        # reads `failures` on every poll, in case the interruption lands where it is lost.
-        if main_thread is not None:
+        # reads `failures` on every poll, in case the interruption lands where it is lost. Once preempted, the
+        # chief's loop alone reacts, so that no interruption lands in the final checkpoint.
+        if main_thread is not None and not preemption.requested:
             signal.pthread_kill(main_thread, signal.SIGINT)
 
-    with launcher:
-        launcher.start()
-        launcher.watch(on_failure)
-        result = _run_chief(est, job, spec, chief, failures)
-        leftover = launcher.wait(timeout_s=strategy.request_timeout_s)
-        if leftover is not None:
-            raise RoleFailedError(f"{leftover.describe()} after training finished")
+    try:
+        with launcher:
+            launcher.start()
+            launcher.watch(on_failure)
+            try:
+                result = _run_chief(est, job, spec, chief, failures, preemption)
+            except Preempted:
+                # Every role was told the job is over; those not gone shortly before the deadline are stopped.
+                margin_s = min(1.0, strategy.termination_grace_s / 10)
+                with contextlib.suppress(TimeoutError):
+                    launcher.wait(timeout_s=max(0.0, preemption.remaining_s() - margin_s))
+                launcher.stop(grace_s=min(margin_s, preemption.remaining_s()) / 2)
+                raise
+            leftover = launcher.wait(timeout_s=strategy.request_timeout_s)
+            if leftover is not None:
+                raise RoleFailedError(f"{leftover.describe()} after training finished")
+    finally:
+        preemption.uninstall()
     return result

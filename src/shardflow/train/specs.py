@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from shardflow.cluster.launcher import PREEMPTED_EXIT_CODE
 from shardflow.train.hooks import Hook
 
 InputFn = Callable[["InputContext"], Iterable[Any]]
@@ -134,8 +135,22 @@ class TrainResult:
     eval_history: list[dict[str, Any]] = field(default_factory=list)
     """Evaluations during training: {"global_step", "elapsed_s", "metrics"}."""
     stopped_early: bool = False
+    preempted: bool = False
+    """SIGTERM ended training early: `checkpoint` holds `global_step` and the next run resumes from it."""
 
     @property
     def global_steps_per_s(self) -> float:
         steps = self.global_step - self.start_step
         return steps / self.training_s if self.training_s > 0 else 0.0
+
+
+class Preempted(SystemExit):
+    """Raised in the chief by `train_and_evaluate` when SIGTERM preempted the job, after the final checkpoint.
+
+    A SystemExit with status 143, as SIGTERM itself gives: uncaught, it ends the program without a traceback and
+    skips the code after the call, which expects a finished model; `except Exception` does not catch it.
+    `result` says what was trained, with `preempted=True`."""
+
+    def __init__(self, result: TrainResult) -> None:
+        super().__init__(PREEMPTED_EXIT_CODE)
+        self.result = result

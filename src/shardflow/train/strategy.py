@@ -30,6 +30,12 @@ class ParameterServerStrategy(UpdateRule):
     """Deadline for every role to come up and find the others through the chief."""
     heartbeat_timeout_s: float = 60.0
     """The chief fails the job when a worker has not reported for this long."""
+    max_nonfinite_updates: int = 1
+    """The job fails once this many steps, over all workers, held NaN or inf in their loss or gradients; such
+    steps are never applied and are not global steps."""
+    termination_grace_s: float = 30.0
+    """SIGTERM: checkpoint at the current step and exit within this many seconds; keep it below the cluster
+    manager's termination grace period, 30 s by default on Kubernetes."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -37,6 +43,14 @@ class ParameterServerStrategy(UpdateRule):
             raise ValueError(f"ParameterServerStrategy.num_ps must be >= 1, got {self.num_ps}")
         if self.num_workers < 1:
             raise ValueError(f"ParameterServerStrategy.num_workers must be >= 1, got {self.num_workers}")
+        limit = self.max_nonfinite_updates
+        if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
+            raise ValueError(f"ParameterServerStrategy.max_nonfinite_updates must be an int >= 1, got {limit!r}")
         for name in ("request_timeout_s", "startup_timeout_s", "heartbeat_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ParameterServerStrategy.{name} must be positive")
+        if self.termination_grace_s <= 0:
+            raise ValueError(
+                f"ParameterServerStrategy.termination_grace_s must be positive, got {self.termination_grace_s}; "
+                "keep it below the cluster manager's grace period (Kubernetes: terminationGracePeriodSeconds)"
+            )

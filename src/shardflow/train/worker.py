@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -14,7 +15,7 @@ from shardflow.cluster import control_keys
 from shardflow.comm.client import Client
 from shardflow.data.torch_edge import to_torch
 from shardflow.profile import spans
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.client import ParameterClient, Pushed, StepReply
 from shardflow.ps.placement import Placement
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
@@ -23,7 +24,13 @@ from shardflow.train.profiling import RoleProfiler
 from shardflow.train.roles import RoleContext
 from shardflow.train.specs import InputContext
 
+log = logging.getLogger(__name__)
+
 _REPORT_EVERY_S = 1.0
+
+
+class NonFiniteUpdateError(RuntimeError):
+    """The job's `max_nonfinite_updates` was reached: that many steps held NaN or inf; none was applied."""
 
 
 def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module) -> ParameterClient:
@@ -77,7 +84,7 @@ def run_worker(
 
     reply = params.pull()
     step, stop = reply.step, reply.stop
-    in_flight: deque[dict[str, int]] = deque()
+    in_flight: deque[Pushed] = deque()
     report = Report(role)
     try:
         while not stop:
@@ -94,13 +101,19 @@ def run_worker(
             t = time.perf_counter_ns()
             loss = job.loss_fn(model, batch)
             recorder.end(spans.FORWARD, step, t)
-            t = time.perf_counter_ns()
-            loss.backward()
-            recorder.end(spans.BACKWARD, step, t)
-            in_flight.append(params.end_push())
+            # A NaN or inf loss is not backpropagated: every PS is told, and refuses the step alike.
+            if bool(torch.isfinite(loss.detach()).all()):
+                t = time.perf_counter_ns()
+                loss.backward()
+                recorder.end(spans.BACKWARD, step, t)
+                in_flight.append(params.end_push())
+            else:
+                in_flight.append(params.push_nonfinite_loss())
             recorded_step = step
             while len(in_flight) > depth:
-                reply = params.wait_push(in_flight.popleft())
+                pushed = in_flight.popleft()
+                reply = params.wait_push(pushed)
+                _check_finite(role.task.name, job.strategy.max_nonfinite_updates, pushed, reply)
                 step, stop = reply.step, stop or reply.stop
             recorder.end(spans.STEP, recorded_step, step_started)
             report.step(float(loss.detach()), position.epoch)
@@ -110,7 +123,9 @@ def run_worker(
                 report.send()
                 profiler.check_requests()
         while in_flight:
-            params.wait_push(in_flight.popleft(), load_params=False)
+            pushed = in_flight.popleft()
+            reply = params.wait_push(pushed, load_params=False)
+            _check_finite(role.task.name, job.strategy.max_nonfinite_updates, pushed, reply)
         params.done()
     finally:
         params.close()
@@ -119,6 +134,18 @@ def run_worker(
     hooks.end(report.local_step, step)
     report.send(done=True)
     control.add(control_keys.WORKERS_DONE, 1)
+
+
+def _check_finite(name: str, max_nonfinite_updates: int, pushed: Pushed, reply: StepReply) -> None:
+    """Raise once the PS have refused `max_nonfinite_updates` non-finite steps in all; this step's refusal was
+    the count the PS reply with. The error reaches the chief through this worker's failure key."""
+    if not reply.nonfinite:
+        return
+    found = "computed a NaN or inf loss" if pushed.nonfinite == "loss" else "pushed NaN or inf gradients"
+    line = f"{name} {found} at global step {pushed.base_step} ({reply.nonfinite} of at most {max_nonfinite_updates})"
+    if reply.nonfinite >= max_nonfinite_updates:
+        raise NonFiniteUpdateError(f"{line}; none were applied")
+    log.warning("%s; not applied, training goes on", line)
 
 
 class Report:

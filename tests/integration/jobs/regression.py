@@ -12,6 +12,7 @@ import time
 import torch
 
 import shardflow as sf
+from shardflow.train.estimator import Preempted
 
 with open(sys.argv[1]) as f:
     config = json.load(f)
@@ -60,6 +61,7 @@ strategy = sf.ParameterServerStrategy(
     replicas_to_aggregate=config.get("replicas_to_aggregate"),
     overlap=config.get("overlap", True),
     request_timeout_s=config.get("request_timeout_s", 60.0),
+    termination_grace_s=config.get("termination_grace_s", 30.0),
 )
 profile_steps = config.get("profile_steps")
 est = sf.Estimator(
@@ -71,17 +73,30 @@ est = sf.Estimator(
     profile_steps=tuple(profile_steps) if profile_steps else None,
     profile_ops=config.get("profile_ops", False),
 )
-result = sf.train_and_evaluate(
-    est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
-)
-with open(config["result"], "w") as f:
-    json.dump(
-        {
-            "global_step": result.global_step,
-            "worker_steps": result.worker_steps,
-            "ps_stats": result.ps_stats,
-            "est_global_step": est.global_step,
-            "profile_dir": result.profile_dir,
-        },
-        f,
+
+
+def write_result(result: sf.TrainResult) -> None:
+    with open(config["result"], "w") as f:
+        json.dump(
+            {
+                "global_step": result.global_step,
+                "start_step": result.start_step,
+                "worker_steps": result.worker_steps,
+                "ps_stats": result.ps_stats,
+                "est_global_step": est.global_step,
+                "profile_dir": result.profile_dir,
+                "checkpoint": result.checkpoint,
+                "preempted": result.preempted,
+            },
+            f,
+        )
+
+
+try:
+    trained = sf.train_and_evaluate(
+        est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
     )
+except Preempted as preempted:
+    write_result(preempted.result)
+    raise  # exits 143: the job is not finished; running it again resumes from the checkpoint
+write_result(trained)

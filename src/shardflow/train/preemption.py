@@ -1,0 +1,116 @@
+"""Preemption: SIGTERM, as Kubernetes and Slurm send it, ends the job at the current global step, checkpointed,
+with every process gone within `ParameterServerStrategy.termination_grace_s`."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+from shardflow.cluster import control_keys
+from shardflow.cluster.launcher import PREEMPTED_EXIT_CODE
+from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
+from shardflow.train.roles import RoleContext
+
+_POLL_S = 0.1
+
+
+class Preemption:
+    """Whether this process was asked to end early, why, and by when it must be gone.
+
+    The SIGTERM handler only records the time; the training loops act on it, and a daemon thread ends the process
+    at the deadline if they have not. A second SIGTERM ends the process at once, as does SIGINT (KeyboardInterrupt)."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.grace_s = grace_s
+        self.reason = ""
+        self.requested_at: float | None = None
+        self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self._installed = False
+        self._closed = threading.Event()
+
+    def install(self, on_request: Callable[[Preemption], None] = lambda _: None) -> Preemption:
+        """Handle SIGTERM from now on (only the main thread can; elsewhere only `request` preempts). Once
+        preempted, `on_request` runs in a daemon thread (it may do I/O), which then enforces the deadline."""
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        threading.Thread(target=self._watch, args=(on_request,), daemon=True, name="shardflow-preemption").start()
+        return self
+
+    def uninstall(self) -> None:
+        """Back to the SIGTERM handling before `install`; the deadline no longer applies."""
+        self._closed.set()
+        if self._installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+            # None means the previous handler was set outside Python and cannot be put back.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+        self._installed = False
+
+    def request(self, reason: str) -> None:
+        """Preempt, if not already: the deadline is `grace_s` from now."""
+        if self.requested_at is None:
+            self.reason = reason
+            self.requested_at = time.monotonic()
+
+    @property
+    def requested(self) -> bool:
+        return self.requested_at is not None
+
+    def remaining_s(self) -> float:
+        """Seconds left until the deadline; infinite while not preempted."""
+        if self.requested_at is None:
+            return float("inf")
+        return max(0.0, self.requested_at + self.grace_s - time.monotonic())
+
+    def _on_sigterm(self, signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
+        self.request("SIGTERM")
+
+    def _watch(self, on_request: Callable[[Preemption], None]) -> None:
+        while self.requested_at is None:
+            if self._closed.wait(_POLL_S):
+                return
+        on_request(self)
+        if not self._closed.wait(self.remaining_s()):
+            exit_now(f"still running {self.grace_s:g}s after {self.reason} (termination_grace_s); exiting")
+
+
+def exit_now(message: str) -> None:
+    """End this process with the status SIGTERM would have given it. Callable from any thread: it writes straight
+    to stderr, taking no lock the main thread may hold."""
+    with contextlib.suppress(OSError):
+        os.write(sys.stderr.fileno(), f"shardflow: {message}\n".encode())
+    os._exit(PREEMPTED_EXIT_CODE)
+
+
+def tell_chief(role: RoleContext) -> Callable[[Preemption], None]:
+    """What a role other than the chief does on SIGTERM: ask the chief to preempt the whole job, and keep working
+    until the job is over. With the job already over or the chief unreachable, there is nothing to wait for."""
+
+    def notify(preemption: Preemption) -> None:
+        name, address = role.task.name, role.control.address
+        try:
+            # A connection of its own: the main thread keeps using role.control meanwhile.
+            control = ControlPlane(address, is_chief=False, timeout_s=min(5.0, preemption.grace_s))
+            over = control.is_set(control_keys.SHUTDOWN)
+            if not over:
+                control.set(control_keys.preempted(name), preemption.reason)
+        except (ControlPlaneError, RuntimeError) as error:
+            exit_now(f"{name}: {preemption.reason}, and the chief's control plane at {address} is gone ({error})")
+            return
+        if over:
+            exit_now(f"{name}: {preemption.reason} after the job ended")
+        print(
+            f"{name}: {preemption.reason}; asked the chief to checkpoint and end the job "
+            f"within {preemption.grace_s:g}s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    return notify
