@@ -61,7 +61,9 @@ def local_loop(steps: int) -> float:
     return steps / (time.perf_counter() - started)
 
 
-def shardflow_job(workers: int, ps: int, steps: int, mode: str = "async", overlap: bool = True) -> dict:
+def shardflow_job(
+    workers: int, ps: int, steps: int, mode: str = "async", overlap: bool = True, save_every: int = 0
+) -> dict:
     return run_json(
         [
             str(HERE / "jobs" / "mlp_async.py"),
@@ -70,6 +72,7 @@ def shardflow_job(workers: int, ps: int, steps: int, mode: str = "async", overla
             str(steps),
             mode,
             "1" if overlap else "0",
+            str(save_every),
         ]
     )
 
@@ -94,6 +97,8 @@ def main() -> None:
     sf_1w = best([shardflow_job(1, 1, args.steps) for _ in range(r)])
     sf_1w_no_overlap = best([shardflow_job(1, 1, args.steps, overlap=False) for _ in range(r)])
     sf_2w = best([shardflow_job(2, 1, args.steps) for _ in range(r)])
+    # The same run with a checkpoint at every 100th global step: what frequent checkpoints cost.
+    sf_2w_ckpt = best([shardflow_job(2, 1, args.steps, save_every=100) for _ in range(r)])
     rows = [
         ("single-process PyTorch loop", local, ""),
         (
@@ -107,6 +112,11 @@ def main() -> None:
             sf_2w["steps_per_s"],
             f"global_step={sf_2w['global_step']}",
         ),
+        (
+            "shardflow async 2w+1PS, checkpoint every 100",
+            sf_2w_ckpt["steps_per_s"],
+            f"global_step={sf_2w_ckpt['global_step']}",
+        ),
     ]
     result = {
         "local_steps_per_s": local,
@@ -115,6 +125,8 @@ def main() -> None:
         "sf_2w1ps_steps_per_s": sf_2w["steps_per_s"],
         "sf_2w1ps_global_step": sf_2w["global_step"],
         "ratio_1w1ps_vs_local": sf_1w["steps_per_s"] / local,
+        "sf_2w1ps_checkpoint_every_100_steps_per_s": sf_2w_ckpt["steps_per_s"],
+        "ratio_checkpoint_every_100": sf_2w_ckpt["steps_per_s"] / sf_2w["steps_per_s"],
     }
     if not args.no_tf:
         tf_steps = min(args.steps, 1000)
@@ -137,6 +149,7 @@ def main() -> None:
     for name, rate, note in rows:
         print(f"{name:48} {rate:9.0f}  {note}")
     print(f"1 worker + 1 PS vs local loop: {result['ratio_1w1ps_vs_local']:.2f}x (target >= 0.7x)")
+    print(f"checkpoint every 100 steps: {result['ratio_checkpoint_every_100']:.2f}x the steps/s without")
     if "ratio_2w1ps_vs_tf" in result:
         print(f"async 2 workers + 1 PS vs TF: {result['ratio_2w1ps_vs_tf']:.2f}x (target >= 3x)")
     print("RESULT " + json.dumps(result))

@@ -1,6 +1,6 @@
 """Benchmark job: MLP 64-512-512-10 (301k parameters), batch 32, on a local shardflow cluster.
 
-Usage: python mlp_async.py RESULT_JSON WORKERS PS STEPS [MODE] [OVERLAP]
+Usage: python mlp_async.py RESULT_JSON WORKERS PS STEPS [MODE] [OVERLAP] [SAVE_CHECKPOINTS_STEPS]
 """
 
 import json
@@ -21,6 +21,7 @@ result_path, num_workers, num_ps, steps = (
 )
 mode = sys.argv[5] if len(sys.argv) > 5 else "async"
 overlap = (sys.argv[6] if len(sys.argv) > 6 else "1") == "1"
+save_every = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "0" else None
 
 
 def model_fn() -> torch.nn.Module:
@@ -67,7 +68,7 @@ step_log = os.environ.get("SHARDFLOW_BENCH_STEP_LOG")
 hooks = [StepLog(step_log)] if step_log else []
 strategy = sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode, overlap=overlap)
 with tempfile.TemporaryDirectory() as model_dir:
-    est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=0.01), strategy, model_dir)
+    est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=0.01), strategy, model_dir, save_checkpoints_steps=save_every)
     result = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, max_steps=steps, hooks=hooks))
 with open(result_path, "w") as f:
     json.dump(
