@@ -43,7 +43,7 @@ The field checks live in ps/fields.py, the reply types in ps/replies.py; both ar
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self
 
 import torch
@@ -360,37 +360,37 @@ class GetState:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SnapshotAt:
+class _StepFields:
+    """A control request whose fields are all global steps (ints >= 0), read from its own dataclass fields: these
+    are off the hot path, so the generic form costs nothing that matters."""
+
+    op: ClassVar[str]
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        names = tuple(f.name for f in fields(cls))
+        check_keys(header, names)
+        no_frames(frames)
+        return cls(**{name: int_field(header, name) for name in names})
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotAt(_StepFields):
     """Snapshot the state when the global step reaches `step` (a time-based checkpoint picks one just ahead)."""
 
     op: ClassVar[str] = "snapshot_at"
     step: int
 
-    def header(self) -> dict[str, Any]:
-        return {"op": self.op, "step": self.step}
-
-    @classmethod
-    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
-        check_keys(header, ("step",))
-        no_frames(frames)
-        return cls(step=int_field(header, "step"))
-
 
 @dataclass(frozen=True, kw_only=True)
-class ReleaseSnapshots:
+class ReleaseSnapshots(_StepFields):
     """The chief saved every snapshot up to and including `through_step`; the PS may drop them."""
 
     op: ClassVar[str] = "release_snapshots"
     through_step: int
-
-    def header(self) -> dict[str, Any]:
-        return {"op": self.op, "through_step": self.through_step}
-
-    @classmethod
-    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
-        check_keys(header, ("through_step",))
-        no_frames(frames)
-        return cls(through_step=int_field(header, "through_step"))
 
 
 @dataclass(frozen=True, kw_only=True)
