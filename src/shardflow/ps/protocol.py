@@ -182,20 +182,29 @@ def _config(header: dict[Any, Any], name: str, from_json: Callable[[dict[str, An
 
 
 @dataclass(frozen=True, kw_only=True)
-class Pull:
+class _StepFields:
+    """A control request whose fields are all global steps (ints >= 0), read from its own dataclass fields: none is
+    sent more than once per step, so the generic form costs nothing that matters."""
+
+    op: ClassVar[str]
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        names = tuple(f.name for f in fields(cls))
+        check_keys(header, names)
+        no_frames(frames)
+        return cls(**{name: int_field(header, name) for name in names})
+
+
+@dataclass(frozen=True, kw_only=True)
+class Pull(_StepFields):
     """Ask for the parameters once the global step is at least `min_step`."""
 
     op: ClassVar[str] = "pull"
     min_step: int = 0
-
-    def header(self) -> dict[str, Any]:
-        return {"op": self.op, "min_step": self.min_step}
-
-    @classmethod
-    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
-        check_keys(header, ("min_step",))
-        no_frames(frames)
-        return cls(min_step=int_field(header, "min_step"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -357,24 +366,6 @@ class GetState:
         check_keys(header, ("snapshot_step",))
         no_frames(frames)
         return cls(snapshot_step=optional_int_field(header, "snapshot_step"))
-
-
-@dataclass(frozen=True, kw_only=True)
-class _StepFields:
-    """A control request whose fields are all global steps (ints >= 0), read from its own dataclass fields: these
-    are off the hot path, so the generic form costs nothing that matters."""
-
-    op: ClassVar[str]
-
-    def header(self) -> dict[str, Any]:
-        return {"op": self.op, **{f.name: getattr(self, f.name) for f in fields(self)}}
-
-    @classmethod
-    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
-        names = tuple(f.name for f in fields(cls))
-        check_keys(header, names)
-        no_frames(frames)
-        return cls(**{name: int_field(header, name) for name in names})
 
 
 @dataclass(frozen=True, kw_only=True)
