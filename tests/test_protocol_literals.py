@@ -23,7 +23,17 @@ EXACT_KEYS = {
     for name, value in vars(control_keys).items()
     if name.isupper() and isinstance(value, str) and "/" not in value
 }
-KEY_PREFIXES = ("progress/", "failed/", "preempted/", "capture/", "restore/", "eval/", "chief/clock", "ps/")
+KEY_PREFIXES = (
+    "progress/",
+    "heartbeat/",
+    "failed/",
+    "preempted/",
+    "capture/",
+    "restore/",
+    "eval/",
+    "chief/clock",
+    "ps/",
+)
 RECORDER_METHODS = {"end", "span", "flow"}
 CONTROL_METHODS = {"set", "get", "get_bytes", "is_set", "add", "endpoint", "publish_endpoint"}
 

@@ -15,6 +15,10 @@ Set by shardflow's own tools for the processes they start:
 - `SHARDFLOW_MODEL_DIR`: overrides `Estimator.model_dir` (`shardflow scale` gives each run its own).
 - `SHARDFLOW_PROFILE_STEPS`: `first,last` overrides `Estimator.profile_steps`.
 - `SHARDFLOW_RESULT_JSON`: where the chief writes what the run did, for the tool that started it.
+
+Set by fault-injection tests and `make faults` (see faults.py):
+
+- `SHARDFLOW_FAULT`: JSON naming a role, a point in its work and a step where its process kills itself.
 """
 
 from __future__ import annotations
@@ -30,8 +34,20 @@ LOCAL_THREADS = "SHARDFLOW_LOCAL_THREADS"
 MODEL_DIR = "SHARDFLOW_MODEL_DIR"
 PROFILE_STEPS = "SHARDFLOW_PROFILE_STEPS"
 RESULT_JSON = "SHARDFLOW_RESULT_JSON"
+FAULT = "SHARDFLOW_FAULT"
 
-ALL = (CLUSTER, NUM_PS, CLUSTER_SECRET, ENCRYPT, RECORDER, LOCAL_THREADS, MODEL_DIR, PROFILE_STEPS, RESULT_JSON)
+ALL = (
+    CLUSTER,
+    NUM_PS,
+    CLUSTER_SECRET,
+    ENCRYPT,
+    RECORDER,
+    LOCAL_THREADS,
+    MODEL_DIR,
+    PROFILE_STEPS,
+    RESULT_JSON,
+    FAULT,
+)
 
 
 def get(name: str) -> str | None:

@@ -83,8 +83,8 @@ def is_alive(process):
         return False
 
 
-def test_killed_worker_stops_the_job_and_leaves_no_process_behind(tmp_path, processes):
-    launcher = launch(tmp_path, processes, "--workers", "2", "--ps", "1")
+def test_killed_worker_without_restarts_stops_the_job_and_leaves_no_process_behind(tmp_path, processes):
+    launcher = launch(tmp_path, processes, "--max-restarts", "0", "--workers", "2", "--ps", "1")
     roles = wait_for_roles(launcher, processes, num_roles=4)
 
     roles["worker:1"].kill()

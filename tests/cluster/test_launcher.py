@@ -25,6 +25,12 @@ if action == "ignore-sigterm":
     time.sleep(60)
 elif action == "sleep":
     time.sleep(60)
+elif action == "fail-once":
+    marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".failed")
+    if os.path.exists(marker):
+        sys.exit(0)
+    open(marker, "w").close()
+    os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(action)
 """
 
@@ -175,3 +181,56 @@ def test_role_exit_describes_signal_and_code():
 
     assert RoleExit(task, 1234, -9).describe() == "worker:1 (pid 1234) exited with code -9 (SIGKILL)"
     assert RoleExit(task, 1234, 3).describe() == "worker:1 (pid 1234) exited with code 3"
+
+
+def test_a_worker_that_dies_is_restarted_after_its_back_off_and_the_job_goes_on(spec, role_command):
+    output = io.StringIO()
+    actions = {"worker:1": "fail-once"}
+    launcher = LocalLauncher(spec, role_command(actions), output=output, max_restarts=2, restart_backoff_s=0.3)
+    with launcher:
+        launcher.start()
+        first = launcher.pids["worker:1"]
+        started = time.monotonic()
+        assert launcher.wait(timeout_s=20) is None
+        assert time.monotonic() - started >= 0.3
+    [death] = launcher.restarts
+    assert (death.task.name, death.pid, death.returncode) == ("worker:1", first, -9)
+    assert launcher.pids["worker:1"] != first
+    text = output.getvalue()
+    assert (
+        f"[launcher] worker:1 (pid {first}) exited with code -9 (SIGKILL); restarting it in 0.3s (restart 1 of 2)"
+        in text
+    )
+    assert text.count("hello from worker:1") == 2
+
+
+def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent_and_a_ps_is_never_restarted(spec, role_command):
+    actions = {"chief:0": "sleep", "ps:0": "sleep", "worker:0": "sleep", "worker:1": 5}
+    launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=2, restart_backoff_s=0.1)
+    with launcher:
+        launcher.start()
+        failure = launcher.wait(timeout_s=20)
+        assert failure is not None and (failure.task.name, failure.returncode) == ("worker:1", 5)
+        # Backed off 0.1s, then 0.2s: three runs in all.
+        assert [d.task.name for d in launcher.restarts] == ["worker:1", "worker:1"]
+
+    actions = {"chief:0": "sleep", "worker:0": "sleep", "worker:1": "sleep", "ps:0": 4}
+    launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=2)
+    with launcher:
+        launcher.start()
+        failure = launcher.wait(timeout_s=20)
+        assert failure is not None and (failure.task.name, launcher.restarts) == ("ps:0", [])
+
+
+def test_stop_during_a_back_off_calls_the_restart_off(spec, role_command):
+    actions = {"chief:0": "sleep", "ps:0": "sleep", "worker:0": "sleep", "worker:1": 5}
+    launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=1, restart_backoff_s=30)
+    launcher.start()
+    deadline = time.monotonic() + 20
+    while not launcher.restarts:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    started = time.monotonic()
+    launcher.stop()
+    assert time.monotonic() - started < 10
+    assert_gone(launcher.pids.values())

@@ -5,8 +5,17 @@ from __future__ import annotations
 import signal
 import time
 
+import pytest
 
-def test_killed_worker_fails_the_job_naming_the_role_and_leaves_no_orphans(start_job, tmp_path):
+
+@pytest.mark.parametrize(
+    ("victim", "max_restarts"),
+    # A worker is restarted while restarts are left (tests/integration/test_worker_loss.py); a PS is not, yet.
+    [("worker:1", 0), ("ps:0", 3)],
+)
+def test_a_killed_role_that_is_not_restarted_fails_the_job_naming_it_and_leaves_no_orphans(
+    start_job, tmp_path, victim, max_restarts
+):
     log = tmp_path / "steps.jsonl"
     job = start_job(
         "regression.py",
@@ -17,14 +26,15 @@ def test_killed_worker_fails_the_job_naming_the_role_and_leaves_no_orphans(start
         num_batches=100_000,
         step_delay_s=0.01,
         step_log=str(log),
+        max_restarts=max_restarts,
     )
     job.wait_for_file(log)
     roles = job.roles()
     assert {"ps:0", "worker:0", "worker:1"} <= set(roles)
-    roles["worker:1"].send_signal(signal.SIGKILL)
+    roles[victim].send_signal(signal.SIGKILL)
     returncode, out = job.finish(timeout_s=30)
     assert returncode != 0
-    assert "worker:1" in out and "SIGKILL" in out, out
+    assert victim in out and "SIGKILL" in out, out
     time.sleep(0.5)
     assert job.leftovers() == []
 

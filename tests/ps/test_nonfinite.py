@@ -116,12 +116,12 @@ def test_inf_in_row_sparse_gradients_is_refused_by_every_ps(start_cluster):
         assert torch.equal(value, before[name]), name
 
 
-def _raw_push(address: str, worker_index: int, grad: torch.Tensor) -> StepReply:
+def _raw_push(address: str, worker_index: int, grad: torch.Tensor, local_step: int) -> StepReply:
     """A push straight to ps:0, past the worker's own check: for the PS's last guard."""
     sender = Client(f"worker:{worker_index}")
     sender.connect("ps:0", address)
     try:
-        push = Push(worker_index=worker_index, base_step=0, frame_counts=(1,))
+        push = Push(worker_index=worker_index, local_step=local_step, base_step=0, frame_counts=(1,))
         header, _ = sender.request("ps:0", push.header(), [grad], timeout_s=5)
         return StepReply.decode(header, Push.op, "ps:0")
     finally:
@@ -136,12 +136,12 @@ def test_the_ps_refuses_a_nan_push_itself_in_async_mode(start_cluster):
     init_servers(chief, SGD(lr=1.0), ApplyConfig(num_workers=2))
     before = _params(model)
 
-    reply = _raw_push(cluster.addresses[0], 1, torch.tensor([1.0, float("nan"), 2.0]))
+    reply = _raw_push(cluster.addresses[0], 1, torch.tensor([1.0, float("nan"), 2.0]), local_step=1)
 
     assert (reply.nonfinite, reply.step) == (1, 0)
     assert _steps_and_refusals(chief, worker_index=1) == [(0, 1, 1)]
     assert torch.equal(fetch_state(chief).params["weight"], before["weight"])
-    assert _raw_push(cluster.addresses[0], 1, torch.tensor([1.0, 1.0, 1.0])).step == 1
+    assert _raw_push(cluster.addresses[0], 1, torch.tensor([1.0, 1.0, 1.0]), local_step=2).step == 1
 
 
 def test_sync_a_nan_push_never_reaches_the_sum_of_the_replicas(start_cluster):

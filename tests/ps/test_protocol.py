@@ -47,11 +47,16 @@ def _requests() -> list[tuple[protocol.PSRequest, list[torch.Tensor]]]:
         (protocol.Init(dtypes=(), num_tables=0, optimizer=SGD(), apply=ApplyConfig(), step=0, frame_counts=()), []),
         (protocol.Pull(min_step=3), []),
         (protocol.Rows(table_indices=(0,)), [torch.tensor([1, 2])]),
-        (protocol.Push(worker_index=1, base_step=2, frame_counts=(2,), input_state={"epoch": 0}), DENSE + ROW_GRAD),
-        (protocol.Push(worker_index=0, base_step=0, frame_counts=(2,)), DENSE + ROW_GRAD),
-        (protocol.NonFinite(worker_index=1, base_step=4, found_in="loss", input_state={"epoch": 0}), []),
-        (protocol.NonFinite(worker_index=0, base_step=0, found_in="gradients"), []),
+        (
+            protocol.Push(worker_index=1, local_step=3, base_step=2, frame_counts=(2,), input_state={"epoch": 0}),
+            DENSE + ROW_GRAD,
+        ),
+        (protocol.Push(worker_index=0, local_step=1, base_step=0, frame_counts=(2,)), DENSE + ROW_GRAD),
+        (protocol.NonFinite(worker_index=1, local_step=5, base_step=4, found_in="loss", input_state={"epoch": 0}), []),
+        (protocol.NonFinite(worker_index=0, local_step=1, base_step=0, found_in="gradients"), []),
         (protocol.Done(worker_index=1), []),
+        (protocol.Rejoin(worker_index=0), []),
+        (protocol.Lost(worker_index=1), []),
         (protocol.Status(), []),
         (protocol.GetState(), []),
         (protocol.GetState(snapshot_step=4), []),
@@ -130,6 +135,8 @@ _MALFORMED = [
     ("push", "worker_index", -1, "worker_index"),
     ("push", "worker_index", 2, "worker_index"),
     ("push", "worker_index", _MISSING, "worker_index"),
+    ("push", "local_step", -1, "local_step"),
+    ("push", "local_step", _MISSING, "local_step"),
     ("push", "base_step", "0", "base_step"),
     ("push", "base_step", -3, "base_step"),
     ("push", "base_step", 2**64, "base_step"),
@@ -321,7 +328,7 @@ def test_a_live_ps_answers_each_malformed_request_with_an_error_and_keeps_servin
     outsider = Client("outsider")
     outsider.connect("ps:0", cluster.addresses[0])
     dense = [torch.zeros(1, 2).reshape(-1), torch.zeros(1)]  # weight, bias: the float32 buffer's pieces
-    push = {"op": "push", "worker_index": 0, "base_step": 0, "frame_counts": [2]}
+    push = {"op": "push", "worker_index": 0, "local_step": 1, "base_step": 0, "frame_counts": [2]}
     malformed: list[tuple[dict[str, Any], list[torch.Tensor], str]] = [
         ({"op": "pull", "min_step": [1, 2]}, [], "min_step"),
         ({**push, "worker_index": None}, dense, "worker_index"),

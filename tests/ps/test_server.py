@@ -70,9 +70,10 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
         cluster.client(model, placement), SGD(lr=1.0), ApplyConfig(mode="sync", num_workers=3, replicas_to_aggregate=2)
     )
     workers = [cluster.client(torch.nn.Linear(2, 1, bias=False), placement, worker_index=i) for i in range(3)]
+    for w in workers:
+        w.pull()  # every worker computes on the parameters of step 0
     requests = []
     for i, w in enumerate(workers):
-        w.pull()
         w.begin_push(0)
         param = dict(w.named)["weight"]
         param.grad = torch.full_like(param, float(i + 1))

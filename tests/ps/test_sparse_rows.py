@@ -251,7 +251,7 @@ def test_a_push_with_rows_outside_the_table_is_refused_and_nothing_applied(start
     chief, _ = start(cluster, SGD(), 1)
     head = [torch.zeros(4), torch.zeros(1)]  # head.weight and head.bias, the dense buffer's pieces
     rows, values = torch.tensor([0, NUM_ROWS]), torch.zeros(2, 4)
-    header = Push(worker_index=0, base_step=0, frame_counts=(2,)).header()
+    header = Push(worker_index=0, local_step=1, base_step=0, frame_counts=(2,)).header()
     with pytest.raises(CommError, match=f"row numbers from 0 to {NUM_ROWS} do not fit a table of {NUM_ROWS} rows"):
         chief.client.request("ps:0", header, [*head, rows, values], timeout_s=5)
     assert chief.global_step() == 0

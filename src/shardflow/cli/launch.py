@@ -16,7 +16,11 @@ example:
 
 Every role runs `python train.py --lr 0.1`; the environment variable SHARDFLOW_CLUSTER tells
 each process its role. Output lines are prefixed with the role, e.g. "[worker:0] ...".
-If one role fails, the others are stopped and the exit code is 1; Ctrl-C stops all roles (130).
+A worker or evaluator that dies is restarted (--max-restarts times, after a back-off that doubles
+from --restart-backoff seconds); a restarted worker resumes its input after the last step every PS
+applied, so no record is applied twice or lost. If a role fails for good (a PS or the chief dies,
+a role raises, or the restarts run out), the others are stopped and the exit code is 1; Ctrl-C
+stops all roles (130).
 SIGTERM, as a cluster manager sends on preemption, goes to the chief: it checkpoints at the current
 step and ends the job, every role exits, and the exit code is 143; launching again resumes there.
 """
@@ -42,6 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="on SIGTERM, how long the chief gets to checkpoint and every role to exit before they are stopped; "
         "as the script's ParameterServerStrategy.termination_grace_s (30)",
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=_count(minimum=0),
+        default=3,
+        metavar="N",
+        help="how many times each worker or evaluator that dies is restarted (3)",
+    )
+    parser.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="wait before a role's first restart, doubled for each further one, at most 30 (1)",
+    )
     parser.add_argument("script", help="the Python training script every role runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched")
 
@@ -55,7 +73,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     spec = ClusterSpec.local(args.workers, args.ps, evaluator=args.evaluator)
     command = [sys.executable, args.script, *args.script_args]
-    return run_local(spec, command, grace_s=args.grace, termination_grace_s=args.termination_grace)
+    return run_local(
+        spec,
+        command,
+        grace_s=args.grace,
+        termination_grace_s=args.termination_grace,
+        max_restarts=args.max_restarts,
+        restart_backoff_s=args.restart_backoff,
+    )
 
 
 def _count(minimum: int) -> Callable[[str], int]:

@@ -14,11 +14,14 @@ Start-up, in order:
 
 While training:
 
-- `progress/<role>`: each worker, about once a second -> chief. JSON progress report; also its heartbeat.
+- `heartbeat/<role>`: each worker, every second from its start, from a thread of its own -> chief. A count
+  that changes with every beat; a worker whose count stops changing for the strategy's heartbeat_timeout_s is
+  lost (the chief then waits up to worker_rejoin_timeout_s for it to be restarted).
+- `progress/<role>`: each worker, about once a second -> chief. JSON progress report; its last one says
+  `"done": true`.
 - `failed/<role>`: a worker that raised -> chief. The error, as `Type: message`.
 - `preempted/<role>`: a worker, PS or evaluator sent SIGTERM -> chief. Why (e.g. `SIGTERM`); the chief then ends
   the whole job at the current step, checkpointed, within the strategy's termination_grace_s.
-- `workers_done` (a counter): each worker, once, after its final report -> chief. Workers that finished.
 - `chief/clock/address`, `chief/clock/curve`: chief -> every role handing over a capture. The clock service.
 - `capture/current`: chief -> every role. JSON: the capture being recorded (name, first, last, ops).
 - `capture/request`: `shardflow profile capture` -> chief. JSON: a capture asked for from outside the job.
@@ -36,7 +39,6 @@ from __future__ import annotations
 READY = "ready"
 PLACEMENT = "placement"
 RESTORE_ITERATORS = "restore/iterators"
-WORKERS_DONE = "workers_done"
 SHUTDOWN = "shutdown"
 EVAL_FINAL = "eval/final"
 CAPTURE_CURRENT = "capture/current"
@@ -56,6 +58,10 @@ def endpoint_address(endpoint: str) -> str:
 
 def endpoint_curve(endpoint: str) -> str:
     return f"{endpoint}/curve"
+
+
+def heartbeat(role: str) -> str:
+    return f"heartbeat/{role}"
 
 
 def progress(role: str) -> str:

@@ -20,6 +20,9 @@ from shardflow import env
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
 
 _PR_SET_PDEATHSIG = 1
+RESTARTABLE = ("worker", "evaluator")
+"""The roles a launcher restarts: they keep no state of their own (a worker resumes where the PS say)."""
+MAX_BACKOFF_S = 30.0
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 """How a preempted job's chief exits, checkpointed or not: the status SIGTERM gives (143)."""
 
@@ -53,7 +56,13 @@ class LocalLauncher:
         prefix_output: bool = True,
         output: TextIO | None = None,
         log_dir: str | os.PathLike[str] | None = None,
+        max_restarts: int = 0,
+        restart_backoff_s: float = 1.0,
+        restartable: Collection[str] = RESTARTABLE,
     ) -> None:
+        """`max_restarts`: how many times a process of a task whose type is in `restartable` is started again
+        after it dies (any exit but 0, while the launcher is not stopping), `restart_backoff_s` after its first
+        death, doubling each time up to MAX_BACKOFF_S; a death beyond that is the task's failure."""
         if not command or isinstance(command, str):
             raise ValueError(
                 f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
@@ -74,6 +83,14 @@ class LocalLauncher:
         self._exits: list[RoleExit] = []
         self._first_failure: RoleExit | None = None
         self._readers: list[threading.Thread] = []
+        self._max_restarts = max_restarts
+        self._restart_backoff_s = restart_backoff_s
+        self._restartable = frozenset(restartable)
+        self._restart_counts: dict[TaskSpec, int] = {}
+        # Deaths waiting out their back-off: when to start the task again, and how its last process ended.
+        self._pending: dict[TaskSpec, tuple[float, RoleExit]] = {}
+        self.restarts: list[RoleExit] = []
+        """Every death that was followed by a restart, in order."""
         self._started = False
         self._stopping = False
         self._stopped = False
@@ -86,23 +103,48 @@ class LocalLauncher:
         if self._started:
             raise RuntimeError("LocalLauncher.start() was already called")
         self._started = True
-        die_with_parent = _die_with_parent()
         try:
             for task in self._tasks:
-                self._processes[task] = subprocess.Popen(
-                    self._command,
-                    env=self._child_env(task),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    preexec_fn=die_with_parent,
-                )
+                self._processes[task] = self._spawn(task)
         except BaseException:
-            self._follow_processes()
+            self._follow_processes(self._processes)
             self.stop(grace_s=0)
             raise
-        self._follow_processes()
+        self._follow_processes(self._processes)
+        if self._max_restarts:
+            # Restarted processes are forked by this thread, which lives as long as the launcher: a child's
+            # parent-death signal fires when the thread that forked it ends.
+            self._start_thread(self._restart_when_due)
+
+    def _spawn(self, task: TaskSpec) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            self._command,
+            env=self._child_env(task),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent(),
+        )
+
+    def _restart_when_due(self) -> None:
+        with self._state:
+            while not self._stopping:
+                now = time.monotonic()
+                due = [task for task, (at, _) in self._pending.items() if at <= now]
+                for task in due:
+                    del self._pending[task]
+                    # Under the lock, so that stop() sees every process it has to end.
+                    process = self._processes[task] = self._spawn(task)
+                    self._follow_processes({task: process})
+                    self._say(f"restarted {task.name} (pid {process.pid})")
+                wake = min((at for at, _ in self._pending.values()), default=None)
+                self._state.wait(None if wake is None else max(0.0, wake - time.monotonic()))
+            # Stopping: a death still waiting for its restart is how that task ended.
+            for _, role_exit in self._pending.values():
+                self._exits.append(role_exit)
+            self._pending.clear()
+            self._state.notify_all()
 
     @property
     def pids(self) -> dict[str, int]:
@@ -146,6 +188,7 @@ class LocalLauncher:
             if self._stopped:
                 return
             self._stopping = True
+            self._state.notify_all()  # a restart waiting out its back-off is called off
         self._signal_groups(signal.SIGTERM)
         with self._state:
             self._state.wait_for(lambda: len(self._exits) == len(self._processes), grace_s)
@@ -163,6 +206,7 @@ class LocalLauncher:
         grace_s for every task to exit. How they exit is no failure; stop() ends what is left."""
         with self._state:
             self._stopping = True
+            self._state.notify_all()
         chief = next((process for task, process in self._processes.items() if task.type == "chief"), None)
         if chief is not None:
             # The process, not its group: the chief's own subprocesses are the chief's to end.
@@ -195,9 +239,9 @@ class LocalLauncher:
         thread.start()
         return thread
 
-    def _follow_processes(self) -> None:
-        # Threads start only after every fork: preexec_fn runs between fork and exec.
-        for task, process in self._processes.items():
+    def _follow_processes(self, processes: Mapping[TaskSpec, subprocess.Popen[bytes]]) -> None:
+        # At start, threads start only after every fork: preexec_fn runs between fork and exec.
+        for task, process in processes.items():
             self._start_thread(self._wait_for, task, process)
             assert process.stdout is not None
             self._readers.append(self._start_thread(self._copy_output, task, process.stdout))
@@ -206,6 +250,23 @@ class LocalLauncher:
         returncode = process.wait()
         with self._state:
             role_exit = RoleExit(task, process.pid, returncode)
+            restarts = self._restart_counts.get(task, 0)
+            if (
+                returncode != 0
+                and not self._stopping
+                and task.type in self._restartable
+                and restarts < self._max_restarts
+            ):
+                self._restart_counts[task] = restarts + 1
+                delay = min(self._restart_backoff_s * 2**restarts, MAX_BACKOFF_S)
+                self._pending[task] = (time.monotonic() + delay, role_exit)
+                self.restarts.append(role_exit)
+                self._say(
+                    f"{role_exit.describe()}; restarting it in {delay:g}s (restart {restarts + 1} of "
+                    f"{self._max_restarts})"
+                )
+                self._state.notify_all()
+                return
             self._exits.append(role_exit)
             if returncode != 0 and not self._stopping and self._first_failure is None:
                 self._first_failure = role_exit
@@ -235,6 +296,11 @@ class LocalLauncher:
                     except (OSError, ValueError):
                         writable = False
 
+    def _say(self, line: str) -> None:
+        with self._write_lock, contextlib.suppress(OSError, ValueError):
+            self._output.write(f"[launcher] {line}\n")
+            self._output.flush()
+
     def _signal_groups(self, signum: signal.Signals) -> None:
         for process in self._processes.values():
             # Each task leads its own session, so its group id is its pid even after it exited.
@@ -260,11 +326,19 @@ def local_threads(spec: ClusterSpec) -> dict[str, str]:
 
 
 def run_local(
-    spec: ClusterSpec, command: Sequence[str], grace_s: float = 5.0, termination_grace_s: float = 30.0
+    spec: ClusterSpec,
+    command: Sequence[str],
+    grace_s: float = 5.0,
+    termination_grace_s: float = 30.0,
+    max_restarts: int = 0,
+    restart_backoff_s: float = 1.0,
 ) -> int:
-    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`). SIGTERM preempts the
-    job: the chief checkpoints and every task gets `termination_grace_s` to exit; the exit status is then 143."""
-    launcher = LocalLauncher(spec, command, env=local_threads(spec))
+    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`); a worker or evaluator
+    that dies is restarted up to `max_restarts` times. SIGTERM preempts the job: the chief checkpoints and every
+    task gets `termination_grace_s` to exit; the exit status is then 143."""
+    launcher = LocalLauncher(
+        spec, command, env=local_threads(spec), max_restarts=max_restarts, restart_backoff_s=restart_backoff_s
+    )
     previous = _install_interrupt_handlers()
     try:
         launcher.start()

@@ -132,6 +132,7 @@ class Updates(Generic[Pending]):
         self.step = step
         self._apply, self._answer = apply, answer
         self.active: set[int] = set(range(config.num_workers))
+        self.finished_workers: set[int] = set()
         self.clocks: dict[int, int] = dict.fromkeys(self.active, 0)
         self.stats: dict[str, float] = {"applied": 0, "dropped_stale": 0, "dropped_after_max_steps": 0, "nonfinite": 0}
         # sync: gradients of the current version, summed, and the pushes waiting for that version's update.
@@ -199,10 +200,21 @@ class Updates(Generic[Pending]):
 
     def done(self, worker_index: int) -> None:
         """A finished worker no longer counts toward aggregation or staleness."""
+        self.finished_workers.add(worker_index)
+        self.lost(worker_index)
+
+    def lost(self, worker_index: int) -> None:
+        """A lost worker (the chief saw its heartbeat stop) no longer counts toward aggregation or staleness, until
+        it rejoins: the steps in progress complete with the remaining replicas."""
         self.active.discard(worker_index)
         if self.config.mode == "sync":
             self._maybe_apply_sync()
         self._release_held()
+
+    def rejoined(self, worker_index: int) -> None:
+        """A worker that starts (again) counts toward aggregation and staleness, unless it had finished."""
+        if worker_index not in self.finished_workers:
+            self.active.add(worker_index)
 
     def stop(self) -> None:
         """End training at the current step: everything waiting is answered, later pushes are dropped."""

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from shardflow import faults
 from shardflow.comm.client import Client
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
@@ -17,10 +18,10 @@ from shardflow.ps import protocol
 from shardflow.ps.apply import all_finite
 from shardflow.ps.layout import ShardLayout
 from shardflow.ps.placement import Placement
-from shardflow.ps.protocol import StatusReply, StepReply
+from shardflow.ps.protocol import RejoinReply, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, coalesced, lookup_modules, rows_between
 
-__all__ = ["ParameterClient", "Pushed", "StatusReply", "StepReply", "read_global_step"]
+__all__ = ["ParameterClient", "Pushed", "Rejoined", "StatusReply", "StepReply", "read_global_step"]
 
 
 def read_global_step(client: Client, peer: str, timeout_s: float) -> int:
@@ -38,6 +39,20 @@ class Pushed:
     """The global step of the parameters the step was computed on."""
     nonfinite: str | None = None
     """Where this worker found NaN or inf ("loss", "gradients"), so it sent `NonFinite` in place of the pushes."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejoined:
+    """Where a starting worker stands with the PS: the steps of its earlier runs that every PS has, and the input
+    position after them. A worker killed while pushing may have reached some PS with its last steps and not
+    others: it repeats those steps from `input_state`, and the PS that had them answer without applying them."""
+
+    local_step: int
+    """The last of the worker's steps that every PS has; 0 for none (a first start)."""
+    input_state: dict[str, Any] | None
+    """The input position after that step; None for none."""
+    ahead: int
+    """How many of the steps after it some PS has already had."""
 
 
 class ParameterClient:
@@ -80,6 +95,10 @@ class ParameterClient:
         self._remaining: list[int] = []
         self._base_step = 0
         self._step = 0
+        # Each PS's global step as its last reply said; a push to it carries that step as its base.
+        self._ps_steps = [0] * placement.num_ps
+        self.local_step = 0
+        """This worker's steps so far, those of its earlier runs (restarts) included; see `rejoin`."""
         self.input_state: dict[str, Any] | None = None
 
     # -- moving tensors ---------------------------------------------------------------------------
@@ -156,6 +175,7 @@ class ParameterClient:
             started = time.perf_counter_ns()
             header, tensors = self.client.recv(peer, seq, self.timeout_s)
             reply = StepReply.decode(header, op, peer)
+            self._ps_steps[ps] = reply.step
             if recorder is not None:
                 recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(t.nbytes for t in tensors))
             if load_params and tensors:
@@ -205,6 +225,10 @@ class ParameterClient:
         """The snapshots up to `through_step` are saved; the PS may drop them."""
         self._broadcast(protocol.ReleaseSnapshots(through_step=through_step))
 
+    def lost(self, worker_index: int) -> None:
+        """Steps complete without this worker until it rejoins (lost_worker_policy "continue")."""
+        self._broadcast(protocol.Lost(worker_index=worker_index))
+
     def stop(self) -> None:
         """End training at the current step: every PS drops later pushes and tells the workers to stop."""
         self._broadcast(protocol.Stop())
@@ -223,9 +247,24 @@ class ParameterClient:
         seqs = {peer: self.client.send(peer, dict(header)) for peer in self.peers}
         return self._wait(seqs, protocol.Pull.op, load_params=True)
 
+    def rejoin(self) -> Rejoined:
+        """Ask every PS what it has of this worker's steps; `local_step` continues from the last all of them have."""
+        replies = self.exchange([protocol.Rejoin(worker_index=self.worker_index)] * len(self.peers))
+        rejoins = [RejoinReply.decode(h, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
+        self._ps_steps = [r.step for r in rejoins]
+        behind = min(rejoins, key=lambda r: r.local_step)
+        self.local_step = behind.local_step
+        return Rejoined(
+            local_step=behind.local_step,
+            input_state=behind.input_state,
+            ahead=max(r.local_step for r in rejoins) - behind.local_step,
+        )
+
     def begin_push(self, base_step: int) -> None:
-        """Start a step on the parameters of global step `base_step`: the pushes go out as soon as backward has
-        produced every gradient and all of them are finite; see `end_push`."""
+        """Start a step on the parameters of global step `base_step` (as ps:0 counts it; the push to each PS
+        carries that PS's step of the parameters it sent): the pushes go out as soon as backward has produced
+        every gradient and all of them are finite; see `end_push`."""
+        self.local_step += 1
         self._base_step = self._step = base_step
         self._row_grads = {}
         self._prepared = {}
@@ -286,13 +325,15 @@ class ParameterClient:
         recorder = get_recorder()
         requests: dict[str, int] = {}
         for ps, peer in enumerate(self.peers):
-            # ps:0 keeps each worker's input position with the update it belongs to, for checkpoints.
-            input_state = self.input_state if ps == 0 else None
+            # Every PS keeps each worker's input position with the step it belongs to: a restarted worker resumes
+            # after the last step all PS had, and ps:0's positions go into checkpoints.
+            input_state = self.input_state
             started = time.perf_counter_ns()
             if nonfinite is not None:
                 message = protocol.NonFinite(
                     worker_index=self.worker_index,
-                    base_step=self._base_step,
+                    local_step=self.local_step,
+                    base_step=self._ps_steps[ps],
                     found_in=nonfinite,
                     input_state=input_state,
                 )
@@ -301,11 +342,14 @@ class ParameterClient:
             frames, counts = self._prepared[ps]
             push = protocol.Push(
                 worker_index=self.worker_index,
-                base_step=self._base_step,
+                local_step=self.local_step,
+                base_step=self._ps_steps[ps],
                 frame_counts=tuple(counts),
                 input_state=input_state,
             )
             seq = requests[peer] = self.client.send(peer, push.header(), frames)
+            if ps == 0:
+                faults.reached("push", f"worker:{self.worker_index}", self.local_step)
             if recorder is not None:
                 recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True)
                 recorder.end(spans.PUSH, self._step, started, ps, sum(f.nbytes for f in frames))

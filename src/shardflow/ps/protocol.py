@@ -15,16 +15,24 @@ Requests (sender: request, fields; frames; reply):
   `StepReply` and one frame per dtype buffer, the current parameters.
 - worker -> the PS holding the tables: `Rows` (op "rows"): table_indices. One frame of int64 row numbers per
   table index. Reply: `StepReply` and one frame per table index, those rows' values.
-- worker -> every PS: `Push` (op "push"): worker_index, base_step (the step the gradient was computed at),
-  frame_counts, input_state (to ps:0 only: the worker's input position after this batch). Frames: the dense
+- worker -> every PS: `Push` (op "push"): worker_index, local_step (the worker's count of its steps, 1 for its
+  first, carried on across its restarts), base_step (this PS's step the gradient was computed at), frame_counts,
+  input_state (the worker's input position after this batch). Frames: the dense
   gradient pieces grouped by dtype buffer as for `Init`, then per table its touched row numbers (int64) and
   their gradient rows. Reply: `StepReply` and the parameters, when the update rule lets the worker go on
   (ps/apply.py); `StepReply(dropped=True)` without frames once training is over; `stale=True` with the
   parameters when sync training dropped the gradient as stale; `nonfinite=<count>` with the parameters when a
-  gradient held NaN or inf and was refused.
-- worker -> every PS: `NonFinite` (op "nonfinite"): worker_index, base_step, found_in ("loss" or "gradients"),
-  input_state (to ps:0 only). No frames. In place of a `Push` when the worker's loss or any of its gradients
+  gradient held NaN or inf and was refused; `duplicate=True` with the parameters when this PS already had this
+  worker's step `local_step` (a restarted worker repeats the steps some PS missed; see ps/server.py).
+- worker -> every PS: `NonFinite` (op "nonfinite"): worker_index, local_step, base_step, found_in ("loss" or
+  "gradients"), input_state. No frames. In place of a `Push` when the worker's loss or any of its gradients
   held NaN or inf: nothing is applied, the refusal is counted. Reply: as a refused `Push`.
+- worker -> every PS: `Rejoin` (op "rejoin"): worker_index. Sent by a worker when it starts, restarted or not;
+  it counts toward aggregation and staleness again (see `Lost`). Reply: `RejoinReply`: the last of its steps
+  this PS had, the input position after it, and whether the worker had said `Done`.
+- chief -> every PS: `Lost` (op "lost"): worker_index. The worker's heartbeat stopped and the strategy's
+  lost_worker_policy is "continue": until it rejoins, sync steps complete without it and ssp does not hold the
+  others back for it. Reply: `StepReply`.
 - worker -> every PS: `Done` (op "done"): worker_index. The worker has finished; it no longer counts toward
   aggregation or staleness. Reply: `StepReply`.
 - anyone -> a PS: `Status` (op "status"). Reply: `StatusReply`: step, initialized, snapshots held, stats.
@@ -64,7 +72,7 @@ from shardflow.ps.fields import (
     short,
 )
 from shardflow.ps.optimizers import OptimizerSpec
-from shardflow.ps.replies import StateReply, StatusReply, StepReply
+from shardflow.ps.replies import RejoinReply, StateReply, StatusReply, StepReply
 
 __all__ = [
     "BEFORE_INIT",
@@ -72,11 +80,14 @@ __all__ = [
     "GetState",
     "Init",
     "Limits",
+    "Lost",
     "NonFinite",
     "PSProtocolError",
     "PSRequest",
     "Pull",
     "Push",
+    "Rejoin",
+    "RejoinReply",
     "ReleaseSnapshots",
     "Rows",
     "Shutdown",
@@ -232,15 +243,19 @@ class Push:
 
     op: ClassVar[str] = "push"
     worker_index: int
+    local_step: int
+    """The worker's own count of its steps, this one included; a PS applies each at most once."""
     base_step: int
     frame_counts: tuple[int, ...]
     input_state: dict[str, Any] | None = None
-    """ps:0 only: the worker's input position after the batch of this gradient, kept for checkpoints."""
+    """The worker's input position after the batch of this gradient: where it resumes when restarted, and (on
+    ps:0) what checkpoints keep."""
 
     def header(self) -> dict[str, Any]:
         header = {
             "op": self.op,
             "worker_index": self.worker_index,
+            "local_step": self.local_step,
             "base_step": self.base_step,
             "frame_counts": list(self.frame_counts),
         }
@@ -251,13 +266,14 @@ class Push:
     @classmethod
     def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
         # The hot path: a handful of checks per push, and one per dense frame.
-        check_keys(header, ("worker_index", "base_step", "frame_counts"), ("input_state",))
+        check_keys(header, ("worker_index", "local_step", "base_step", "frame_counts"), ("input_state",))
         input_state = header.get("input_state")
         if input_state is not None:
             input_state = map_field(header, "input_state")
         if limits is None:  # not initialised: the PS refuses the push, whatever it holds
             return cls(
                 worker_index=int_field(header, "worker_index"),
+                local_step=int_field(header, "local_step"),
                 base_step=int_field(header, "base_step"),
                 frame_counts=ints_field(header, "frame_counts"),
                 input_state=input_state,
@@ -286,6 +302,7 @@ class Push:
             start += count
         return cls(
             worker_index=int_field(header, "worker_index", below=limits.num_workers),
+            local_step=int_field(header, "local_step"),
             base_step=int_field(header, "base_step"),
             frame_counts=counts,
             input_state=input_state,
@@ -302,16 +319,18 @@ class NonFinite:
 
     op: ClassVar[str] = "nonfinite"
     worker_index: int
+    local_step: int
     base_step: int
     found_in: str
     """"loss" or "gradients"."""
     input_state: dict[str, Any] | None = None
-    """ps:0 only: the worker's input position after the refused batch, as for `Push`."""
+    """The worker's input position after the refused batch, as for `Push`."""
 
     def header(self) -> dict[str, Any]:
         header = {
             "op": self.op,
             "worker_index": self.worker_index,
+            "local_step": self.local_step,
             "base_step": self.base_step,
             "found_in": self.found_in,
         }
@@ -321,13 +340,14 @@ class NonFinite:
 
     @classmethod
     def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
-        check_keys(header, ("worker_index", "base_step", "found_in"), ("input_state",))
+        check_keys(header, ("worker_index", "local_step", "base_step", "found_in"), ("input_state",))
         no_frames(frames)
         found_in = header["found_in"]
         if found_in not in NONFINITE_FOUND_IN:
             raise Invalid("found_in", f"must be one of {NONFINITE_FOUND_IN}, got {short(found_in)}")
         return cls(
             worker_index=int_field(header, "worker_index", below=limits.num_workers if limits else None),
+            local_step=int_field(header, "local_step"),
             base_step=int_field(header, "base_step"),
             found_in=found_in,
             input_state=map_field(header, "input_state") if header.get("input_state") is not None else None,
@@ -349,6 +369,20 @@ class Done:
         check_keys(header, ("worker_index",))
         no_frames(frames)
         return cls(worker_index=int_field(header, "worker_index", below=limits.num_workers if limits else None))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejoin(Done):
+    """A worker starts, maybe restarted: which of its steps this PS has, and where its input stood after them."""
+
+    op: ClassVar[str] = "rejoin"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Lost(Done):
+    """The chief lost a worker: steps complete without it until it rejoins."""
+
+    op: ClassVar[str] = "lost"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -420,11 +454,39 @@ class Shutdown(_NoFields):
 
 
 PSRequest = (
-    Init | Pull | Rows | Push | NonFinite | Done | Status | GetState | SnapshotAt | ReleaseSnapshots | Stop | Shutdown
+    Init
+    | Pull
+    | Rows
+    | Push
+    | NonFinite
+    | Done
+    | Rejoin
+    | Lost
+    | Status
+    | GetState
+    | SnapshotAt
+    | ReleaseSnapshots
+    | Stop
+    | Shutdown
 )
 _REQUESTS: dict[str, type[PSRequest]] = {
     cls.op: cls
-    for cls in (Init, Pull, Rows, Push, NonFinite, Done, Status, GetState, SnapshotAt, ReleaseSnapshots, Stop, Shutdown)
+    for cls in (
+        Init,
+        Pull,
+        Rows,
+        Push,
+        NonFinite,
+        Done,
+        Rejoin,
+        Lost,
+        Status,
+        GetState,
+        SnapshotAt,
+        ReleaseSnapshots,
+        Stop,
+        Shutdown,
+    )
 }
 BEFORE_INIT = (Init, Status, Shutdown)
 """The requests a PS serves before it is initialised."""

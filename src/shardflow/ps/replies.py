@@ -31,6 +31,9 @@ class StepReply:
     nonfinite: int = 0
     """A push refused because it held NaN or inf (or its worker's loss did), not applied: how many such pushes
     this PS has refused in all, this one included; the current parameters come with it. 0 for any other reply."""
+    duplicate: bool = False
+    """A push of a worker step this PS already had (a restarted worker repeating it), not applied again; the
+    current parameters come with it."""
 
     def header(self) -> dict[str, Any]:
         header: dict[str, Any] = {"step": self.step, "stop": self.stop}
@@ -40,18 +43,21 @@ class StepReply:
             header["stale"] = True
         if self.nonfinite:
             header["nonfinite"] = self.nonfinite
+        if self.duplicate:
+            header["duplicate"] = True
         return header
 
     @classmethod
     def decode(cls, header: dict[Any, Any], op: str, sender: str) -> Self:
         try:
-            check_keys(header, ("step", "stop"), ("dropped", "stale", "nonfinite"))
+            check_keys(header, ("step", "stop"), ("dropped", "stale", "nonfinite", "duplicate"))
             return cls(
                 step=int_field(header, "step"),
                 stop=bool_field(header, "stop"),
                 dropped="dropped" in header and bool_field(header, "dropped"),
                 stale="stale" in header and bool_field(header, "stale"),
                 nonfinite=int_field(header, "nonfinite") if "nonfinite" in header else 0,
+                duplicate="duplicate" in header and bool_field(header, "duplicate"),
             )
         except Invalid as invalid:
             raise PSProtocolError(op, invalid.field, sender, invalid.problem) from None
@@ -91,6 +97,43 @@ class StatusReply:
             )
         except Invalid as invalid:
             raise PSProtocolError("status", invalid.field, sender, invalid.problem) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class RejoinReply:
+    """A PS's answer to `Rejoin`: what it has of one worker's steps."""
+
+    step: int
+    stop: bool
+    local_step: int
+    """The last of the worker's steps this PS took (to apply, or refused as non-finite); 0 for none."""
+    input_state: dict[str, Any] | None
+    """The worker's input position after that step; None for none."""
+    done: bool
+    """The worker had told this PS it finished."""
+
+    def header(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "stop": self.stop,
+            "local_step": self.local_step,
+            "input_state": self.input_state,
+            "done": self.done,
+        }
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], sender: str) -> Self:
+        try:
+            check_keys(header, ("step", "stop", "local_step", "input_state", "done"))
+            return cls(
+                step=int_field(header, "step"),
+                stop=bool_field(header, "stop"),
+                local_step=int_field(header, "local_step"),
+                input_state=map_field(header, "input_state") if header["input_state"] is not None else None,
+                done=bool_field(header, "done"),
+            )
+        except Invalid as invalid:
+            raise PSProtocolError("rejoin", invalid.field, sender, invalid.problem) from None
 
 
 def stats_field(header: dict[Any, Any]) -> dict[str, float]:

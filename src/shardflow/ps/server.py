@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from shardflow import faults
 from shardflow.comm.server import Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
@@ -46,10 +47,13 @@ class ParameterServer:
         self.limits: protocol.Limits | None = None
         """What requests are checked against; None until the chief initialised this PS."""
         self.updates: Updates[Request] = Updates(ApplyConfig(), 0, self._apply, self._answer)
-        self.stats: dict[str, float] = {"apply_s": 0.0, "malformed": 0, "failed": 0}
+        self.stats: dict[str, float] = {"apply_s": 0.0, "malformed": 0, "failed": 0, "repeated": 0}
         self._snapshot: list[torch.Tensor] | None = None
-        # Checkpoint snapshots taken at exact steps, until the chief saved them; ps:0 also tracks input positions.
+        # Checkpoint snapshots taken at exact steps, until the chief saved them, with the input positions.
         self.snapshots = Snapshots()
+        # Per worker, the last of its steps this PS had and (by "worker:<index>") its input position after it: a
+        # restarted worker resumes from these (see `_on_rejoin`); ps:0's positions go into checkpoints.
+        self.worker_steps: dict[int, int] = {}
         self.iterators: dict[str, Any] = {}
         self._deferred_pushes: list[tuple[Request, protocol.Push | protocol.NonFinite]] = []
         self._handling_since = 0
@@ -62,6 +66,8 @@ class ParameterServer:
             protocol.Push: self._on_push,
             protocol.NonFinite: self._on_nonfinite,
             protocol.Done: self._on_done,
+            protocol.Rejoin: self._on_rejoin,
+            protocol.Lost: self._on_lost,
             protocol.Status: self._on_status,
             protocol.GetState: self._on_state,
             protocol.SnapshotAt: self._on_snapshot_at,
@@ -139,9 +145,15 @@ class ParameterServer:
         return self.updates.finished
 
     def _reply(
-        self, request: Request, tensors: list[torch.Tensor] | tuple[()] = (), *, stale: bool = False, nonfinite: int = 0
+        self,
+        request: Request,
+        tensors: list[torch.Tensor] | tuple[()] = (),
+        *,
+        stale: bool = False,
+        nonfinite: int = 0,
+        duplicate: bool = False,
     ) -> None:
-        reply = StepReply(step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite)
+        reply = StepReply(step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite, duplicate=duplicate)
         self.server.reply(request, reply.header(), tensors)
 
     def _params_snapshot(self) -> list[torch.Tensor]:
@@ -190,6 +202,7 @@ class ParameterServer:
             self.table_optimizer.step()
             for table in self.tables:
                 table.grad = None
+        faults.reached("apply", f"ps:{self.index}", self.step + 1)
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
             worker = pushes[0].header["worker_index"] if count == 1 else -1
@@ -255,13 +268,31 @@ class ParameterServer:
             values.append(table.detach().index_select(0, row_numbers))
         self._reply(request, values)
 
+    def _repeated(self, request: Request, worker_index: int, local_step: int) -> bool:
+        """Whether this PS already had this step of this worker: a restarted worker repeats the steps that some PS
+        missed when it died (the others had them), and each PS takes every step once. Answered here if so."""
+        if local_step > self.worker_steps.get(worker_index, 0):
+            return False
+        self.stats["repeated"] += 1
+        self._reply(request, self._params_snapshot(), duplicate=True)
+        return True
+
+    def _had(self, worker_index: int, local_step: int, input_state: dict[str, Any] | None) -> None:
+        """This PS took step `local_step` of the worker, to apply (or accumulate) or to refuse as non-finite: it is
+        not taken again, and the worker resumes after it."""
+        self.worker_steps[worker_index] = local_step
+        if input_state is not None:
+            self.iterators[f"worker:{worker_index}"] = input_state
+
     def _on_push(self, request: Request, push: protocol.Push) -> None:
         started = self._handling_since
+        if self._repeated(request, push.worker_index, push.local_step):
+            return
+        # A push dropped (after max_steps, or stale in sync) is not had: its batch is read again after a restore.
         if not self.updates.admit(request, push.base_step):
             return
+        self._had(push.worker_index, push.local_step, push.input_state)
         gradients = self._gradients(request, push)
-        if push.input_state is not None:
-            self.iterators[f"worker:{push.worker_index}"] = push.input_state
         if (recorder := get_recorder()) is not None:
             nbytes = sum(f.nbytes for f in request.tensors)
             recorder.end(spans.RECEIVE, self.step, started, push.worker_index, nbytes)
@@ -274,9 +305,10 @@ class ParameterServer:
         self.updates.push(request, push.worker_index, gradients)
 
     def _on_nonfinite(self, request: Request, nonfinite: protocol.NonFinite) -> None:
-        if nonfinite.input_state is not None:
-            # The refused batch was read: a restore goes on after it, as after an applied one.
-            self.iterators[f"worker:{nonfinite.worker_index}"] = nonfinite.input_state
+        if self._repeated(request, nonfinite.worker_index, nonfinite.local_step):
+            return
+        # The refused batch was read: a restore goes on after it, as after an applied one.
+        self._had(nonfinite.worker_index, nonfinite.local_step, nonfinite.input_state)
         self._refuse(request, nonfinite.worker_index, nonfinite.base_step, nonfinite.found_in)
 
     def _refuse(self, request: Request, worker_index: int, base_step: int, found_in: str) -> None:
@@ -291,6 +323,22 @@ class ParameterServer:
     def _on_done(self, request: Request, done: protocol.Done) -> None:
         self._reply(request)
         self.updates.done(done.worker_index)
+
+    def _on_rejoin(self, request: Request, rejoin: protocol.Rejoin) -> None:
+        worker = rejoin.worker_index
+        self.updates.rejoined(worker)
+        reply = protocol.RejoinReply(
+            step=self.step,
+            stop=self.finished,
+            local_step=self.worker_steps.get(worker, 0),
+            input_state=self.iterators.get(f"worker:{worker}") if worker in self.worker_steps else None,
+            done=worker in self.updates.finished_workers,
+        )
+        self.server.reply(request, reply.header())
+
+    def _on_lost(self, request: Request, lost: protocol.Lost) -> None:
+        self._reply(request)
+        self.updates.lost(lost.worker_index)
 
     def _on_status(self, request: Request, _: protocol.Status) -> None:
         reply = StatusReply(

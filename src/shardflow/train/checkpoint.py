@@ -16,6 +16,7 @@ import google_crc32c
 import torch
 from safetensors.torch import load_file, save_file
 
+from shardflow import faults
 from shardflow.ps.checkpointing import ModelState
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,7 @@ def save(
         text = json.dumps(full, indent=1).encode()
         _write_synced(os.open(tmp / _MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), text)
         _fsync_dir(tmp)
+        faults.reached("checkpoint", "chief", step)
         copies = [p for p in _checkpoints(root) if _step_of(p) == step]
         final = next((p for p in copies if _read_bytes(p / _MANIFEST) == text and _intact(p, step)), None)
         if final is None:

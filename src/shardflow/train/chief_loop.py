@@ -25,6 +25,7 @@ from shardflow.train.summaries import Summaries
 
 if TYPE_CHECKING:
     from shardflow.train.preemption import Preemption
+    from shardflow.train.strategy import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class ChiefLoop:
         self.last_checkpoint_time = time.monotonic()
         self.last_eval_time = time.monotonic()
         self.summaries = Summaries(job.model_dir)
+        self.heartbeats = Heartbeats(self.control, job.strategy, client)
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
 
@@ -74,12 +76,11 @@ class ChiefLoop:
         """Until every worker is done; or, once `preemption` is requested, until they finished their step in flight
         (waiting at most half the grace period: the other half is the final checkpoint's and the exit's)."""
         self.started = time.monotonic()  # evaluation times count from the start of training, not start-up
-        last_seen = dict.fromkeys(self.workers, time.monotonic())
         next_ps_poll = next_slow = time.monotonic()
         stop_waiting_at = float("inf")
         try:
             while True:
-                done = self._watch_workers(last_seen)
+                done = self._watch_workers()
                 now = time.monotonic()
                 if done or now >= stop_waiting_at:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
@@ -126,28 +127,23 @@ class ChiefLoop:
 
     # -- workers ----------------------------------------------------------------------------------
 
-    def _watch_workers(self, last_seen: dict[str, float]) -> bool:
-        """Read progress reports; fail on a reported failure or a silent worker; True once all are done."""
-        timeout_s = self.job.strategy.heartbeat_timeout_s
+    def _watch_workers(self) -> bool:
+        """Read progress reports and heartbeats; fail on a reported failure or a worker lost for good; True once
+        every worker's last report says it is done."""
         if self.failures:
             raise RoleFailedError(f"{self.failures[0].describe()}; the job was stopped")
-        # Read the count before the reports: a worker sets its final report before it counts itself done, so once
-        # all are counted, the reports read below are the final ones.
-        all_done = self.control.add(control_keys.WORKERS_DONE, 0) >= len(self.workers)
+        all_done = True
         for name in self.workers:
             failed = control_keys.failed(name)
             if self.control.is_set(failed):
                 raise RoleFailedError(f"{name} failed: {self.control.get(failed, waiting_for=name)}")
             progress = control_keys.progress(name)
             if self.control.is_set(progress):
-                report = json.loads(self.control.get(progress, waiting_for=name))
-                if report != self.progress.get(name):
-                    last_seen[name] = time.monotonic()
-                self.progress[name] = report
+                self.progress[name] = json.loads(self.control.get(progress, waiting_for=name))
             if self.progress.get(name, {}).get("done"):
                 continue
-            if time.monotonic() - last_seen[name] > timeout_s:
-                raise RoleFailedError(f"{name} has not reported for {timeout_s:.0f}s")
+            all_done = False
+            self.heartbeats.check(name)
         return all_done
 
     # -- checkpoints and evaluation ---------------------------------------------------------------
@@ -238,4 +234,53 @@ class ChiefLoop:
         if not known and not self.control.is_set(control_keys.capture_done(request["name"])):
             self.profiler.request(
                 request["first"], request["last"], ops=request.get("ops", False), name=request["name"]
+            )
+
+
+class Heartbeats:
+    """Which workers beat (train/worker.py Heartbeat), which are lost, and for how long.
+
+    A worker silent for heartbeat_timeout_s (startup_timeout_s before its first beat) is lost: the chief logs it
+    and training goes on without it, while whoever supervises the process (the local launcher, the cluster
+    manager) restarts it; the restarted worker resumes where the PS say it stopped. One still lost after
+    worker_rejoin_timeout_s fails the job, naming it."""
+
+    def __init__(self, control: ControlPlane, strategy: ParameterServerStrategy, client: ParameterClient) -> None:
+        self.control = control
+        self.strategy = strategy
+        self.client = client
+        self.started = time.monotonic()
+        self._beats: dict[str, tuple[str, float]] = {}
+        self.lost: dict[str, float] = {}
+        """Lost workers, with when they went silent."""
+
+    def check(self, name: str) -> None:
+        now = time.monotonic()
+        key = control_keys.heartbeat(name)
+        beat = self.control.get(key, waiting_for=name) if self.control.is_set(key) else None
+        last = self._beats.get(name)
+        if beat is not None and (last is None or beat != last[0]):
+            self._beats[name] = (beat, now)
+            if name in self.lost:
+                log.warning("%s rejoined, %.1fs after it went silent", name, now - self.lost.pop(name))
+            return
+        seen = last[1] if last is not None else self.started
+        silent = now - seen
+        limit = self.strategy.heartbeat_timeout_s if last is not None else self.strategy.startup_timeout_s
+        if name not in self.lost and silent > limit:
+            self.lost[name] = seen
+            goes_on = self.strategy.mode == "async" or self.strategy.lost_worker_policy == "continue"
+            log.warning(
+                "%s is lost: no heartbeat for %.1fs; %s, waiting up to %.0fs for it to be restarted and rejoin",
+                name,
+                silent,
+                "training goes on without it" if goes_on else "its steps wait for it (lost_worker_policy 'wait')",
+                self.strategy.worker_rejoin_timeout_s,
+            )
+            if self.strategy.lost_worker_policy == "continue":
+                self.client.lost(int(name.rpartition(":")[2]))
+        if name in self.lost and now - self.lost[name] > self.strategy.worker_rejoin_timeout_s:
+            raise RoleFailedError(
+                f"{name} was lost {now - self.lost[name]:.0f}s ago (no heartbeat) and was not restarted within "
+                f"worker_rejoin_timeout_s={self.strategy.worker_rejoin_timeout_s:g}s; the job was stopped"
             )

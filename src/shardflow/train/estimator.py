@@ -233,7 +233,7 @@ def _run_chief(
     if preemption is None:
         preemption = Preemption(job.strategy.termination_grace_s).install()
     role = _connect(job, spec, task)
-    log_handler = _log_to(job.model_dir / "logs" / "chief.log")
+    log_handlers = _log_to(job.model_dir / "logs" / "chief.log")
     try:
         result = run_chief(job, role, failures=failures, on_connect=est._set_live, preemption=preemption)
         _write_result(job, role, result)
@@ -253,8 +253,9 @@ def _run_chief(
     finally:
         # Tell every role the job is over so none waits for a chief that is gone.
         role.control.set(control_keys.SHUTDOWN, "1")
-        logging.getLogger("shardflow").removeHandler(log_handler)
-        log_handler.close()
+        for handler in log_handlers:
+            logging.getLogger("shardflow").removeHandler(handler)
+            handler.close()
         if own_preemption:
             preemption.uninstall()
 
@@ -282,16 +283,25 @@ def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: Tas
     raise SystemExit(0)
 
 
-def _log_to(path: Path) -> logging.Handler:
-    """The chief's log records also go to model_dir/logs/chief.log, beside the other roles' logs."""
+def _log_to(path: Path) -> list[logging.Handler]:
+    """The chief's log records also go to model_dir/logs/chief.log, beside the other roles' logs; its warnings
+    (a worker lost, restarted, preempted) also to stderr, as every other role's do, unless the program set up
+    logging itself."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("shardflow")
-    logger.addHandler(handler)
+    handlers: list[logging.Handler] = [handler]
+    if not logger.handlers and not logging.getLogger().handlers:
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        console.setFormatter(logging.Formatter("[chief] %(message)s"))
+        handlers.append(console)
+    for each in handlers:
+        logger.addHandler(each)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
-    return handler
+    return handlers
 
 
 def _write_result(job: JobConfig, role: RoleContext, result: TrainResult) -> None:
@@ -336,8 +346,11 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
         skip=[chief],
         env=local_threads(spec),
         log_dir=job.model_dir / "logs",
+        max_restarts=strategy.max_restarts,
+        restart_backoff_s=strategy.restart_backoff_s,
     )
-    # The launcher appends roles that exit with an error; the chief's loop reads it on every poll.
+    # The launcher appends roles that fail for good (out of restarts, or not restartable); the chief's loop reads
+    # it on every poll.
     failures: list[RoleExit] = []
     main_thread = threading.main_thread().ident
     # SIGTERM to this process preempts the whole job; the roles end when the chief says the job is over.

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from shardflow.ps.apply import UpdateRule
 from shardflow.ps.placement import Partitioner
 
+LOST_WORKER_POLICIES = ("wait", "continue")
+
 
 @dataclass(frozen=True, kw_only=True)
 class ParameterServerStrategy(UpdateRule):
@@ -28,8 +30,20 @@ class ParameterServerStrategy(UpdateRule):
     """Deadline of every request to a PS; on expiry the error names the PS and its address."""
     startup_timeout_s: float = 120.0
     """Deadline for every role to come up and find the others through the chief."""
-    heartbeat_timeout_s: float = 60.0
-    """The chief fails the job when a worker has not reported for this long."""
+    heartbeat_timeout_s: float = 10.0
+    """A worker whose heartbeat (one a second, from a thread of its own) stops for this long is lost; the chief
+    logs it and training goes on while it is restarted."""
+    worker_rejoin_timeout_s: float = 120.0
+    """How long a lost worker may take to be restarted and rejoin before the job fails, naming it."""
+    lost_worker_policy: str = "wait"
+    """sync and ssp, while a worker is lost: "wait" holds the steps it takes part in until it is restarted and
+    rejoins (none of its records is skipped); "continue" completes them with the remaining replicas and lets the
+    others run ahead of it. Async never waits."""
+    max_restarts: int = 3
+    """How many times the local launcher (the embedded cluster, `shardflow launch`) restarts each worker or
+    evaluator process that dies; on a cluster manager its restart policy does this."""
+    restart_backoff_s: float = 1.0
+    """Wait before a role's first restart, doubled for each further one (at most 30s)."""
     max_nonfinite_updates: int = 1
     """The job fails once this many steps, over all workers, held NaN or inf in their loss or gradients; such
     steps are never applied and are not global steps."""
@@ -46,7 +60,17 @@ class ParameterServerStrategy(UpdateRule):
         limit = self.max_nonfinite_updates
         if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
             raise ValueError(f"ParameterServerStrategy.max_nonfinite_updates must be an int >= 1, got {limit!r}")
-        for name in ("request_timeout_s", "startup_timeout_s", "heartbeat_timeout_s"):
+        if self.lost_worker_policy not in LOST_WORKER_POLICIES:
+            raise ValueError(
+                f"ParameterServerStrategy.lost_worker_policy must be one of {LOST_WORKER_POLICIES}, "
+                f"got {self.lost_worker_policy!r}"
+            )
+        restarts = self.max_restarts
+        if not (isinstance(restarts, int) and not isinstance(restarts, bool) and restarts >= 0):
+            raise ValueError(f"ParameterServerStrategy.max_restarts must be an int >= 0, got {self.max_restarts!r}")
+        if self.restart_backoff_s < 0:
+            raise ValueError(f"ParameterServerStrategy.restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
+        for name in ("request_timeout_s", "startup_timeout_s", "heartbeat_timeout_s", "worker_rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ParameterServerStrategy.{name} must be positive")
         if self.termination_grace_s <= 0:

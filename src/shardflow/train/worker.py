@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.comm.client import Client
 from shardflow.data.torch_edge import to_torch
 from shardflow.profile import spans
@@ -62,13 +65,31 @@ def _restored_position(role: RoleContext) -> dict[str, Any] | None:
     return position
 
 
+def _resume(role: RoleContext, params: ParameterClient) -> dict[str, Any] | None:
+    """Where this worker's input starts: after the last of its steps every PS has, when it ran before (it was
+    restarted); else the restored checkpoint's position, if any. Its step count goes on from there."""
+    rejoined = params.rejoin()
+    if not rejoined.local_step and not rejoined.ahead:
+        return _restored_position(role)
+    log.warning(
+        "%s rejoins the job after %d steps of its own; it resumes its input after the last step every PS applied%s",
+        role.task.name,
+        rejoined.local_step,
+        f" and repeats the next {rejoined.ahead}, which only some PS had (the others apply them)"
+        if rejoined.ahead
+        else "",
+    )
+    return rejoined.input_state if rejoined.local_step else _restored_position(role)
+
+
 def run_worker(
     job: JobConfig, role: RoleContext, on_connect: Callable[[ParameterClient | None], None] = lambda _: None
 ) -> None:
     """Train on this worker's shard until the PS say stop or the input ends; `on_connect` is told the client to
-    the PS while it exists (Estimator.global_step reads it)."""
+    the PS while it exists (Estimator.global_step reads it). A restarted worker goes on where it stopped."""
     control = role.control
     spec = job.train_spec
+    heartbeat = Heartbeat(role)
     profiler = RoleProfiler(role.task.name, control)
     recorder = profiler.recorder
     control.get(control_keys.READY, waiting_for="the chief to initialise the parameter servers")
@@ -78,14 +99,14 @@ def run_worker(
     mode = job.strategy.mode
     # Async only: push step t, then compute step t+1 while the PS applies it (the result is one step staler).
     depth = 1 if mode == "async" and job.strategy.overlap else 0
-    position = InputPosition(spec, InputContext(role.num_workers, role.task.index), _restored_position(role))
+    position = InputPosition(spec, InputContext(role.num_workers, role.task.index), _resume(role, params))
     profiler.check_requests()
     hooks = StepHooks(spec.hooks, role.task.name, role.task.index)
 
     reply = params.pull()
     step, stop = reply.step, reply.stop
     in_flight: deque[Pushed] = deque()
-    report = Report(role)
+    report = Report(role, params.local_step)
     try:
         while not stop:
             step_started = time.perf_counter_ns()
@@ -131,9 +152,9 @@ def run_worker(
         params.close()
         on_connect(None)
         profiler.finish()
+        heartbeat.stop()
     hooks.end(report.local_step, step)
     report.send(done=True)
-    control.add(control_keys.WORKERS_DONE, 1)
 
 
 def _check_finite(name: str, max_nonfinite_updates: int, pushed: Pushed, reply: StepReply) -> None:
@@ -151,10 +172,11 @@ def _check_finite(name: str, max_nonfinite_updates: int, pushed: Pushed, reply: 
 class Report:
     """The worker's progress, sent to the chief about once a second (also its heartbeat)."""
 
-    def __init__(self, role: RoleContext) -> None:
+    def __init__(self, role: RoleContext, local_step: int = 0) -> None:
         self.role = role
         self.started = self.last_sent = time.monotonic()
-        self.local_step = 0
+        self.local_step = local_step
+        self._first_local_step = local_step
         self.epoch = 0
         self.first_loss: float | None = None
         self.last_loss = 0.0
@@ -178,9 +200,40 @@ class Report:
             "epoch": self.epoch,
             "first_loss": self.first_loss,
             "loss": self.last_loss,
-            "steps_per_s": self.local_step / elapsed if elapsed > 0 else 0.0,
+            "steps_per_s": (self.local_step - self._first_local_step) / elapsed if elapsed > 0 else 0.0,
             "input_wait_share": self.input_wait_ns / 1e9 / elapsed if elapsed > 0 else 0.0,
             "time": time.time(),
             "done": done,
         }
         self.role.control.set(control_keys.progress(self.role.task.name), json.dumps(progress))
+
+
+class Heartbeat:
+    """Beats every `interval_s` from a thread of its own, over a connection of its own, from the worker's start to
+    its end: a step of any length, or a long start-up, is never taken for a lost worker (see chief_loop.py)."""
+
+    def __init__(self, role: RoleContext, interval_s: float = 1.0) -> None:
+        self._key = control_keys.heartbeat(role.task.name)
+        self._control = ControlPlane(role.control.address, is_chief=False, timeout_s=role.control.timeout_s)
+        self._interval_s = interval_s
+        self._stopped = threading.Event()
+        self._beat(0)
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self, count: int) -> None:
+        # The pid too: a restarted worker's beats differ from its earlier run's even where the counts meet.
+        self._control.set(self._key, f"{os.getpid()}:{count}")
+
+    def _run(self) -> None:
+        count = 1
+        while not self._stopped.wait(self._interval_s):
+            try:
+                self._beat(count)
+            except (RuntimeError, OSError):  # the chief is gone; the worker's own requests will say so
+                return
+            count += 1
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2 * self._interval_s)

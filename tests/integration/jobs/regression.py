@@ -62,6 +62,7 @@ strategy = sf.ParameterServerStrategy(
     overlap=config.get("overlap", True),
     request_timeout_s=config.get("request_timeout_s", 60.0),
     termination_grace_s=config.get("termination_grace_s", 30.0),
+    max_restarts=config.get("max_restarts", 3),
 )
 profile_steps = config.get("profile_steps")
 est = sf.Estimator(

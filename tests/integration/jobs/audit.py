@@ -1,0 +1,94 @@
+"""A real training job that audits its own data: which records' gradients were applied, and how many times.
+
+Each record has an id. Besides a small regression model, the model holds `seen`, one counter per record id, and the
+loss adds -seen[id] for every record of the batch: with SGD at lr 1/16 and that term scaled by 16, every applied
+gradient of a record adds exactly 1.0 to its counter (powers of two: no rounding). So the final parameters say how
+many times each record's gradient was applied, whatever was killed on the way. `seen` is cut across the PS, so a
+push that reached only some PS shows. Configured by a JSON file given as argv[1] (see regression.py's keys).
+"""
+
+import json
+import sys
+
+import torch
+
+import shardflow as sf
+from shardflow.train.estimator import Preempted
+
+with open(sys.argv[1]) as f:
+    config = json.load(f)
+NUM_RECORDS = config.get("num_records", 1024)
+BATCH = config.get("batch", 8)
+LR = 1.0 / 16
+generator = torch.Generator().manual_seed(7)
+X = torch.randn(NUM_RECORDS, 4, generator=generator)
+Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+
+
+def input_fn(ctx: sf.InputContext):
+    ids = torch.arange(NUM_RECORDS)
+    for b in range(ctx.worker_index, NUM_RECORDS // BATCH, ctx.num_workers):
+        batch = ids[b * BATCH : (b + 1) * BATCH]
+        yield batch, X[batch], Y[batch]
+
+
+class Audited(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = torch.nn.Parameter(torch.zeros(NUM_RECORDS))
+        self.head = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(x)
+
+
+def loss_fn(model: Audited, batch) -> torch.Tensor:
+    ids, x, y = batch
+    return torch.nn.functional.mse_loss(model(x), y) * 0.05 - model.seen[ids].sum() / LR
+
+
+strategy = sf.ParameterServerStrategy(
+    num_ps=config.get("num_ps", 2),
+    num_workers=config.get("num_workers", 2),
+    mode=config.get("mode", "async"),
+    overlap=config.get("overlap", True),
+    # `seen` (4 KB) is cut across every PS.
+    partitioner=sf.Partitioner(min_slice_bytes=256),
+    heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
+    worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
+    lost_worker_policy=config.get("lost_worker_policy", "wait"),
+    max_restarts=config.get("max_restarts", 3),
+    restart_backoff_s=config.get("restart_backoff_s", 0.5),
+    request_timeout_s=config.get("request_timeout_s", 60.0),
+)
+est = sf.Estimator(
+    Audited,
+    loss_fn,
+    sf.optim.SGD(lr=LR),
+    strategy,
+    config["model_dir"],
+    save_checkpoints_steps=config.get("save_checkpoints_steps"),
+)
+
+
+def write_result(result: sf.TrainResult) -> None:
+    with open(config["result"], "w") as f:
+        json.dump(
+            {
+                "global_step": result.global_step,
+                "start_step": result.start_step,
+                "worker_steps": result.worker_steps,
+                "ps_stats": result.ps_stats,
+                "checkpoint": result.checkpoint,
+                "preempted": result.preempted,
+            },
+            f,
+        )
+
+
+try:
+    trained = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, epochs=config.get("epochs", 1)))
+except Preempted as preempted:
+    write_result(preempted.result)
+    raise
+write_result(trained)

@@ -1,0 +1,202 @@
+"""Losing a worker: the PS and the other workers keep training, the dead worker is restarted and resumes its shard
+after the last step every PS applied, and every record's gradient is applied exactly once.
+
+Each job is tests/integration/jobs/audit.py, whose final parameters count the applications of every record. The
+worker is killed with SIGKILL at a chosen moment: by SHARDFLOW_FAULT (shardflow/faults.py) between its push to ps:0
+and its push to ps:1, the worst moment, or from outside, at a moment picked by the test."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from .test_cluster_environments import _free_ports
+
+JOBS = Path(__file__).parent / "jobs"
+NUM_RECORDS, BATCH = 1024, 8
+
+
+def _write_config(tmp_path: Path, **config: Any) -> Path:
+    config = {"model_dir": str(tmp_path / "model"), "result": str(tmp_path / "result.json"), **config}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def _fault_env(tmp_path: Path, role: str, point: str, step: int) -> dict[str, str]:
+    fault = {"role": role, "point": point, "step": step, "marker": str(tmp_path / "fault.fired")}
+    return {**os.environ, "SHARDFLOW_FAULT": json.dumps(fault)}
+
+
+def _run(command: list[str], env: dict[str, str], timeout_s: float = 150) -> tuple[int, str]:
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
+        out, _ = proc.communicate()
+        pytest.fail(f"the job did not finish within {timeout_s}s:\n{out}")
+    return proc.returncode, out
+
+
+def _audit(tmp_path: Path, epochs: int = 1, num_records: int = NUM_RECORDS, replicas: int = 1) -> dict[str, Any]:
+    """The result, checked: the exact global step (a step is `replicas` batches), and every record's gradient
+    applied exactly `epochs` times."""
+    result = json.loads((tmp_path / "result.json").read_text())
+    batches = epochs * num_records // BATCH
+    assert result["global_step"] == batches // replicas
+    # A sync step averages its replicas' gradients: each application adds 1 / replicas (a power of two: exact).
+    applied = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * replicas
+    counts = torch.bincount(applied.round().long(), minlength=epochs + 2)
+    assert torch.equal(applied, torch.full_like(applied, float(epochs))), (
+        f"records applied 0, 1, 2.. times: {counts.tolist()}"
+    )
+    assert sum(result["worker_steps"].values()) == batches
+    return result
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_worker_killed_between_its_pushes_to_two_ps_is_restarted_and_no_record_is_lost_or_doubled(tmp_path, mode):
+    config = _write_config(tmp_path, mode=mode)
+    env = _fault_env(tmp_path, "worker:1", "push", 20)
+    returncode, out = _run([sys.executable, str(JOBS / "audit.py"), str(config)], env)
+    assert returncode == 0, out
+    assert (tmp_path / "fault.fired").exists()
+    assert "worker:1" in out and "SIGKILL" in out and "restarting it" in out, out
+    assert "rejoins the job after 19 steps" in out, out
+    result = _audit(tmp_path, replicas=2 if mode == "sync" else 1)
+    # ps:0 had the push of step 20 when the worker died, ps:1 did not: the restarted worker repeated it, and only
+    # ps:1 applied it.
+    assert [result["ps_stats"][ps]["repeated"] for ps in ("ps:0", "ps:1")] == [1, 0]
+
+
+def test_under_shardflow_launch_a_worker_killed_from_outside_mid_training_rejoins(tmp_path):
+    num_records = 16 * NUM_RECORDS  # a few seconds of training, to kill a worker in the middle of
+    config = _write_config(tmp_path, mode="async", num_records=num_records)
+    command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "2"]
+    command += ["--restart-backoff", "0.2", str(JOBS / "audit.py"), str(config)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        # The chief writes job.json just before it lets the workers start; they train about 5s.
+        job_file = tmp_path / "model" / "job.json"
+        deadline = time.monotonic() + 60
+        while not job_file.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "the chief never started"
+            time.sleep(0.05)
+        time.sleep(1.5)
+        _role(proc, "worker:0").send_signal(signal.SIGKILL)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "worker:0" in out and "SIGKILL" in out and "restarting it" in out, out
+    _audit(tmp_path, num_records=num_records)
+
+
+def _role(proc: subprocess.Popen[str], name: str) -> psutil.Process:
+    for child in psutil.Process(proc.pid).children(recursive=True):
+        try:
+            task = json.loads(child.environ().get("SHARDFLOW_CLUSTER", "{}")).get("task", {})
+        except (psutil.Error, ValueError):
+            continue
+        if f"{task.get('type')}:{task.get('index')}" == name:
+            return child
+    pytest.fail(f"no process of {name} under the launcher")
+
+
+def test_under_tf_config_a_supervisor_restarts_the_killed_worker_and_it_rejoins(tmp_path):
+    ports = _free_ports(5)
+    cluster = {
+        "chief": [f"127.0.0.1:{ports[0]}"],
+        "ps": [f"127.0.0.1:{ports[1]}", f"127.0.0.1:{ports[2]}"],
+        "worker": [f"127.0.0.1:{ports[3]}", f"127.0.0.1:{ports[4]}"],
+    }
+    config = _write_config(tmp_path, mode="async")
+    fault = _fault_env(tmp_path, "worker:1", "push", 30)
+
+    def start(task_type: str, index: int) -> subprocess.Popen[str]:
+        task = {"type": task_type, "index": index}
+        env = {**fault, "TF_CONFIG": json.dumps({"cluster": cluster, "task": task})}
+        command = [sys.executable, str(JOBS / "audit.py"), str(config)]
+        return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = {name: start(*name) for name in (("chief", 0), ("ps", 0), ("ps", 1), ("worker", 0), ("worker", 1))}
+    outputs: dict[tuple[str, int], str] = {}
+    try:
+        # The supervisor (as a JobSet's or Slurm's restart policy would): worker:1 dies by the fault; start it again.
+        first_out, _ = procs["worker", 1].communicate(timeout=120)
+        assert procs["worker", 1].returncode == -signal.SIGKILL, first_out
+        procs["worker", 1] = start("worker", 1)
+        outputs = {name: p.communicate(timeout=120)[0] for name, p in procs.items()}
+    finally:
+        for p in procs.values():
+            p.kill()
+    assert [p.returncode for p in procs.values()] == [0] * 5, outputs
+    assert "rejoins the job after 29 steps" in outputs["worker", 1], outputs["worker", 1]
+    _audit(tmp_path)
+
+
+def _start_and_pause(tmp_path: Path, **config: Any) -> tuple[subprocess.Popen[str], float]:
+    """The audit job, embedded, with worker:1 stopped (SIGSTOP: alive, silent) once training runs; when it was."""
+    path = _write_config(tmp_path, **config)
+    proc = subprocess.Popen(
+        [sys.executable, str(JOBS / "audit.py"), str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    job_file = tmp_path / "model" / "job.json"
+    deadline = time.monotonic() + 60
+    while not job_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the chief never started"
+        time.sleep(0.05)
+    time.sleep(1.0)
+    _role(proc, "worker:1").send_signal(signal.SIGSTOP)
+    return proc, time.monotonic()
+
+
+def test_a_silent_worker_is_named_lost_within_the_heartbeat_deadline_and_rejoins_when_it_wakes(tmp_path):
+    proc, _ = _start_and_pause(tmp_path, num_records=16 * NUM_RECORDS, heartbeat_timeout_s=2.0)
+    try:
+        time.sleep(4.0)
+        _role(proc, "worker:1").send_signal(signal.SIGCONT)
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+    assert proc.returncode == 0, out
+    assert "worker:1 is lost: no heartbeat for 2." in out and "worker:1 rejoined" in out, out
+    _audit(tmp_path, num_records=16 * NUM_RECORDS)
+
+
+def test_a_worker_that_never_comes_back_fails_the_job_naming_it(tmp_path):
+    proc, paused_at = _start_and_pause(
+        tmp_path, num_records=16 * NUM_RECORDS, heartbeat_timeout_s=2.0, worker_rejoin_timeout_s=3.0
+    )
+    try:
+        out, _ = proc.communicate(timeout=60)
+        ended_after = time.monotonic() - paused_at
+    finally:
+        if proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                child.kill()
+            proc.kill()
+    assert proc.returncode != 0, out
+    assert "worker:1 was lost" in out and "worker_rejoin_timeout_s=3" in out, out
+    # Lost after 2s of silence, failed 3s later; the rest is stopping the roles.
+    assert ended_after < 15, (ended_after, out)

@@ -1,0 +1,132 @@
+"""A worker that dies while pushing may reach some PS with its last steps and not others. Restarted, it asks every
+PS what it has (`rejoin`), resumes its input after the last step all PS have, and repeats the steps only some had:
+each PS takes every step of every worker exactly once, and all PS end at the same global step."""
+
+from __future__ import annotations
+
+import torch
+
+from shardflow.ps import protocol
+from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.checkpointing import fetch_state, init_servers
+from shardflow.ps.client import ParameterClient
+from shardflow.ps.optimizers import SGD
+from shardflow.ps.placement import Placement, place
+
+from .conftest import Cluster
+
+
+def _model() -> torch.nn.Module:
+    # Two layers without bias: on 2 PS, each PS holds one.
+    return torch.nn.Sequential(torch.nn.Linear(2, 2, bias=False), torch.nn.Linear(2, 1, bias=False))
+
+
+def _step(client: ParameterClient, model: torch.nn.Module, consumed: int) -> protocol.StepReply:
+    """One worker step whose gradient is all ones, pushed to every PS with the input position after it."""
+    client.begin_push(0)
+    client.input_state = {"consumed": consumed}
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    return client.wait_push(client.end_push())
+
+
+def _start(cluster: Cluster, mode: str, num_workers: int = 1) -> tuple[torch.nn.Module, Placement]:
+    model = _model()
+    placement = place(model.named_parameters(), 2)
+    assert sorted(p.ps for p in placement.pieces) == [0, 1]
+    init_servers(
+        cluster.client(model, placement, worker_index=-1), SGD(lr=1.0), ApplyConfig(mode=mode, num_workers=num_workers)
+    )
+    return model, placement
+
+
+def test_a_worker_that_died_mid_push_repeats_only_what_each_ps_missed(start_cluster):
+    cluster = start_cluster(2)
+    model, placement = _start(cluster, "async")
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    first = cluster.client(model, placement)
+    first.pull()
+    assert first.rejoin().local_step == 0  # a first start: nothing to resume
+    for consumed in (1, 2, 3):
+        _step(first, model, consumed)
+    # Step 4 reaches ps:0 only: the worker dies before its push to ps:1 leaves.
+    first.local_step += 1
+    header = protocol.Push(
+        worker_index=0, local_step=4, base_step=3, frame_counts=(1,), input_state={"consumed": 4}
+    ).header()
+    layer = placement.on_ps(0)[0]
+    first.client.request("ps:0", header, [torch.ones(layer.numel)], timeout_s=5)
+    assert [s.step for s in first.status()] == [4, 3]
+
+    fresh = _model()
+    restarted = cluster.client(fresh, placement)
+    rejoined = restarted.rejoin()
+    assert (rejoined.local_step, rejoined.input_state, rejoined.ahead) == (3, {"consumed": 3}, 1)
+    restarted.pull()
+    reply = _step(restarted, fresh, 4)  # step 4 again: ps:0 had it and answers, ps:1 applies it
+    assert reply.step == 4
+    _step(restarted, fresh, 5)
+    status = restarted.status()
+    assert [s.step for s in status] == [5, 5]
+    assert [s.stats["repeated"] for s in status] == [1, 0]
+    # Every PS applied each of the 5 steps once: SGD with lr 1 and gradients of ones moved each weight by -5.
+    for name, value in fetch_state(restarted).params.items():
+        assert torch.allclose(value, initial[name] - 5), name
+
+
+def test_sync_waits_for_the_restarted_worker_and_completes_the_step_it_died_in(start_cluster):
+    cluster = start_cluster(2)
+    model, placement = _start(cluster, "sync", num_workers=2)
+    survivor_model = _model()
+    survivor = cluster.client(survivor_model, placement, worker_index=0)
+    dying = cluster.client(model, placement, worker_index=1)
+    for client in (survivor, dying):
+        client.rejoin()
+        client.pull()
+    # Worker 1 pushes step 1 to ps:0 only, and dies; worker 0 pushes to both and waits for ps:1's update.
+    layer = placement.on_ps(0)[0]
+    header = protocol.Push(worker_index=1, local_step=1, base_step=0, frame_counts=(1,)).header()
+    dying.client.send("ps:0", header, [torch.ones(layer.numel)])  # answered once step 0 is applied
+    survivor.begin_push(0)
+    for param in survivor_model.parameters():
+        param.grad = torch.ones_like(param)
+    waiting = survivor.end_push()
+
+    restarted_model = _model()
+    restarted = cluster.client(restarted_model, placement, worker_index=1)
+    assert (restarted.rejoin().local_step, restarted.local_step) == (0, 0)
+    restarted.pull()
+    reply = _step(restarted, restarted_model, 1)  # ps:0 had it; ps:1 completes step 0 with it
+    assert reply.step == 1
+    assert survivor.wait_push(waiting).step == 1
+    status = restarted.status()
+    assert [s.step for s in status] == [1, 1]
+    assert [s.stats["repeated"] for s in status] == [1, 0]
+
+
+def test_sync_completes_a_step_without_a_lost_worker_and_counts_it_again_once_it_rejoins(start_cluster):
+    cluster = start_cluster(2)
+    model, placement = _start(cluster, "sync", num_workers=2)
+    chief = cluster.client(_model(), placement, worker_index=-1)
+    survivor = cluster.client(model, placement, worker_index=0)
+    survivor.rejoin()
+    survivor.pull()
+    # Worker 1 never pushes; once the chief says it is lost, worker 0's step is applied alone.
+    survivor.begin_push(0)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    waiting = survivor.end_push()
+    chief.lost(1)
+    assert survivor.wait_push(waiting).step == 1
+    # Back: a step needs both again.
+    returning_model = _model()
+    returning = cluster.client(returning_model, placement, worker_index=1)
+    assert returning.rejoin().local_step == 0
+    returning.pull()
+    survivor.begin_push(1)
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+    waiting = survivor.end_push()
+    assert [s.step for s in chief.status()] == [1, 1]  # held for worker 1
+    assert _step(returning, returning_model, 1).step == 2
+    assert survivor.wait_push(waiting).step == 2
