@@ -71,7 +71,7 @@ def test_from_generator_restores_by_rerunning_and_skipping() -> None:
 
 
 def test_from_generator_names_structure_and_shape_mismatches() -> None:
-    with pytest.raises(TypeError, match=r"yielded structure \{'name': ., 'x': .\}, but output_signature is \."):
+    with pytest.raises(TypeError, match=r"yielded structure \{'x': ., 'name': .\}, but output_signature is \."):
         list(D.from_generator(squares, output_signature=data.TensorSpec(()), args=(1,)))
     with pytest.raises(ValueError, match=r"yielded shape \(3,\), output_signature expects \(2,\)"):
         list(D.from_generator(lambda: iter([np.zeros(3)]), output_signature=data.TensorSpec((2,))))

@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shardflow._lazy import lazy_getattr
+from shardflow.data import errors
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator, State
 from shardflow.data.options import (
     AUTOTUNE,
@@ -17,7 +19,12 @@ from shardflow.data.options import (
 from shardflow.data.sharding import auto_shard, auto_shard_for
 from shardflow.data.sources_basic import TensorSpec
 
+# tf.data's names of the iterator classes: one class here, whether elements are tensors or numpy in tf.data.
+Iterator = DatasetIterator
+NumpyIterator = DatasetIterator
+
 if TYPE_CHECKING:
+    from shardflow.data import experimental
     from shardflow.data.example import (
         FixedLenFeature,
         SparseTensor,
@@ -40,6 +47,7 @@ if TYPE_CHECKING:
         decode_csv,
         make_csv_dataset,
     )
+    from shardflow.data.torch_iterable import TorchIterable
 
 # File sources and the Example codec are imported on first use: they bring protobuf (and pyarrow for Parquet),
 # which a pipeline over in-memory data does not need.
@@ -65,10 +73,14 @@ _LAZY = {
         ("FixedLenFeature", "SparseTensor", "VarLenFeature", "make_example", "parse_example", "parse_single_example"),
         "shardflow.data.example",
     ),
+    # Brings torch, which a pipeline that never meets torch does not need.
+    "TorchIterable": "shardflow.data.torch_iterable",
 }
 
 __all__ = [
     "AUTOTUNE",
+    "INFINITE_CARDINALITY",
+    "UNKNOWN_CARDINALITY",
     "AutoShardPolicy",
     "AutotuneOptions",
     "CsvDataset",
@@ -80,6 +92,8 @@ __all__ = [
     "FixedLenFeature",
     "FixedLengthRecordDataset",
     "InvalidRecordError",
+    "Iterator",
+    "NumpyIterator",
     "Options",
     "ParquetDataset",
     "SparseTensor",
@@ -90,10 +104,13 @@ __all__ = [
     "TensorSpec",
     "TextLineDataset",
     "ThreadingOptions",
+    "TorchIterable",
     "VarLenFeature",
     "auto_shard",
     "auto_shard_for",
     "decode_csv",
+    "errors",
+    "experimental",
     "make_csv_dataset",
     "make_example",
     "parse_example",
@@ -101,4 +118,7 @@ __all__ = [
 ]
 
 
-__getattr__ = lazy_getattr(__name__, _LAZY)
+# tf.data.experimental's counterpart is imported on first use, as the file sources are.
+_LAZY["experimental"] = "shardflow.data.experimental"
+
+__getattr__ = lazy_getattr(__name__, _LAZY, submodules=("experimental",))

@@ -8,11 +8,13 @@ import numpy as np
 
 from shardflow.data import structure
 from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator, has_bulk_next
+from shardflow.data.errors import InvalidArgumentError
+from shardflow.data.sparse import SparseTensor, stack_sparse
 
 
 def _positive(value: Any, argument: str) -> int:
     if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{argument} must be a positive int, got {value!r}")
+        raise InvalidArgumentError(f"{argument} must be a positive int, got {value!r}")
     return int(value)
 
 
@@ -23,10 +25,13 @@ def group_leaves(elements: list[Any], operation: str) -> tuple[list[list[Any]], 
     for index, element in enumerate(elements[1:], start=1):
         leaves, other = structure.flatten(element)
         if other != treedef:
-            raise ValueError(
-                f"{operation}: element {index} has structure {structure.describe(other)}, "
-                f"element 0 has {structure.describe(treedef)}"
-            )
+            try:
+                leaves = structure.flatten_as(treedef, element, operation)
+            except TypeError:
+                raise ValueError(
+                    f"{operation}: element {index} has structure {structure.describe(other)}, "
+                    f"element 0 has {structure.describe(treedef)}"
+                ) from None
         for column, leaf in zip(columns, leaves, strict=True):
             column.append(leaf)
     return columns, treedef
@@ -47,17 +52,19 @@ def stack(elements: list[Any]) -> Any:
     return structure.pack(treedef, [_stack_column(column, path) for column, path in zip(columns, paths, strict=True)])
 
 
-def _stack_column(column: list[Any], path: str) -> np.ndarray:
+def _stack_column(column: list[Any], path: str) -> np.ndarray | SparseTensor:
     first = column[0]
     if isinstance(first, bytes):
         return _object_array(column)
+    if isinstance(first, SparseTensor):
+        return stack_sparse(column, path)
     if isinstance(first, np.generic) and all(type(leaf) is type(first) for leaf in column):
         return np.array(column, dtype=first.dtype)  # several times faster than np.stack for scalars
     try:
         return np.stack(column)
     except ValueError:
         shapes = sorted({np.shape(leaf) for leaf in column})
-        raise ValueError(
+        raise InvalidArgumentError(
             f"batch: component {path or 'of the element'} has different shapes {shapes} within one batch; "
             "use padded_batch, or make the shapes equal in a map before batching"
         ) from None
@@ -108,7 +115,8 @@ class _BatchIterator(UnaryIterator[Any]):
 
 class PaddedBatchDataset(BatchDataset):
     """Pads each component to `padded_shapes` (None or -1: the largest in the batch; unset: all dimensions)
-    with `padding_values` (0, or b"" for bytes; one value stands for every component)."""
+    with `padding_values` (0, or b"" for bytes; one value stands for every component; each must have its
+    component's dtype, as in tf.data, where a Python int is int32 and a float float32)."""
 
     def __init__(
         self,
@@ -153,8 +161,7 @@ def _pad(column: list[Any], shape: Any, value: Any, path: str) -> np.ndarray:
             )
     target = [got if want is None else want for want, got in zip(wanted, largest, strict=True)]
     dtype = arrays[0].dtype
-    if value is None:
-        value = b"" if dtype.kind == "O" else 0
+    value = _padding_value(value, dtype, component)
     out = np.full((len(arrays), *target), value, dtype=dtype)
     for index, array in enumerate(arrays):
         region: tuple[Any, ...] = (index, *(slice(0, size) for size in array.shape))
@@ -162,9 +169,30 @@ def _pad(column: list[Any], shape: Any, value: Any, path: str) -> np.ndarray:
     return out
 
 
+def _padding_value(value: Any, dtype: np.dtype[Any], component: str) -> Any:
+    """The value to pad with: the given one, which must have the component's dtype once converted as tf.data
+    converts it (a Python int is int32, a float float32, a str bytes), or 0 (b"" for strings)."""
+    if value is None:
+        return b"" if dtype.kind == "O" else 0
+    converted = structure.to_numpy(value)
+    if np.ndim(converted) != 0:
+        raise ValueError(f"padded_batch: padding_values for {component} must be a scalar, got {value!r}")
+    given = np.dtype(object) if isinstance(converted, bytes) else np.asarray(converted).dtype
+    if given != dtype:
+        raise TypeError(
+            f"padded_batch: padding_values for {component} has dtype {_dtype_name(given)}, but the component has "
+            f"{_dtype_name(dtype)}; give a value of that dtype"
+        )
+    return converted
+
+
+def _dtype_name(dtype: np.dtype[Any]) -> str:
+    return "bytes" if dtype.kind == "O" else dtype.name
+
+
 def _split(batch: Any, operation: str) -> tuple[list[Any], structure.TreeDef, int]:
     leaves, treedef = structure.flatten(batch)
-    shapes = [np.shape(leaf) for leaf in leaves]
+    shapes = [leaf.shape if isinstance(leaf, SparseTensor) else np.shape(leaf) for leaf in leaves]
     lengths = {shape[0] for shape in shapes if shape}
     if len(lengths) != 1 or not all(shapes):
         raise ValueError(f"{operation} needs components of rank >= 1 with one first dimension, got shapes {shapes}")

@@ -8,9 +8,14 @@ import copy
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
+import numpy as np
+
+from shardflow.data.errors import OutOfRangeError
+from shardflow.data.optional import Optional
+
 if TYPE_CHECKING:
     from shardflow.data.options import Options
-    from shardflow.data.torch_edge import TorchDataset
+    from shardflow.data.torch_iterable import TorchIterable
 
 T = TypeVar("T")
 
@@ -46,6 +51,20 @@ class DatasetIterator(abc.ABC, Iterator[T], Generic[T]):
         slice; this default returns one element, and `has_bulk_next` tells the two apart."""
         return [next(self)]
 
+    def get_next(self) -> T:
+        """The next element, as tf.data's `iterator.get_next()`: OutOfRangeError (not StopIteration) at the end."""
+        try:
+            return next(self)
+        except StopIteration:
+            raise OutOfRangeError("End of sequence") from None
+
+    def get_next_as_optional(self) -> Optional[T]:
+        """The next element wrapped in an Optional, which is empty at the end of the data."""
+        try:
+            return Optional.from_value(next(self))
+        except StopIteration:
+            return Optional.empty()
+
     def close(self) -> None:
         """Release threads, processes and files. Iterators without any keep this no-op."""
 
@@ -59,7 +78,10 @@ class DatasetIterator(abc.ABC, Iterator[T], Generic[T]):
 
 class Dataset(abc.ABC, Generic[T]):
     """An immutable description of a stream of elements (nested dicts and tuples of numpy arrays; strings
-    are bytes). Transformations return new datasets; iterating starts a fresh pass."""
+    are bytes). Transformations return new datasets; iterating starts a fresh pass.
+
+    Every source and transformation accepts tf.data's `name=` keyword, which names the op for tf.data's debugging
+    tools; shardflow accepts and ignores it."""
 
     @abc.abstractmethod
     def _iterator(self) -> DatasetIterator[T]: ...
@@ -100,25 +122,51 @@ class Dataset(abc.ABC, Generic[T]):
             merged = merged.merge(dataset.options())
         return merged
 
+    def cardinality(self) -> int:
+        """The number of elements, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2), by tf.data's rules."""
+        # Here, not at the top: cardinality subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.cardinality import cardinality
+
+        return cardinality(self)
+
+    def __len__(self) -> int:
+        """`cardinality()`, with TypeError for an infinite or unknown count, as tf.data's `len()`."""
+        count = self.cardinality()
+        if count >= 0:
+            return count
+        raise TypeError("The dataset is infinite." if count == -1 else "The dataset length is unknown.")
+
+    def __bool__(self) -> bool:
+        # Without this, `if dataset:` would call __len__, which raises for infinite and unknown counts.
+        return True
+
+    @property
+    def element_spec(self) -> Any:
+        """The structure of TensorSpecs of the elements (see element_spec.py for where it comes from)."""
+        # Here, not at the top: element_spec imports every transformation module.
+        from shardflow.data.element_spec import element_spec
+
+        return element_spec(self)
+
     # Sources.
 
     @staticmethod
-    def range(*args: int) -> Dataset[Any]:
-        """range(stop), range(start, stop) or range(start, stop, step) of int64 scalars."""
+    def range(*args: int, output_type: Any = np.int64, name: str | None = None) -> Dataset[Any]:
+        """range(stop), range(start, stop) or range(start, stop, step) of `output_type` (int64) scalars."""
         # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import RangeDataset
 
-        return RangeDataset(*args)
+        return RangeDataset(*args, output_type=output_type)
 
     @staticmethod
-    def from_tensors(element: Any) -> Dataset[Any]:
+    def from_tensors(element: Any, name: str | None = None) -> Dataset[Any]:
         # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import TensorsDataset
 
         return TensorsDataset(element)
 
     @staticmethod
-    def from_tensor_slices(element: Any) -> Dataset[Any]:
+    def from_tensor_slices(element: Any, name: str | None = None) -> Dataset[Any]:
         # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import TensorSlicesDataset
 
@@ -126,27 +174,101 @@ class Dataset(abc.ABC, Generic[T]):
 
     @staticmethod
     def from_generator(
-        generator: Callable[..., Any], output_signature: Any = None, args: tuple[Any, ...] | None = None
+        generator: Callable[..., Any],
+        output_types: Any = None,
+        output_shapes: Any = None,
+        args: tuple[Any, ...] | None = None,
+        output_signature: Any = None,
+        name: str | None = None,
     ) -> Dataset[Any]:
+        """`output_signature` (a structure of TensorSpecs), or its older form `output_types` with `output_shapes`,
+        converts and checks each element; without either, elements are taken as they come."""
         # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import GeneratorDataset
 
-        return GeneratorDataset(generator, output_signature=output_signature, args=args)
+        return GeneratorDataset(generator, output_signature, args, output_types, output_shapes)
 
     @staticmethod
-    def list_files(file_pattern: str | list[str], shuffle: bool | None = None, seed: int | None = None) -> Dataset[Any]:
+    def list_files(
+        file_pattern: str | list[str], shuffle: bool | None = None, seed: int | None = None, name: str | None = None
+    ) -> Dataset[Any]:
         # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import ListFilesDataset
 
         return ListFilesDataset(file_pattern, shuffle=shuffle, seed=seed)
 
     @staticmethod
-    def zip(*datasets: Any) -> Dataset[Any]:
+    def zip(*datasets: Any, name: str | None = None) -> Dataset[Any]:
         """zip(a, b) or zip((a, b)) or zip({"x": a, "y": b}): elements shaped like the argument."""
         # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.sources_basic import ZipDataset
 
         return ZipDataset(datasets[0] if len(datasets) == 1 else datasets)
+
+    @staticmethod
+    def sample_from_datasets(
+        datasets: list[Dataset[Any]],
+        weights: Any = None,
+        seed: int | None = None,
+        stop_on_empty_dataset: bool = False,
+        rerandomize_each_iteration: bool | None = None,
+    ) -> Dataset[Any]:
+        """Each element from one of `datasets`, drawn with `weights` (a list, or a dataset of weight vectors)."""
+        # Here, not at the top: sampling subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sampling import DirectedDataset, check_datasets
+
+        return DirectedDataset(
+            check_datasets(datasets, "sample_from_datasets"),
+            stop_on_empty_dataset,
+            weights=weights,
+            seed=seed,
+            rerandomize_each_iteration=rerandomize_each_iteration,
+        )
+
+    @staticmethod
+    def choose_from_datasets(
+        datasets: list[Dataset[Any]], choice_dataset: Dataset[Any], stop_on_empty_dataset: bool = True
+    ) -> Dataset[Any]:
+        """Each element from the dataset that the next int64 of `choice_dataset` names."""
+        # Here, not at the top: sampling subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sampling import DirectedDataset, check_datasets
+
+        if not isinstance(choice_dataset, Dataset):
+            raise TypeError(
+                f"choose_from_datasets choice_dataset must be a Dataset, got {type(choice_dataset).__name__}"
+            )
+        return DirectedDataset(
+            check_datasets(datasets, "choose_from_datasets"), stop_on_empty_dataset, choice_dataset=choice_dataset
+        )
+
+    @staticmethod
+    def counter(start: int = 0, step: int = 1, dtype: Any = "int64", name: str | None = None) -> Dataset[Any]:
+        """start, start + step, ... without end."""
+        # Here, not at the top: counter subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.counter import CounterDataset
+
+        return CounterDataset(start, step, dtype)
+
+    @staticmethod
+    def random(
+        seed: int | None = None, rerandomize_each_iteration: bool | None = None, name: str | None = None
+    ) -> Dataset[Any]:
+        """Endless int64 scalars uniform in [0, 2**32), as tf.data's; the stream itself differs from TensorFlow's."""
+        # Here, not at the top: counter subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.counter import RandomDataset
+
+        return RandomDataset(seed, rerandomize_each_iteration)
+
+    @staticmethod
+    def load(
+        path: str, element_spec: Any = None, compression: str | None = None, reader_func: Any = None
+    ) -> Dataset[Any]:
+        """A dataset written by `save` (shardflow's own format, see saved_format.py). The records carry their
+        structure and dtypes, so `element_spec` is accepted for tf.data compatibility and not needed."""
+        # Here, not at the top: snapshot subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.snapshot import LoadDataset
+
+        return LoadDataset(path, compression, reader_func)
 
     # Transformations.
 
@@ -157,6 +279,7 @@ class Dataset(abc.ABC, Generic[T]):
         deterministic: bool | None = None,
         *,
         use_processes: bool = False,
+        name: str | None = None,
     ) -> Dataset[Any]:
         """`use_processes=True` runs a Python-heavy `map_func` in forked worker processes (see processes.py)."""
         # Here, not at the top: mapping subclasses Dataset, so importing it above would be a cycle.
@@ -164,7 +287,7 @@ class Dataset(abc.ABC, Generic[T]):
 
         return MapDataset(self, map_func, num_parallel_calls, deterministic, use_processes=use_processes)
 
-    def flat_map(self, map_func: Callable[..., Dataset[Any]]) -> Dataset[Any]:
+    def flat_map(self, map_func: Callable[..., Dataset[Any]], name: str | None = None) -> Dataset[Any]:
         # Here, not at the top: interleave subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.interleave import InterleaveDataset
 
@@ -177,19 +300,26 @@ class Dataset(abc.ABC, Generic[T]):
         block_length: int | None = None,
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
+        name: str | None = None,
     ) -> Dataset[Any]:
         # Here, not at the top: interleave subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.interleave import InterleaveDataset
 
         return InterleaveDataset(self, map_func, cycle_length, block_length, num_parallel_calls, deterministic)
 
-    def filter(self, predicate: Callable[..., Any]) -> Dataset[T]:
+    def filter(self, predicate: Callable[..., Any], name: str | None = None) -> Dataset[T]:
         # Here, not at the top: mapping subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.mapping import FilterDataset
 
         return FilterDataset(self, predicate)
 
-    def shuffle(self, buffer_size: int, seed: int | None = None, reshuffle_each_iteration: bool = True) -> Dataset[T]:
+    def shuffle(
+        self,
+        buffer_size: int,
+        seed: int | None = None,
+        reshuffle_each_iteration: bool = True,
+        name: str | None = None,
+    ) -> Dataset[T]:
         # Here, not at the top: shuffle subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.shuffle import ShuffleDataset
 
@@ -201,6 +331,7 @@ class Dataset(abc.ABC, Generic[T]):
         drop_remainder: bool = False,
         num_parallel_calls: int | None = None,
         deterministic: bool | None = None,
+        name: str | None = None,
     ) -> Dataset[Any]:
         """Stacks elements; `num_parallel_calls` and `deterministic` are accepted for tf.data compatibility."""
         # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
@@ -209,27 +340,39 @@ class Dataset(abc.ABC, Generic[T]):
         return BatchDataset(self, batch_size, drop_remainder)
 
     def padded_batch(
-        self, batch_size: int, padded_shapes: Any = None, padding_values: Any = None, drop_remainder: bool = False
+        self,
+        batch_size: int,
+        padded_shapes: Any = None,
+        padding_values: Any = None,
+        drop_remainder: bool = False,
+        name: str | None = None,
     ) -> Dataset[Any]:
         # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.batching import PaddedBatchDataset
 
         return PaddedBatchDataset(self, batch_size, padded_shapes, padding_values, drop_remainder)
 
-    def unbatch(self) -> Dataset[Any]:
+    def unbatch(self, name: str | None = None) -> Dataset[Any]:
         # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.batching import UnbatchDataset
 
         return UnbatchDataset(self)
 
-    def rebatch(self, batch_size: int | list[int], drop_remainder: bool = False) -> Dataset[Any]:
+    def rebatch(
+        self, batch_size: int | list[int], drop_remainder: bool = False, name: str | None = None
+    ) -> Dataset[Any]:
         # Here, not at the top: batching subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.batching import RebatchDataset
 
         return RebatchDataset(self, batch_size, drop_remainder)
 
     def window(
-        self, size: int, shift: int | None = None, stride: int = 1, drop_remainder: bool = False
+        self,
+        size: int,
+        shift: int | None = None,
+        stride: int = 1,
+        drop_remainder: bool = False,
+        name: str | None = None,
     ) -> Dataset[Any]:
         """A dataset of windows; each window is the element structure with a Dataset at every leaf."""
         # Here, not at the top: window subclasses Dataset, so importing it above would be a cycle.
@@ -237,49 +380,144 @@ class Dataset(abc.ABC, Generic[T]):
 
         return WindowDataset(self, size, shift, stride, drop_remainder)
 
-    def cache(self, filename: str = "") -> Dataset[T]:
+    def cache(self, filename: str = "", name: str | None = None) -> Dataset[T]:
         # Here, not at the top: cache subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.cache import CacheDataset
 
         return CacheDataset(self, filename)
 
-    def repeat(self, count: int | None = None) -> Dataset[T]:
+    def repeat(self, count: int | None = None, name: str | None = None) -> Dataset[T]:
         # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import RepeatDataset
 
         return RepeatDataset(self, count)
 
-    def take(self, count: int) -> Dataset[T]:
+    def take(self, count: int, name: str | None = None) -> Dataset[T]:
         # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import TakeDataset
 
         return TakeDataset(self, count)
 
-    def skip(self, count: int) -> Dataset[T]:
+    def skip(self, count: int, name: str | None = None) -> Dataset[T]:
         # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import SkipDataset
 
         return SkipDataset(self, count)
 
-    def shard(self, num_shards: int, index: int) -> Dataset[T]:
+    def shard(self, num_shards: int, index: int, name: str | None = None) -> Dataset[T]:
         # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import ShardDataset
 
         return ShardDataset(self, num_shards, index)
 
-    def concatenate(self, dataset: Dataset[Any]) -> Dataset[Any]:
+    def concatenate(self, dataset: Dataset[Any], name: str | None = None) -> Dataset[Any]:
         # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import ConcatenateDataset
 
         return ConcatenateDataset(self, dataset)
 
-    def enumerate(self, start: int = 0) -> Dataset[Any]:
+    def enumerate(self, start: int = 0, name: str | None = None) -> Dataset[Any]:
         # Here, not at the top: slicing subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.slicing import EnumerateDataset
 
         return EnumerateDataset(self, start)
 
-    def prefetch(self, buffer_size: int) -> Dataset[T]:
+    def group_by_window(
+        self,
+        key_func: Callable[..., Any],
+        reduce_func: Callable[[Any, Dataset[Any]], Dataset[Any]],
+        window_size: int | None = None,
+        window_size_func: Callable[[Any], Any] | None = None,
+        name: str | None = None,
+    ) -> Dataset[Any]:
+        # Here, not at the top: grouping subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.grouping import GroupByWindowDataset
+
+        return GroupByWindowDataset(self, key_func, reduce_func, window_size, window_size_func)
+
+    def bucket_by_sequence_length(
+        self,
+        element_length_func: Callable[..., Any],
+        bucket_boundaries: list[int],
+        bucket_batch_sizes: list[int],
+        padded_shapes: Any = None,
+        padding_values: Any = None,
+        pad_to_bucket_boundary: bool = False,
+        no_padding: bool = False,
+        drop_remainder: bool = False,
+        name: str | None = None,
+    ) -> Dataset[Any]:
+        # Here, not at the top: grouping subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.grouping import bucket_by_sequence_length
+
+        return bucket_by_sequence_length(
+            self,
+            element_length_func,
+            bucket_boundaries,
+            bucket_batch_sizes,
+            padded_shapes,
+            padding_values,
+            pad_to_bucket_boundary,
+            no_padding,
+            drop_remainder,
+        )
+
+    def scan(self, initial_state: Any, scan_func: Callable[[Any, Any], Any], name: str | None = None) -> Dataset[Any]:
+        """`scan_func(state, element)` returns (new state, output element)."""
+        # Here, not at the top: scan subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.scan import ScanDataset
+
+        return ScanDataset(self, initial_state, scan_func)
+
+    def unique(self, name: str | None = None) -> Dataset[T]:
+        # Here, not at the top: unique subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.unique import UniqueDataset
+
+        return UniqueDataset(self)
+
+    def take_while(self, predicate: Callable[..., Any], name: str | None = None) -> Dataset[T]:
+        # Here, not at the top: take_while subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.take_while import TakeWhileDataset
+
+        return TakeWhileDataset(self, predicate)
+
+    def rejection_resample(
+        self,
+        class_func: Callable[..., Any],
+        target_dist: Any,
+        initial_dist: Any = None,
+        seed: int | None = None,
+        name: str | None = None,
+    ) -> Dataset[Any]:
+        """(class, element) pairs whose classes follow `target_dist`."""
+        # Here, not at the top: resample subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.resample import RejectionResampleDataset
+
+        return RejectionResampleDataset(self, class_func, target_dist, initial_dist, seed)
+
+    def sparse_batch(self, batch_size: int, row_shape: Any, name: str | None = None) -> Dataset[Any]:
+        """Batches of elements of different shapes as SparseTensors of dense shape [batch, *row_shape]."""
+        # Here, not at the top: sparse_batch subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sparse_batch import SparseBatchDataset
+
+        return SparseBatchDataset(self, batch_size, row_shape)
+
+    def snapshot(
+        self,
+        path: str,
+        compression: str | None = "AUTO",
+        reader_func: Any = None,
+        shard_func: Any = None,
+        name: str | None = None,
+    ) -> Dataset[T]:
+        """The first complete pass is saved under `path` (keyed by this pipeline's fingerprint); later passes,
+        in this process or another, read it back."""
+        # Here, not at the top: snapshot subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.snapshot import SnapshotDataset
+
+        return SnapshotDataset(self, path, compression, reader_func, shard_func)
+
+    def prefetch(self, buffer_size: int, name: str | None = None) -> Dataset[T]:
         # Here, not at the top: prefetch subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.prefetch import PrefetchDataset
 
@@ -288,29 +526,66 @@ class Dataset(abc.ABC, Generic[T]):
     def apply(self, transformation_func: Callable[[Dataset[T]], Dataset[Any]]) -> Dataset[Any]:
         return transformation_func(self)
 
-    def ignore_errors(self, log_warning: bool = False) -> Dataset[T]:
+    def ignore_errors(self, log_warning: bool = False, name: str | None = None) -> Dataset[T]:
         """Skips elements whose production raised; the iterator counts them in `num_skipped` and its state."""
-        # Here, not at the top: errors subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.errors import IgnoreErrorsDataset
+        # Here, not at the top: ignore_errors subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.ignore_errors import IgnoreErrorsDataset
 
         return IgnoreErrorsDataset(self, log_warning)
 
-    def with_options(self, options: Options) -> Dataset[T]:
+    def with_options(self, options: Options, name: str | None = None) -> Dataset[T]:
         # Here, not at the top: options subclasses Dataset, so importing it above would be a cycle.
         from shardflow.data.options import OptionsDataset
 
         return OptionsDataset(self, options)
 
-    def as_numpy_iterator(self) -> DatasetIterator[T]:
-        """Elements are already numpy: kept so that tf.data code ports unchanged."""
-        return iter(self)
+    # Consumers: they iterate the dataset and return a value.
 
-    def as_torch(self, device: Any = None, pin_memory: bool = False) -> TorchDataset:
-        """Elements with numeric arrays as torch tensors (bytes stay numpy), copied ahead to `device` if given."""
-        # Here, not at the top: torch_edge subclasses Dataset (a cycle) and keeps torch's import off this path.
-        from shardflow.data.torch_edge import TorchDataset
+    def reduce(self, initial_state: Any, reduce_func: Callable[[Any, Any], Any], name: str | None = None) -> Any:
+        """The state after `reduce_func(state, element)` over every element."""
+        # Here, not at the top: reduction imports this module.
+        from shardflow.data.reduction import reduce
 
-        return TorchDataset(self, device, pin_memory)
+        return reduce(self, initial_state, reduce_func)
+
+    def get_single_element(self, name: str | None = None) -> T:
+        """The only element; an error if there are none or more."""
+        # Here, not at the top: reduction imports this module.
+        from shardflow.data.reduction import get_single_element
+
+        return get_single_element(self)
+
+    def save(
+        self, path: str, compression: str | None = None, shard_func: Any = None, checkpoint_args: Any = None
+    ) -> None:
+        """Writes every element under the directory `path` in shardflow's own format (see saved_format.py)."""
+        # Here, not at the top: snapshot subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.snapshot import save
+
+        save(self, path, compression, shard_func, checkpoint_args)
+
+    def fingerprint(self) -> Any:
+        """A uint64 equal for pipelines built the same way from the same sources and functions."""
+        # Here, not at the top: fingerprint imports this module.
+        from shardflow.data.fingerprint import fingerprint
+
+        return fingerprint(self)
+
+    def as_numpy_iterator(self) -> DatasetIterator[Any]:
+        """Elements are already numpy; as in tf.data, sparse tensors come out dense and datasets of datasets raise."""
+        # Here, not at the top: as_numpy subclasses this module's iterator, so importing it above would be a cycle.
+        from shardflow.data.as_numpy import NumpyIterator
+
+        return NumpyIterator(iter(self))
+
+    def as_torch(self, device: Any = None, pin_memory: bool = False) -> TorchIterable:
+        """This pipeline handed to torch: a torch IterableDataset whose elements have their numeric arrays as torch
+        tensors (bytes stay numpy), copied ahead to `device` if given. In a DataLoader each worker process reads its
+        own share (see TorchIterable)."""
+        # Here, not at the top: torch_iterable imports this module (a cycle), and torch is imported only from here.
+        from shardflow.data.torch_iterable import TorchIterable
+
+        return TorchIterable(self, device, pin_memory)
 
 
 class UnaryDataset(Dataset[T]):
@@ -377,6 +652,16 @@ def active_options() -> Options:
 def current_epochs() -> tuple[int, ...]:
     """The epoch numbers of the enclosing repeats while they build an iterator (empty outside any repeat)."""
     return _EPOCHS.get() or ()
+
+
+def iter_epoch(dataset: Dataset[T], epoch: int) -> DatasetIterator[T]:
+    """`iter(dataset)` as pass number `epoch`, as a repeat starts its passes: shuffles below reshuffle by the epoch
+    rather than by how often this copy of the dataset was iterated."""
+    token = _EPOCHS.set((*current_epochs(), epoch))
+    try:
+        return iter(dataset)
+    finally:
+        _EPOCHS.reset(token)
 
 
 class IterationScope:

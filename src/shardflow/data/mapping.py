@@ -17,6 +17,8 @@ T = TypeVar("T")
 def apply_map(map_func: Callable[..., Any], element: Any) -> Any:
     """Calls `map_func` as tf.data does and converts what it returns to shardflow's leaves."""
     result = structure.call_with_element(map_func, element)
+    if type(result) is list:
+        result = tuple(result)  # a returned list is the element's components, not one array to stack (tf.data)
     if isinstance(result, bytes) or (isinstance(result, np.ndarray | np.generic) and result.dtype.kind not in "US"):
         return result  # already a leaf as shardflow keeps it: skip the walk over the structure
     return structure.normalize(result)

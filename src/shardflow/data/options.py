@@ -30,11 +30,32 @@ class AutoShardPolicy(enum.IntEnum):
     DATA = 2
 
 
+class ExternalStatePolicy(enum.IntEnum):
+    """tf.data.experimental.ExternalStatePolicy: what tf.data does when it serializes a pipeline whose functions
+    hold state. shardflow checkpoints iterator positions, never functions, so the policy has no effect."""
+
+    WARN = 0
+    IGNORE = 1
+    FAIL = 2
+
+
+class AutotuneAlgorithm(enum.IntEnum):
+    """tf.data.experimental.AutotuneAlgorithm's values; shardflow has one AUTOTUNE strategy (see below)."""
+
+    DEFAULT = 0
+    HILL_CLIMB = 1
+    GRADIENT_DESCENT = 2
+    MAX_PARALLELISM = 3
+    STAGE_BASED = 4
+
+
 # The option groups are mutable, unlike shardflow's configs, because tf.data code sets them attribute by
-# attribute (`options.autotune.ram_budget = ...`) and must port unchanged. None means "not set here".
+# attribute (`options.autotune.ram_budget = ...`) and must port unchanged. None means "not set here". They have
+# slots, so that setting a misspelt option raises AttributeError, as in tf.data, instead of doing nothing. Options
+# that shardflow accepts without effect say so: a tf.data pipeline that sets them still runs.
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class AutotuneOptions:
     enabled: bool | None = None
     """False makes AUTOTUNE mean the smallest setting (one call, one buffered element)."""
@@ -42,27 +63,84 @@ class AutotuneOptions:
     """Cores AUTOTUNE may use; unset means the cores this process may run on."""
     ram_budget: int | None = None
     """Bytes the autotuned buffers may hold together; unset means half the physical memory, as in tf.data."""
+    autotune_algorithm: AutotuneAlgorithm | None = None
+    """Accepted; no effect."""
+    initial_parallelism: int | None = None
+    """Accepted; no effect (AUTOTUNE starts at the CPU budget)."""
+    min_parallelism: int | None = None
+    """Accepted; no effect."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class DistributeOptions:
     auto_shard_policy: AutoShardPolicy | None = None
     """The policy `auto_shard` uses when not given one; unset means AUTO."""
+    num_devices: int | None = None
+    """Accepted; no effect (shardflow shards across workers, one pipeline per worker)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
+class OptimizationOptions:
+    """tf.data's static graph rewrites. shardflow runs the pipeline as written, so all are accepted without effect."""
+
+    apply_default_optimizations: bool | None = None
+    filter_fusion: bool | None = None
+    filter_parallelization: bool | None = None
+    inject_prefetch: bool | None = None
+    map_and_batch_fusion: bool | None = None
+    map_and_filter_fusion: bool | None = None
+    map_fusion: bool | None = None
+    map_parallelization: bool | None = None
+    noop_elimination: bool | None = None
+    parallel_batch: bool | None = None
+    seq_interleave_prefetch: bool | None = None
+    shuffle_and_repeat_fusion: bool | None = None
+
+
+@dataclasses.dataclass(slots=True)
 class ThreadingOptions:
     private_threadpool_size: int | None = None
     """Caps the parallelism AUTOTUNE picks; unset means the CPU budget."""
+    max_intra_op_parallelism: int | None = None
+    """Accepted; no effect (a map function's own threads are its business, e.g. torch.set_num_threads)."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Options:
     deterministic: bool | None = None
     """False lets parallel map return elements out of order (as they finish) when its own argument is None."""
     autotune: AutotuneOptions = dataclasses.field(default_factory=AutotuneOptions)
     experimental_distribute: DistributeOptions = dataclasses.field(default_factory=DistributeOptions)
     threading: ThreadingOptions = dataclasses.field(default_factory=ThreadingOptions)
+    experimental_optimization: OptimizationOptions = dataclasses.field(default_factory=OptimizationOptions)
+    experimental_external_state_policy: ExternalStatePolicy | None = None
+    """Accepted; no effect (see ExternalStatePolicy)."""
+    experimental_slack: bool | None = None
+    """Accepted; no effect (tf.data delays prefetch to spread work across multi-device steps)."""
+    experimental_symbolic_checkpoint: bool | None = None
+    """Accepted; no effect: shardflow's iterator state is always symbolic (positions and seeds, never buffers)."""
+    experimental_warm_start: bool | None = None
+    """Accepted; no effect: background stages start on the first element requested."""
+    dataset_name: str | None = None
+    """Accepted; no effect (a label in tf.data's metrics)."""
+
+    @property
+    def experimental_deterministic(self) -> bool | None:
+        """tf.data's older name of `deterministic`."""
+        return self.deterministic
+
+    @experimental_deterministic.setter
+    def experimental_deterministic(self, value: bool | None) -> None:
+        self.deterministic = value
+
+    @property
+    def experimental_threading(self) -> ThreadingOptions:
+        """tf.data's older name of `threading`."""
+        return self.threading
+
+    @experimental_threading.setter
+    def experimental_threading(self, value: ThreadingOptions) -> None:
+        self.threading = value
 
     def merge(self, other: Options) -> Options:
         """A new Options with every field `other` sets overriding this one's."""

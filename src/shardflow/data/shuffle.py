@@ -17,6 +17,7 @@ from shardflow.data.dataset import (
     current_epochs,
     has_bulk_next,
 )
+from shardflow.data.errors import InvalidArgumentError
 
 T = TypeVar("T")
 
@@ -42,7 +43,7 @@ class ShuffleDataset(UnaryDataset[T]):
     ) -> None:
         super().__init__(input_dataset)
         if not isinstance(buffer_size, int | np.integer) or buffer_size < 1:
-            raise ValueError(f"shuffle buffer_size must be a positive int, got {buffer_size!r}")
+            raise InvalidArgumentError(f"shuffle buffer_size must be a positive int, got {buffer_size!r}")
         self._buffer_size = int(buffer_size)
         # seed=None draws one seed per dataset; the state records it, so a restore needs no global seed.
         self._seed = secrets.randbits(63) if seed is None else int(seed) & _SEED_MASK

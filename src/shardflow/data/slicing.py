@@ -6,6 +6,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from shardflow.data import structure
 from shardflow.data.dataset import (
     Dataset,
     DatasetIterator,
@@ -14,21 +15,22 @@ from shardflow.data.dataset import (
     UnaryDataset,
     UnaryIterator,
 )
+from shardflow.data.errors import InvalidArgumentError
 
 T = TypeVar("T")
 
 
-def _count(value: Any, name: str, allow_all: bool) -> int:
-    if not isinstance(value, int | np.integer) or value < (-1 if allow_all else 0):
-        hint = " (or -1 for all)" if allow_all else ""
-        raise ValueError(f"{name} must be a non-negative int{hint}, got {value!r}")
-    return int(value)
+def _count(value: Any, name: str) -> int:
+    """A count where any negative value means "all" (-1 here), as in tf.data."""
+    if not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be an int (negative for all), got {value!r}")
+    return max(int(value), -1)
 
 
 class RepeatDataset(UnaryDataset[T]):
     def __init__(self, input_dataset: Dataset[T], count: int | None) -> None:
         super().__init__(input_dataset)
-        self._count = -1 if count is None else _count(count, "repeat count", allow_all=True)
+        self._count = -1 if count is None else _count(count, "repeat count")
 
     def _iterator(self) -> DatasetIterator[T]:
         return _RepeatIterator(self._input, self._count)
@@ -85,7 +87,7 @@ class _RepeatIterator(DatasetIterator[T]):
 class TakeDataset(UnaryDataset[T]):
     def __init__(self, input_dataset: Dataset[T], count: int) -> None:
         super().__init__(input_dataset)
-        self._count = _count(count, "take count", allow_all=True)
+        self._count = _count(count, "take count")
 
     def _iterator(self) -> DatasetIterator[T]:
         return _TakeSkipIterator(iter(self._input), take=self._count, skip=0)
@@ -94,7 +96,7 @@ class TakeDataset(UnaryDataset[T]):
 class SkipDataset(UnaryDataset[T]):
     def __init__(self, input_dataset: Dataset[T], count: int) -> None:
         super().__init__(input_dataset)
-        self._count = _count(count, "skip count", allow_all=True)
+        self._count = _count(count, "skip count")
 
     def _iterator(self) -> DatasetIterator[T]:
         return _TakeSkipIterator(iter(self._input), take=-1, skip=self._count)
@@ -131,9 +133,9 @@ class ShardDataset(UnaryDataset[T]):
     def __init__(self, input_dataset: Dataset[T], num_shards: int, index: int) -> None:
         super().__init__(input_dataset)
         if not isinstance(num_shards, int | np.integer) or num_shards < 1:
-            raise ValueError(f"shard num_shards must be a positive int, got {num_shards!r}")
+            raise InvalidArgumentError(f"shard num_shards must be a positive int, got {num_shards!r}")
         if not isinstance(index, int | np.integer) or not 0 <= index < num_shards:
-            raise ValueError(f"shard index must be in [0, num_shards={num_shards}), got {index!r}")
+            raise InvalidArgumentError(f"shard index must be in [0, num_shards={num_shards}), got {index!r}")
         self._num_shards, self._index = int(num_shards), int(index)
 
     def _iterator(self) -> DatasetIterator[T]:
@@ -168,6 +170,7 @@ class ConcatenateDataset(Dataset[Any]):
     def __init__(self, first: Dataset[Any], second: Dataset[Any]) -> None:
         if not isinstance(second, Dataset):
             raise TypeError(f"concatenate expects a shardflow.data.Dataset, got {type(second).__name__}")
+        _check_static_types(first, second)
         self._datasets = (first, second)
 
     def _inputs(self) -> tuple[Dataset[Any], ...]:
@@ -180,21 +183,72 @@ class ConcatenateDataset(Dataset[Any]):
         return _ConcatenateIterator(self._datasets)
 
 
+def _check_static_types(first: Dataset[Any], second: Dataset[Any]) -> None:
+    """TypeError now, as tf.data raises, where both inputs define their element spec; the iterator checks the
+    others on their first elements."""
+    # Here, not at the top: element_spec imports this module.
+    from shardflow.data.element_spec import static_spec
+
+    first_spec, second_spec = static_spec(first), static_spec(second)
+    if first_spec is None or second_spec is None:
+        return
+    first_leaves, treedef = structure.flatten(first_spec)
+    try:
+        second_leaves = structure.flatten_as(treedef, second_spec, "concatenate")
+    except TypeError:
+        second_leaves = []
+    if len(second_leaves) != len(first_leaves) or any(
+        one.dtype != other.dtype for one, other in zip(first_leaves, second_leaves, strict=True)
+    ):
+        raise TypeError(f"concatenate: incompatible dataset elements, {first_spec} vs. {second_spec}")
+
+
 class _ConcatenateIterator(DatasetIterator[Any]):
+    """The second input's elements must have the first's structure and dtypes (TypeError otherwise, as in tf.data);
+    this is checked on the first element of each, and dicts of the second are packed in the first's key order."""
+
     def __init__(self, datasets: tuple[Dataset[Any], Dataset[Any]]) -> None:
         self._datasets = datasets
         self._scope = IterationScope()
         self._which = 0
         self._input: DatasetIterator[Any] = iter(datasets[0])
+        self._first_signature: structure.Signature | None = None
+        self._unchecked = True  # whether the second input's next element is its first
+        self._repack_as: structure.TreeDef | None = None
 
     def __next__(self) -> Any:
-        try:
-            return next(self._input)
-        except StopIteration:
-            if self._which == 1:
-                raise
-        self._switch(1)
-        return next(self._input)
+        if self._which == 0:
+            try:
+                element = next(self._input)
+            except StopIteration:
+                self._switch(1)
+            else:
+                if self._first_signature is None:
+                    self._first_signature = structure.signature(element)
+                return element
+        element = next(self._input)
+        if self._unchecked:
+            self._unchecked = False
+            self._check_second(element)
+        if self._repack_as is not None:
+            element = structure.pack(self._repack_as, structure.flatten_as(self._repack_as, element, "concatenate"))
+        return element
+
+    def _check_second(self, element: Any) -> None:
+        if self._first_signature is None:
+            return
+        first_treedef, first_dtypes = self._first_signature
+        treedef, dtypes = structure.signature(element)
+        if treedef != first_treedef:
+            # A TypeError if the structures differ other than in the order of dict keys.
+            leaves = structure.flatten_as(first_treedef, element, "concatenate")
+            dtypes = structure.signature(structure.pack(first_treedef, leaves))[1]
+            self._repack_as = first_treedef
+        if dtypes != first_dtypes:
+            raise TypeError(
+                f"concatenate: incompatible dataset elements, dtypes {[str(dtype) for dtype in first_dtypes]} "
+                f"vs. {[str(dtype) for dtype in dtypes]} (structure {structure.describe(first_treedef)})"
+            )
 
     def _switch(self, which: int) -> None:
         if which != self._which:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import glob
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -12,21 +13,31 @@ import numpy as np
 
 from shardflow.data import structure
 from shardflow.data.dataset import Dataset, DatasetIterator, State
+from shardflow.data.errors import InvalidArgumentError, NotFoundError
 
 
-class RangeDataset(Dataset[np.int64]):
-    def __init__(self, *args: int) -> None:
+class RangeDataset(Dataset[np.generic]):
+    def __init__(self, *args: int, output_type: Any = np.int64) -> None:
         if not 1 <= len(args) <= 3:
             raise TypeError(f"range takes (stop), (start, stop) or (start, stop, step), got {len(args)} arguments")
         if len(args) == 3 and args[2] == 0:
-            raise ValueError("range step must not be 0")
+            raise InvalidArgumentError("range step must not be 0")
         self._range = range(*(int(arg) for arg in args))
+        self._output_type = np.dtype(output_type).type
+        if not issubclass(self._output_type, np.integer | np.floating):
+            raise TypeError(f"range output_type must be an integer or float dtype, got {output_type!r}")
 
-    def _iterator(self) -> DatasetIterator[np.int64]:
-        return _IndexIterator(len(self._range), self._element_at)
+    def _iterator(self) -> DatasetIterator[np.generic]:
+        return _IndexIterator(len(self._range), self._element_at, self._elements_between)
 
-    def _element_at(self, index: int) -> np.int64:
-        return np.int64(self._range[index])
+    def _element_at(self, index: int) -> np.generic:
+        value: np.generic = self._output_type(self._range[index])
+        return value
+
+    def _elements_between(self, start: int, end: int) -> list[np.generic]:
+        # One arange for the whole slice: several times faster than converting each int.
+        part = self._range[start:end]
+        return list(np.arange(part.start, part.stop, part.step, dtype=np.int64).astype(self._output_type, copy=False))
 
 
 class ElementsDataset(Dataset[Any]):
@@ -125,12 +136,23 @@ class GeneratorDataset(Dataset[Any]):
     `generator(*args)` again and skips that many: the generator must yield the same sequence every time."""
 
     def __init__(
-        self, generator: Callable[..., Any], output_signature: Any = None, args: tuple[Any, ...] | None = None
+        self,
+        generator: Callable[..., Any],
+        output_signature: Any = None,
+        args: tuple[Any, ...] | None = None,
+        output_types: Any = None,
+        output_shapes: Any = None,
     ) -> None:
         if not callable(generator):
             raise TypeError(f"from_generator needs a callable that returns an iterator, got {type(generator).__name__}")
         self._generator = generator
         self._args = tuple(args or ())
+        if output_types is not None:
+            if output_signature is not None:
+                raise TypeError("from_generator takes output_signature or output_types (and output_shapes), not both")
+            output_signature = _signature_from_types(output_types, output_shapes)
+        elif output_shapes is not None:
+            raise TypeError("from_generator output_shapes needs output_types")
         self._signature = None if output_signature is None else structure.flatten(output_signature)
 
     def _iterator(self) -> DatasetIterator[Any]:
@@ -146,11 +168,25 @@ class GeneratorDataset(Dataset[Any]):
         specs, treedef = self._signature
         leaves, actual = structure.flatten(element)
         if actual != treedef:
-            raise TypeError(
-                f"from_generator: the generator yielded structure {structure.describe(actual)}, "
-                f"but output_signature is {structure.describe(treedef)}"
-            )
+            try:
+                leaves = structure.flatten_as(treedef, element, "from_generator")
+            except TypeError:
+                raise TypeError(
+                    f"from_generator: the generator yielded structure {structure.describe(actual)}, "
+                    f"but output_signature is {structure.describe(treedef)}"
+                ) from None
         return structure.pack(treedef, [_conform(leaf, spec) for leaf, spec in zip(leaves, specs, strict=True)])
+
+
+def _signature_from_types(output_types: Any, output_shapes: Any) -> Any:
+    """tf.data's older form of output_signature: a structure of dtypes and one of shapes (None: any shape)."""
+    dtypes, treedef = structure.flatten(output_types)
+    if output_shapes is None:
+        shapes: list[Any] = [None] * len(dtypes)
+    else:
+        shapes = structure.flatten_up_to(treedef, output_shapes, "from_generator output_shapes")
+    specs = [TensorSpec(shape=shape, dtype=dtype) for dtype, shape in zip(dtypes, shapes, strict=True)]
+    return structure.pack(treedef, specs)
 
 
 def _conform(leaf: Any, spec: TensorSpec) -> Any:
@@ -196,9 +232,12 @@ class ListFilesDataset(Dataset[bytes]):
 
     def __init__(self, file_pattern: str | Sequence[str], shuffle: bool | None = None, seed: int | None = None) -> None:
         patterns = [file_pattern] if isinstance(file_pattern, str | bytes | os.PathLike) else list(file_pattern)
-        files = [path for pattern in patterns for path in sorted(glob.glob(os.fsdecode(pattern)))]
+        # One sorted list across all patterns, a file matched twice listed twice, as tf.data's list_files.
+        files = sorted(path for pattern in patterns for path in glob.glob(os.fsdecode(pattern)))
         if not files:
-            raise FileNotFoundError(f"list_files: no files matched pattern {', '.join(map(os.fsdecode, patterns))}")
+            # tf.data raises InvalidArgumentError here; a NotFoundError is still a FileNotFoundError, as before.
+            pattern = ", ".join(map(os.fsdecode, patterns))
+            raise NotFoundError(errno.ENOENT, f"list_files: no files matched pattern {pattern}", pattern)
         self._build([os.fsencode(path) for path in files], True if shuffle is None else shuffle, seed)
 
     def _build(self, files: list[bytes], shuffle: bool, seed: int | None) -> None:

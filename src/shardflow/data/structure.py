@@ -7,8 +7,13 @@ from typing import Any
 
 import numpy as np
 
+from shardflow.data.sparse import SparseTensor
+
 TreeDef = Any
-"""None for a leaf; ("dict", keys, children) or ("tuple", type, children) for a structure."""
+"""None for a leaf; ("dict", keys, children) or ("tuple", type, children) for a structure. Dict keys keep their
+insertion order, as tf.data's elements do."""
+
+_INT32 = np.iinfo(np.int32)
 
 
 def is_structure(value: Any) -> bool:
@@ -17,15 +22,14 @@ def is_structure(value: Any) -> bool:
 
 
 def flatten(element: Any) -> tuple[list[Any], TreeDef]:
-    """The leaves of `element` in a fixed order (dict keys sorted) and the definition to pack them again."""
+    """The leaves of `element` (dict values in key order) and the definition to pack them again."""
     leaves: list[Any] = []
     return leaves, _flatten_into(element, leaves)
 
 
 def _flatten_into(element: Any, leaves: list[Any]) -> TreeDef:
     if isinstance(element, dict):
-        keys = sorted(element)
-        return ("dict", tuple(keys), tuple(_flatten_into(element[key], leaves) for key in keys))
+        return ("dict", tuple(element), tuple(_flatten_into(value, leaves) for value in element.values()))
     if isinstance(element, tuple):
         return ("tuple", type(element), tuple(_flatten_into(item, leaves) for item in element))
     leaves.append(element)
@@ -45,6 +49,47 @@ def _pack_from(treedef: TreeDef, leaves: Any) -> Any:
         return {key: _pack_from(child, leaves) for key, child in zip(meta, children, strict=True)}
     items = [_pack_from(child, leaves) for child in children]
     return meta(*items) if hasattr(meta, "_fields") else meta(items)
+
+
+def flatten_as(treedef: TreeDef, element: Any, operation: str) -> list[Any]:
+    """The leaves of `element` in the order of `treedef`, which it must match up to the order of dict keys (tf.data
+    packs every element into its dataset's one structure)."""
+    leaves, actual = flatten(element)
+    if actual == treedef:
+        return leaves
+    if _same_up_to_key_order(actual, treedef):
+        return flatten_up_to(treedef, element, operation)
+    raise TypeError(f"{operation}: element has structure {describe(actual)}, expected {describe(treedef)}")
+
+
+def _same_up_to_key_order(one: TreeDef, other: TreeDef) -> bool:
+    if one is None or other is None:
+        return one is other
+    if one[0] != other[0] or len(one[2]) != len(other[2]):
+        return False
+    if one[0] == "tuple":
+        return one[1] is other[1] and all(map(_same_up_to_key_order, one[2], other[2]))
+    children = dict(zip(other[1], other[2], strict=True))
+    return set(one[1]) == set(children) and all(
+        _same_up_to_key_order(child, children[key]) for key, child in zip(one[1], one[2], strict=True)
+    )
+
+
+Signature = tuple[TreeDef, tuple[Any, ...]]
+"""An element's structure and the dtype of each leaf (np.dtype(object) for bytes, ("sparse", dtype) for sparse)."""
+
+
+def signature(element: Any) -> Signature:
+    leaves, treedef = flatten(element)
+    return treedef, tuple(_leaf_dtype(leaf) for leaf in leaves)
+
+
+def _leaf_dtype(leaf: Any) -> Any:
+    if isinstance(leaf, bytes):
+        return np.dtype(object)
+    if isinstance(leaf, SparseTensor):
+        return ("sparse", leaf.values.dtype)
+    return np.asarray(leaf).dtype
 
 
 def describe(treedef: TreeDef) -> str:
@@ -67,21 +112,60 @@ def to_numpy(value: Any) -> Any:
         return _strings_to_bytes(value) if value.dtype.kind in "US" else value
     if isinstance(value, np.generic):
         return value.item() if isinstance(value, np.bytes_) else value.encode() if isinstance(value, np.str_) else value
+    if isinstance(value, bool | int | float):
+        return _literal(value)
+    if isinstance(value, SparseTensor):
+        return value
     if value is None:
         raise TypeError("elements cannot contain None: use a numpy array, a number, or bytes")
     array = np.asarray(value)
     if array.dtype == object:
         raise TypeError(f"cannot convert {type(value).__name__} to a numpy array of numbers or bytes: {value!r:.80}")
-    array = _strings_to_bytes(array) if array.dtype.kind in "US" else array
+    if array.dtype.kind in "US":
+        # From the items, not from `array`: numpy's fixed-width bytes drop trailing zero bytes (of a serialized
+        # record, say), which tf.data keeps.
+        array = _strings_to_bytes(np.array(value, dtype=object))
+    elif array.dtype in (np.int64, np.float64) and isinstance(value, list) and _only_python_numbers(value):
+        array = _narrow_literals(array)
     return array[()] if array.ndim == 0 else array
 
 
+def _literal(value: bool | int | float) -> np.generic:
+    """A Python number as tf.data converts it: bool, int32 (int64 when out of int32's range), float32."""
+    if isinstance(value, bool):
+        return np.bool_(value)
+    if isinstance(value, int):
+        return np.int32(value) if _INT32.min <= value <= _INT32.max else np.int64(value)
+    return np.float32(value)
+
+
+def _only_python_numbers(items: list[Any] | tuple[Any, ...]) -> bool:
+    # numpy values in a list keep their dtype (np.float64 is a float subclass, hence the exact type test).
+    return all(
+        _only_python_numbers(item) if type(item) in (list, tuple) else type(item) in (int, float) for item in items
+    )
+
+
+def _narrow_literals(array: np.ndarray) -> np.ndarray:
+    """A nested list of Python numbers converts to int32 (int64 when a value does not fit) or float32, as in TF."""
+    if array.dtype == np.float64:
+        return array.astype(np.float32)
+    if array.size and (array.min() < _INT32.min or array.max() > _INT32.max):
+        return array
+    return array.astype(np.int32)
+
+
 def _strings_to_bytes(array: np.ndarray) -> Any:
-    encode = (lambda item: item.encode()) if array.dtype.kind == "U" else bytes
+    """str and bytes items (of a str, bytes or object array) as an object array of bytes."""
+    encode = _encode if array.dtype.kind in "UO" else bytes
     out = np.empty(array.shape, dtype=object)
     for index, item in np.ndenumerate(array):
         out[index] = encode(item)
     return out[()] if out.ndim == 0 else out
+
+
+def _encode(item: Any) -> bytes:
+    return item.encode() if isinstance(item, str) else bytes(item)
 
 
 def normalize(element: Any) -> Any:
@@ -117,7 +201,7 @@ def flatten_up_to(treedef: TreeDef, value: Any, argument: str, broadcast: bool =
             return [value] * len(leaf_paths(treedef))
         raise ValueError(f"{argument} must have the element's structure {describe(treedef)}, got {value!r}")
     if kind == "dict":
-        if not isinstance(value, dict) or sorted(value) != list(meta):
+        if not isinstance(value, dict) or value.keys() != set(meta):
             raise ValueError(f"{argument} must have the element's structure {describe(treedef)}, got {value!r}")
         parts = [value[key] for key in meta]
     else:

@@ -1,22 +1,24 @@
-"""as_torch() and to_torch(): numeric numpy leaves become torch tensors at the pipeline's edge, optionally copied to
-a device."""
+"""to_torch(), and the conversion behind as_torch(): numeric numpy leaves become torch tensors at the pipeline's edge,
+optionally copied to a device. `shardflow.data` imports this module, and so torch, only when as_torch() is called."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import numpy as np
+import torch
 
 from shardflow.data import structure
 from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator
 from shardflow.data.prefetch import PrefetchIterator
+from shardflow.data.sparse import SparseTensor
 
 # Elements copied ahead to the device: one in use by the step, one in flight.
 _DEVICE_PREFETCH = 2
 
 
 class TorchDataset(UnaryDataset[Any]):
-    """torch is imported only when such an iterator is built, so `shardflow.data` stays usable without it."""
+    """The input's elements converted by to_torch(), and copied ahead to `device` when it is not the CPU."""
 
     def __init__(self, input_dataset: Dataset[Any], device: Any, pin_memory: bool) -> None:
         super().__init__(input_dataset)
@@ -24,8 +26,6 @@ class TorchDataset(UnaryDataset[Any]):
         self._pin_memory = pin_memory
 
     def _iterator(self) -> DatasetIterator[Any]:
-        import torch
-
         device = None if self._device is None else torch.device(self._device)
         if self._pin_memory and not torch.cuda.is_available():
             raise ValueError("as_torch(pin_memory=True) needs CUDA, which this torch build cannot use; drop pin_memory")
@@ -49,8 +49,6 @@ def to_torch(element: Any) -> Any:
 
 
 def _to_tensor(leaf: Any) -> Any:
-    import torch
-
     if isinstance(leaf, np.ndarray):
         if leaf.dtype == object or leaf.dtype.kind in "USV":
             return leaf
@@ -60,13 +58,15 @@ def _to_tensor(leaf: Any) -> Any:
         return torch.from_numpy(np.ascontiguousarray(leaf))
     if isinstance(leaf, np.generic) and not isinstance(leaf, np.bytes_ | np.str_ | np.void):
         return torch.from_numpy(np.asarray(leaf))
+    if isinstance(leaf, SparseTensor) and leaf.values.dtype != object:
+        indices = torch.from_numpy(np.ascontiguousarray(leaf.indices.T))
+        # Checked: a user-built SparseTensor with an index out of its shape would otherwise crash torch later.
+        return torch.sparse_coo_tensor(indices, _to_tensor(leaf.values), leaf.shape, check_invariants=True)
     return leaf
 
 
 class _TorchIterator(UnaryIterator[Any]):
     def __init__(self, input_iterator: DatasetIterator[Any], device: Any, pin_memory: bool) -> None:
-        import torch
-
         super().__init__(input_iterator)
         self._device = device
         self._pin_memory = pin_memory
@@ -78,8 +78,6 @@ class _TorchIterator(UnaryIterator[Any]):
         return structure.pack(treedef, [self._convert(leaf) for leaf in leaves])
 
     def _convert(self, leaf: Any) -> Any:
-        import torch
-
         tensor = _to_tensor(leaf)
         if not isinstance(tensor, torch.Tensor):
             return tensor
@@ -106,8 +104,6 @@ class _DeviceIterator(UnaryIterator[Any]):
     them, so their memory is not reused by the copy stream while a step still reads it."""
 
     def __next__(self) -> Any:
-        import torch
-
         element = next(self._input)
         if torch.cuda.is_available():
             for leaf in structure.flatten(element)[0]:

@@ -7,12 +7,13 @@ from typing import Any
 
 from shardflow.data import batching, structure
 from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator
+from shardflow.data.errors import InvalidArgumentError
 from shardflow.data.sources_basic import ElementsDataset
 
 
 def _positive(value: Any, argument: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"window {argument} must be a positive int, got {value!r}")
+        raise InvalidArgumentError(f"window {argument} must be a positive int, got {value!r}")
     return value
 
 

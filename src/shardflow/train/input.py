@@ -8,6 +8,7 @@ record is seen exactly k times across the cluster, whatever the worker counts be
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Iterator
@@ -31,7 +32,7 @@ class _Shard:
             self._start(state)
 
     def _start(self, state: dict[str, Any] | None) -> None:
-        iterator = iter(self.spec.input_fn(self.ctx))
+        iterator = iter(self.spec.input_fn(dataclasses.replace(self.ctx, epoch=self.epoch)))
         self._stateful = callable(getattr(iterator, "get_state", None)) and callable(
             getattr(iterator, "set_state", None)
         )

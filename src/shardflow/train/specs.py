@@ -21,6 +21,9 @@ class InputContext:
 
     num_workers: int = 1
     worker_index: int = 0
+    epoch: int = 0
+    """The epoch (0-based) this call of input_fn produces, e.g. for DistributedSampler.set_epoch or
+    TorchIterable.set_epoch; 0 for evaluation."""
 
     @property
     def num_input_pipelines(self) -> int:

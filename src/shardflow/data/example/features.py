@@ -1,5 +1,4 @@
-"""Feature specs for parse_example (FixedLenFeature, VarLenFeature), the SparseTensor a VarLenFeature yields, and
-the Column every decoding path produces."""
+"""Feature specs for parse_example (FixedLenFeature, VarLenFeature) and the Column every decoding path produces."""
 
 from __future__ import annotations
 
@@ -76,15 +75,6 @@ class VarLenFeature:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", example_dtype(self.dtype))
-
-
-@dataclass(frozen=True, eq=False)
-class SparseTensor:
-    """tf.SparseTensor's fields as numpy arrays: `values[i]` sits at `indices[i]` in a tensor of `dense_shape`."""
-
-    indices: npt.NDArray[np.int64]  # (number of values, rank)
-    values: npt.NDArray[Any]
-    dense_shape: npt.NDArray[np.int64]  # (rank,)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,8 @@ import numpy as np
 import numpy.typing as npt
 
 from shardflow.data.example.decode import decode_columns
-from shardflow.data.example.features import Column, FixedLenFeature, SparseTensor, VarLenFeature
+from shardflow.data.example.features import Column, FixedLenFeature, VarLenFeature
+from shardflow.data.sparse import SparseTensor
 
 Feature = FixedLenFeature | VarLenFeature
 Parsed = dict[str, npt.NDArray[Any] | SparseTensor]

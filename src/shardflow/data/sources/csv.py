@@ -48,16 +48,19 @@ def _as_bytes(value: Any) -> bytes:
     return value.encode() if isinstance(value, str) else bytes(value)
 
 
-def decode_lines(lines: list[bytes], csv_format: CsvFormat) -> list[npt.NDArray[Any]]:
-    """The columns of a batch of records, each a 1-D array."""
+def decode_lines(
+    lines: list[bytes], csv_format: CsvFormat, empty_record_is_a_field: bool = False
+) -> list[npt.NDArray[Any]]:
+    """The columns of a batch of records, each a 1-D array. An empty record has no fields (decode_csv), or one
+    empty field with `empty_record_is_a_field` (CsvDataset)."""
     columns = decode_with_arrow(lines, b"\n".join(lines), csv_format)
     if columns is not None:
         return columns
-    table = _split_each(lines, csv_format)
+    table = _split_each(lines, csv_format, empty_record_is_a_field)
     return [_convert(table[:, index], index, csv_format, lines) for index in range(len(csv_format.columns))]
 
 
-def _split_each(lines: list[bytes], csv_format: CsvFormat) -> npt.NDArray[Any]:
+def _split_each(lines: list[bytes], csv_format: CsvFormat, empty_record_is_a_field: bool = False) -> npt.NDArray[Any]:
     table = np.empty((len(lines), len(csv_format.columns)), dtype=object)
     needed = _fields_needed(csv_format)
     for index, line in enumerate(lines):
@@ -65,6 +68,8 @@ def _split_each(lines: list[bytes], csv_format: CsvFormat) -> npt.NDArray[Any]:
             fields = split_record(line, csv_format.field_delim, csv_format.use_quote_delim)
         except ValueError as error:
             raise CsvRecordError(index, str(error), line) from None
+        if not fields and empty_record_is_a_field:
+            fields = [b""]
         if csv_format.select_cols is None:
             if len(fields) != needed:
                 raise CsvRecordError(index, f"expected {needed} fields but found {len(fields)}", line)

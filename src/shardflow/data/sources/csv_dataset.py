@@ -7,10 +7,10 @@ from typing import Any
 
 from shardflow.data.sources.csv import decode_lines
 from shardflow.data.sources.csv_format import CsvFormat
+from shardflow.data.sources.csv_records import CsvRecordReader
 from shardflow.data.sources.errors import CsvRecordError, InvalidRecordError
 from shardflow.data.sources.files import ByteStream, compression_type_name
 from shardflow.data.sources.reader import FileDataset, RecordReader
-from shardflow.data.sources.text import LineReader
 
 Row = tuple[Any, ...]
 
@@ -20,8 +20,9 @@ class CsvDataset(FileDataset[Row]):
     (tf.data.experimental.CsvDataset). A record that cannot be decoded raises InvalidRecordError naming the file
     and line, after the records before it; iterating on continues after it.
 
-    Records are lines (TextLineDataset's), so a quoted field cannot span lines. Iterator state:
-    {"file_index", "offset": byte offset of the next line, "record_index": lines read, header included}.
+    Records end at "\n", "\r\n" or a lone "\r", except inside a quoted field; an empty line is a record of one empty
+    field; a file with `header` must have one. Iterator state: {"file_index", "offset": byte offset of the next
+    record, "record_index": records read, header included}.
     """
 
     def __init__(
@@ -51,14 +52,21 @@ class CsvDataset(FileDataset[Row]):
     def open_reader(self, filename: str, position: dict[str, Any] | None) -> CsvReader:
         position = position or {}
         stream = ByteStream(filename, self.compression_type, self.buffer_size, int(position.get("offset", 0)))
-        lines = LineReader(stream, int(position.get("record_index", 0)), skip_header_lines=int(self.header))
-        return CsvReader(lines, self.csv_format)
+        csv_format = self.csv_format
+        records = CsvRecordReader(
+            stream,
+            int(position.get("record_index", 0)),
+            self.header,
+            csv_format.field_delim,
+            csv_format.use_quote_delim,
+        )
+        return CsvReader(records, csv_format)
 
 
 class CsvReader(RecordReader[Row]):
     """Decodes each batch of lines a column at a time; a bad line splits the batch around it."""
 
-    def __init__(self, lines: LineReader, csv_format: CsvFormat) -> None:
+    def __init__(self, lines: CsvRecordReader, csv_format: CsvFormat) -> None:
         self._lines = lines
         self._csv_format = csv_format
         self._rest: list[bytes] = []  # lines of the line batch after the rows returned so far
@@ -75,7 +83,7 @@ class CsvReader(RecordReader[Row]):
                 return []
         lines, self._rest = self._rest, []
         try:
-            columns = decode_lines(lines, self._csv_format)
+            columns = decode_lines(lines, self._csv_format, empty_record_is_a_field=True)
         except CsvRecordError as error:
             if error.index == 0:
                 self._rest = lines[1:]
@@ -85,7 +93,7 @@ class CsvReader(RecordReader[Row]):
             # The rows before the bad line come first; the next call decodes the bad line again and raises.
             self._rest = lines[error.index :]
             lines = lines[: error.index]
-            columns = decode_lines(lines, self._csv_format)
+            columns = decode_lines(lines, self._csv_format, empty_record_is_a_field=True)
         rows = list(zip(*columns, strict=True))
         self._size = len(rows)
         return rows

@@ -8,6 +8,8 @@ from typing import Any
 
 import numpy as np
 
+from shardflow.data.errors import InvalidArgumentError
+
 STRING = np.dtype(object)  # CSV strings are bytes in object arrays
 _DTYPES = {np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.int64), STRING}
 
@@ -108,6 +110,8 @@ def column_spec(default: Any) -> ColumnSpec:
         return ColumnSpec(np.dtype(np.float32), None)
     values = default if isinstance(default, list | tuple) else [default]
     if isinstance(default, np.ndarray | np.generic):
+        if np.ndim(default) > 1:
+            raise InvalidArgumentError(f"a record default must have rank 0 or 1, got shape {np.shape(default)}")
         array = np.asarray(default).reshape(-1)
         dtype = STRING if array.dtype.kind in "OSU" else _csv_dtype(array.dtype)
         return ColumnSpec(dtype, _one_default(array.tolist(), dtype) if array.size else None)
@@ -115,7 +119,7 @@ def column_spec(default: Any) -> ColumnSpec:
     if isinstance(value, str | bytes):
         return ColumnSpec(STRING, _one_default(values, STRING))
     if isinstance(value, bool) or not isinstance(value, int | float | np.generic):
-        raise ValueError(f"a record default must be [value], [] or a dtype, got {default!r}")
+        raise InvalidArgumentError(f"a record default must be [value], [] or a dtype, got {default!r}")
     dtype = (
         np.dtype(value.dtype)
         if isinstance(value, np.generic)

@@ -2,21 +2,12 @@
 
 from __future__ import annotations
 
+from shardflow.data.errors import DataLossError, InvalidArgumentError
 
-class DataLossError(ValueError):
-    """A file is corrupt or truncated: `filename` and `offset` (bytes into the uncompressed stream) say where."""
-
-    def __init__(self, filename: str, offset: int, problem: str) -> None:
-        super().__init__(f"{filename}: {problem} at byte offset {offset}")
-        self.filename = filename
-        self.offset = offset
-        self.problem = problem
-
-    def __reduce__(self) -> tuple[type[DataLossError], tuple[str, int, str]]:
-        return type(self), (self.filename, self.offset, self.problem)
+__all__ = ["CsvRecordError", "DataLossError", "InvalidRecordError"]
 
 
-class InvalidRecordError(ValueError):
+class InvalidRecordError(InvalidArgumentError):
     """A record read whole cannot be decoded (e.g. a CSV line with the wrong number of fields)."""
 
     def __init__(self, filename: str, line: int, problem: str) -> None:
@@ -29,7 +20,7 @@ class InvalidRecordError(ValueError):
         return type(self), (self.filename, self.line, self.problem)
 
 
-class CsvRecordError(ValueError):
+class CsvRecordError(InvalidArgumentError):
     """Record `index` of a batch cannot be decoded; `problem` says why."""
 
     def __init__(self, index: int, problem: str, record: bytes) -> None:

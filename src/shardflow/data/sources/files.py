@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import zlib
 from collections.abc import Iterable
+from typing import BinaryIO
 
 import numpy as np
 
-from shardflow.data.sources.errors import DataLossError
+from shardflow.data.errors import DataLossError, NotFoundError, PermissionDeniedError
 
 DEFAULT_BUFFER_SIZE = 256 * 1024
 """Bytes read per chunk when a source is given no buffer_size."""
@@ -49,6 +50,17 @@ def compression_type_name(compression_type: str | None) -> str:
     return name
 
 
+def open_to_read(filename: str) -> BinaryIO:
+    """`open(filename, "rb")`, raising tf.errors' names: NotFoundError (a FileNotFoundError) for a missing file and
+    PermissionDeniedError (a PermissionError) for an unreadable one."""
+    try:
+        return open(filename, "rb")  # the caller closes it
+    except FileNotFoundError as error:
+        raise NotFoundError(error.errno, error.strerror, filename) from None
+    except PermissionError as error:
+        raise PermissionDeniedError(error.errno, error.strerror, filename) from None
+
+
 class ByteStream:
     """The uncompressed bytes of one file, read in chunks; `offset` counts uncompressed bytes returned so far.
 
@@ -66,7 +78,7 @@ class ByteStream:
         self._window_bits = _WINDOW_BITS[compression_type_name(compression_type)]
         self._decompressor = zlib.decompressobj(self._window_bits) if self._window_bits else None
         self._pushed_back = b""
-        self._file = open(filename, "rb")  # noqa: SIM115 - closed by close()
+        self._file = open_to_read(filename)
         if offset:
             self._skip_to(offset)
 

@@ -15,9 +15,9 @@ from shardflow.data.dataset import Dataset
 from shardflow.data.options import AUTOTUNE
 from shardflow.data.sources.csv import split_record
 from shardflow.data.sources.csv_dataset import CsvDataset, Row
+from shardflow.data.sources.csv_records import CsvRecordReader
 from shardflow.data.sources.errors import InvalidRecordError
 from shardflow.data.sources.files import ByteStream
-from shardflow.data.sources.text import LineReader
 
 
 def make_csv_dataset(
@@ -119,9 +119,13 @@ def _matching_files(file_pattern: str | Sequence[str]) -> list[str]:
     return filenames
 
 
-def _first_lines(filename: str, compression_type: str | None, num_lines: int) -> list[bytes]:
+def _first_lines(
+    filename: str, compression_type: str | None, num_lines: int, field_delim: str, use_quote_delim: bool
+) -> list[bytes]:
+    """The first records of a file, split as CsvDataset splits them (a quoted field may hold a line break)."""
     lines: list[bytes] = []
-    reader = LineReader(ByteStream(filename, compression_type))
+    stream = ByteStream(filename, compression_type)
+    reader = CsvRecordReader(stream, 0, header=False, field_delim=field_delim.encode(), use_quote_delim=use_quote_delim)
     try:
         while len(lines) < num_lines and (batch := reader.read_batch()):
             lines.extend(batch)
@@ -133,7 +137,7 @@ def _first_lines(filename: str, compression_type: str | None, num_lines: int) ->
 def _header(filenames: list[str], field_delim: str, use_quote_delim: bool, compression_type: str | None) -> list[str]:
     headers = []
     for filename in filenames:
-        first = _first_lines(filename, compression_type, 1)
+        first = _first_lines(filename, compression_type, 1, field_delim, use_quote_delim)
         if not first:
             raise ValueError(f"{filename}: no header line (the file is empty)")
         headers.append([name.decode() for name in split_record(first[0], field_delim.encode(), use_quote_delim)])
@@ -190,7 +194,8 @@ def _infer_defaults(
     seen = [False] * len(columns)
     rows_left = num_rows
     for filename in filenames:
-        lines = _first_lines(filename, compression_type, rows_left + int(header))[int(header) :]
+        num_lines = rows_left + int(header)
+        lines = _first_lines(filename, compression_type, num_lines, field_delim, use_quote_delim)[int(header) :]
         for line_number, line in enumerate(lines, start=1 + int(header)):
             fields = split_record(line, field_delim.encode(), use_quote_delim)
             if len(fields) != num_columns:

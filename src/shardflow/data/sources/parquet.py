@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shardflow.data.sources.files import open_to_read
 from shardflow.data.sources.reader import FileDataset, RecordReader
 
 Columns = dict[str, npt.NDArray[Any]]
@@ -42,7 +43,7 @@ class ParquetReader(RecordReader[dict[str, Any]]):
     def __init__(self, filename: str, columns: list[str] | None, batch_size: int | None, row: int) -> None:
         import pyarrow.parquet as pq  # here, so that importing the sources does not load pyarrow
 
-        self._file = open(filename, "rb")  # noqa: SIM115 - closed by close()
+        self._file = open_to_read(filename)  # closed by close()
         parquet = pq.ParquetFile(self._file)
         metadata = parquet.metadata
         group_rows = [metadata.row_group(index).num_rows for index in range(metadata.num_row_groups)]
