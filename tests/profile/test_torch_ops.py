@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from shardflow.profile.memory import CPU_CORES, RSS, MemorySampler
+from shardflow.profile.memory import CPU_CORES, RSS, USABLE_CPUS_BUSY, MemorySampler
 from shardflow.profile.recorder import SpanRecorder
 from shardflow.profile.torch_ops import OpCapture
 from shardflow.profile.trace import check_legal
@@ -71,7 +71,7 @@ def test_memory_sampler_records_rss_while_running():
     counters = [e for e in recorder.events(0, 1) if e["ph"] == "C"]
     rss = [e for e in counters if e["name"] == RSS]
     assert rss and all(e["args"]["value"] > 1e6 for e in rss)
-    assert {e["name"] for e in counters} == {RSS, CPU_CORES}
+    assert {e["name"] for e in counters} == {RSS, CPU_CORES, USABLE_CPUS_BUSY}
 
 
 def test_the_cpu_counter_integrates_to_the_cpu_time_used_between_samples():

@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
+from shardflow import __version__
 from shardflow.cli import data, export, launch, plan, profile, scale
 
 # Each module has add_arguments(parser) and run(args) -> int, and imports heavy dependencies
@@ -28,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="shardflow",
         description="Parameter-server training, input pipelines and profiling for PyTorch.",
     )
+    parser.add_argument("--version", action="version", version=f"shardflow {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
         summary = (module.__doc__ or "").strip().splitlines()[0]

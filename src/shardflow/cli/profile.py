@@ -15,9 +15,15 @@ examples:
   shardflow profile top runs/clicks --filter 'aten::' --steps 10:20
   shardflow profile sql runs/clicks "SELECT role, sum(dur) FROM events WHERE name = 'apply' GROUP BY role"
   shardflow profile report runs/clicks -o profile.html
+  shardflow profile export runs/clicks --hta hta/       one trace per rank for HolisticTraceAnalysis
 
-Each command reads MODEL_DIR/profile/<capture>/, the latest capture unless --capture NAME.
+Each command reads MODEL_DIR/profile/<capture>/, the latest capture unless --capture NAME. A query that selects
+nothing says why and exits with status 1.
 """
+
+
+class NothingSelectedError(Exception):
+    """The query ran and selected nothing: a step range outside the capture, a filter matching no name."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +47,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sql.add_argument("query", help='e.g. "SELECT name, count(*) FROM events GROUP BY name"')
     report = _query(commands, "report", "write one self-contained HTML report", steps=False)
     report.add_argument("-o", "--output", type=Path, metavar="HTML", help="(the capture's report.html)")
+    export = _query(commands, "export", "write the capture for other tools: HolisticTraceAnalysis", steps=False)
+    export.add_argument(
+        "--hta", type=Path, required=True, metavar="DIR", help="one trace file per rank (role) for HTA's TraceAnalysis"
+    )
     capture = commands.add_parser("capture", help="ask a running job to capture its next N global steps")
     capture.add_argument("model_dir", type=Path, metavar="MODEL_DIR")
     capture.add_argument("--steps", type=int, required=True, metavar="N", help="number of global steps")
@@ -55,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
     except (CaptureNotFoundError, ValueError) as error:
         print(f"shardflow profile {args.profile_command}: error: {error}", file=sys.stderr)
         return 2
+    except NothingSelectedError as nothing:
+        print(f"shardflow profile {args.profile_command}: nothing selected: {nothing}", file=sys.stderr)
+        return 1
     return code
 
 
@@ -88,12 +101,31 @@ def _steps_filter(args: argparse.Namespace) -> Any:
     return in_steps(*args.steps) if args.steps else None
 
 
+def _nothing_selected(table: Any, args: argparse.Namespace, otherwise: str) -> NothingSelectedError:
+    """Why a query over `table` selected nothing: the first of its selections that matches no event."""
+    import pyarrow.compute as pc
+
+    from shardflow.profile.events import name_matches
+
+    held = table["step"].drop_null()
+    if args.steps and not _steps_filter(args)(table).any():
+        first, last = args.steps
+        holds = f"steps {pc.min(held).as_py()} to {pc.max(held).as_py()}" if len(held) else "no global steps"
+        return NothingSelectedError(f"no event of global steps [{first}, {last}) in the capture; it holds {holds}")
+    if getattr(args, "filter", None) and not name_matches(args.filter)(table).any():
+        return NothingSelectedError(f"--filter {args.filter!r} matches no event name in the capture")
+    return NothingSelectedError(otherwise)
+
+
 def _top(args: argparse.Namespace) -> int:
     from shardflow.profile.analysis import top
     from shardflow.profile.events import name_matches
 
     shown = name_matches(args.filter) if args.filter else None
-    rows = top(_load(args.model_dir, args.capture), args.by, args.group_by, shown, _steps_filter(args))
+    table = _load(args.model_dir, args.capture)
+    rows = top(table, args.by, args.group_by, shown, _steps_filter(args))
+    if not rows:
+        raise _nothing_selected(table, args, f"no {'allocations' if args.by == 'memory' else 'spans'} to rank")
     unit, scale = ("ms", 1000) if args.by == "time" else ("MB", 1e6)
     header = [args.group_by, "calls", f"self {unit}", f"total {unit}", "share"]
     print_table(
@@ -113,6 +145,8 @@ def _steps(args: argparse.Namespace) -> int:
 
     table = _load(args.model_dir, args.capture)
     rows = steps(table, _steps_filter(args))
+    if not rows:
+        raise _nothing_selected(table, args, "no span of a global step in the capture")
     parts = (*CATEGORIES, "idle")
     header = ["role", "step" if args.per_step else "steps", "step ms", *(f"{p} ms" for p in parts)]
     if args.per_step:
@@ -142,7 +176,10 @@ def _steps(args: argparse.Namespace) -> int:
 def _memory(args: argparse.Namespace) -> int:
     from shardflow.profile.analysis import memory
 
-    peaks = memory(_load(args.model_dir, args.capture), _steps_filter(args))
+    table = _load(args.model_dir, args.capture)
+    peaks = memory(table, _steps_filter(args))
+    if not peaks:
+        raise _nothing_selected(table, args, "the capture has no memory counters")
     print_table(
         "Peaks",
         ["role", "counter", "peak MB", "at ms", "step", "running at the peak"],
@@ -159,14 +196,16 @@ def _memory(args: argparse.Namespace) -> int:
         ],
         right={"peak MB", "at ms", "step"},
     )
+    live = [(peak, group) for peak in peaks for group in peak.live[:10]]
+    if not live:
+        return 0  # allocations are recorded only with ops (profile_ops, --ops)
     print()
     print_table(
         "Live at the peak (the 10 largest per peak)",
         ["role", "counter", "live MB", "tensors", "op", "shape", "device"],
         [
             [peak.role, peak.counter, f"{group.bytes / 1e6:.3f}", group.count, group.op, group.shape, group.device]
-            for peak in peaks
-            for group in peak.live[:10]
+            for peak, group in live
         ],
         right={"live MB", "tensors"},
     )
@@ -197,7 +236,10 @@ def _sql(args: argparse.Namespace) -> int:
     except duckdb.Error as error:
         raise ValueError(f"the query failed: {error}") from None
     header = [column[0] for column in result.description or []]
-    print_table(None, header, result.fetchall())
+    rows = result.fetchall()
+    if not rows:
+        raise NothingSelectedError("the query returned no rows")
+    print_table(None, header, rows)
     return 0
 
 
@@ -212,6 +254,23 @@ def _report(args: argparse.Namespace) -> int:
         load(finalize(directory)), output, title=f"shardflow profile: {args.model_dir.name} / {directory.name}"
     )
     print(output)
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from shardflow.profile.capture import MERGED, capture_dir
+    from shardflow.profile.hta import export_hta
+
+    files = export_hta(capture_dir(args.model_dir, args.capture) / MERGED, args.hta)
+    if not any(file.path for file in files):
+        raise NothingSelectedError("no role has work spans (forward, backward, push, apply, ...) in the capture")
+    print_table(
+        None,
+        ["rank", "role", "file"],
+        [[f.rank, f.role, f.path or "no work in the capture: left out"] for f in files],
+        right={"rank"},
+    )
+    print(f"\nin Python: hta.trace_analysis.TraceAnalysis(trace_dir={str(args.hta)!r}).get_temporal_breakdown()")
     return 0
 
 
@@ -234,5 +293,6 @@ _RUNNERS = {
     "diff": _diff,
     "sql": _sql,
     "report": _report,
+    "export": _export,
     "capture": _capture,
 }

@@ -49,7 +49,7 @@ def write_capture(role_traces: list[dict[str, Any]], directory: str | Path) -> P
     directory = Path(directory)
     merged = merge(role_traces)
     write_trace(merged, directory / MERGED)
-    write_table(merged["traceEvents"], directory / EVENTS)
+    write_table(merged["traceEvents"], directory / EVENTS, merged["otherData"])
     return directory
 
 

@@ -9,6 +9,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardflow.profile.events import Filter
+from shardflow.profile.host_load import HostLoad, host_loads
 from shardflow.profile.spans import (
     APPLY,
     BACKWARD,
@@ -134,19 +135,27 @@ def diagnose(table: pa.Table, step_range: Filter | None = None) -> list[Finding]
     if not workers:
         return []
     servers = [s for s in summaries if s.role.startswith("ps")]
-    findings = [_input(workers), _communication(workers, servers, _bytes_by_ps(table)), _compute(workers)]
+    full = {role: load for load in host_loads(table) if load.saturated for role in load.roles}
+    findings = [
+        _input(workers, full),
+        _communication(workers, servers, _bytes_by_ps(table)),
+        _compute(workers, full),
+    ]
     return sorted(findings, key=lambda finding: -finding.fraction)
 
 
-def _input(workers: list[RoleSummary]) -> Finding:
+def _input(workers: list[RoleSummary], full: dict[str, HostLoad]) -> Finding:
     worst = max(workers, key=lambda s: s.fraction("input_wait"))
     share = worst.fraction("input_wait")
-    return Finding(
-        "input",
-        worst.role,
-        share,
-        f"input-bound: {worst.role} waits for data {share:.0%} of each step; raise num_parallel_calls or prefetch",
-    )
+    message = f"input-bound: {worst.role} waits for data {share:.0%} of each step; "
+    if worst.role in full:
+        message += (
+            f"{full[worst.role].describe()}: the cores are the limit, and more parallel calls would only share "
+            "them; give the job more cores (fewer processes per host, or more hosts)"
+        )
+    else:
+        message += "raise num_parallel_calls or prefetch"
+    return Finding("input", worst.role, share, message)
 
 
 def _communication(workers: list[RoleSummary], servers: list[RoleSummary], bytes_by_ps: dict[str, int]) -> Finding:
@@ -172,13 +181,20 @@ def _communication(workers: list[RoleSummary], servers: list[RoleSummary], bytes
     return Finding("communication", busiest.role, waiting, message)
 
 
-def _compute(workers: list[RoleSummary]) -> Finding:
+def _compute(workers: list[RoleSummary], full: dict[str, HostLoad]) -> Finding:
     share = sum(s.fraction("compute") for s in workers) / len(workers)
     slowest = max(workers, key=lambda s: s.step_us)
     message = (
         f"compute-bound: forward and backward take {share:.0%} of each step "
-        f"(slowest {slowest.role}, {slowest.step_us / 1000:.2f} ms per step); add workers or a faster device"
+        f"(slowest {slowest.role}, {slowest.step_us / 1000:.2f} ms per step); "
     )
+    if slowest.role in full:
+        message += (
+            f"{full[slowest.role].describe()}: the cores, not the workers, are the limit, and more workers there "
+            "would only share them; give the job more cores (more hosts) or a faster device"
+        )
+    else:
+        message += "add workers or a faster device"
     return Finding("compute", slowest.role, share, message)
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import orjson
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -42,21 +43,28 @@ _ARG_COLUMNS = ("ps", "worker", "bytes", "op", "source", "shape", "device", "add
 ROWS_PER_GROUP = 1 << 17
 
 
+_METADATA_KEY = b"shardflow.trace"
+
+
 def build_table(trace_path: str | Path, out_path: str | Path) -> Path:
     """The table of a trace file, streamed from it."""
-    _, stream = open_events(trace_path)
-    return write_table(stream, out_path)
+    metadata, stream = open_events(trace_path)
+    return write_table(stream, out_path, metadata)
 
 
-def write_table(trace_events: Iterable[dict[str, Any]], out_path: str | Path) -> Path:
+def write_table(
+    trace_events: Iterable[dict[str, Any]], out_path: str | Path, metadata: dict[str, Any] | None = None
+) -> Path:
     """Converts `ROWS_PER_GROUP` events at a time, so only one batch of columns is alive next to the stream; names
-    (ph "M") must come before the events of their process and thread, as in the traces shardflow writes."""
+    (ph "M") must come before the events of their process and thread, as in the traces shardflow writes.
+    `metadata` (the trace's otherData: roles, their hosts and clocks) goes with the table, see `trace_metadata`."""
     out_path = Path(out_path)
     temporary = out_path.with_name(out_path.name + ".partial")
     roles: dict[int, str] = {}
     threads: dict[tuple[int, int], str] = {}
     columns: dict[str, list[Any]] = {field.name: [] for field in SCHEMA}
-    with pq.ParquetWriter(temporary, SCHEMA, compression="zstd") as writer:
+    schema = SCHEMA.with_metadata({_METADATA_KEY: orjson.dumps(metadata or {})})
+    with pq.ParquetWriter(temporary, schema, compression="zstd") as writer:
         for event in trace_events:
             phase = event.get("ph")
             if phase == "M":
@@ -64,9 +72,9 @@ def write_table(trace_events: Iterable[dict[str, Any]], out_path: str | Path) ->
                 continue
             _append_row(columns, event, roles, threads)
             if len(columns["ph"]) >= ROWS_PER_GROUP:
-                writer.write_table(pa.table(columns, schema=SCHEMA))
+                writer.write_table(pa.table(columns, schema=schema))
                 columns = {name: [] for name in columns}
-        writer.write_table(pa.table(columns, schema=SCHEMA))
+        writer.write_table(pa.table(columns, schema=schema))
     temporary.replace(out_path)
     return out_path
 
@@ -105,6 +113,12 @@ Filter = Callable[[pa.Table], np.ndarray]
 
 def load(path: str | Path) -> pa.Table:
     return pq.read_table(path)
+
+
+def trace_metadata(table: pa.Table) -> dict[str, Any]:
+    """The otherData of the trace a table was built from; empty for tables written without it."""
+    metadata: dict[str, Any] = orjson.loads((table.schema.metadata or {}).get(_METADATA_KEY, b"{}"))
+    return metadata
 
 
 def name_matches(pattern: str) -> Filter:

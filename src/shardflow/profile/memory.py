@@ -1,5 +1,6 @@
-"""A sampler thread recording this process's memory as counters (RSS, torch CPU/CUDA allocated, pinned host), and
-the CPU cores it keeps busy, all of its threads together (the ZeroMQ I/O threads too)."""
+"""A sampler thread recording this process's memory as counters (RSS, torch CPU/CUDA allocated, pinned host), the
+CPU cores it keeps busy, all of its threads together (the ZeroMQ I/O threads too), and how busy, with any process,
+the CPUs it may run on are."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import time
 from collections.abc import Callable
 from types import TracebackType
 
-from shardflow.profile.recorder import SpanRecorder
+from shardflow.profile.recorder import SpanRecorder, usable_cpus
 
 RSS = "memory.rss"
 TORCH_CPU_ALLOCATED = "memory.torch_cpu_allocated"
@@ -20,7 +21,11 @@ PINNED_HOST = "memory.pinned_host"
 CPU_CORES = "cpu.cores"
 """CPU seconds the process used since the previous sample, per second of wall time: the integral over a window is
 the CPU time spent in it (tools/calibrate.py relies on that)."""
+USABLE_CPUS_BUSY = "cpu.usable_busy"
+"""How many of the CPUs the process may run on (its affinity) were busy, with any process, per second of wall time
+since the previous sample (Linux only): the cores other jobs take from it too."""
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
 def read_rss() -> int:
@@ -32,6 +37,23 @@ def read_rss() -> int:
         import psutil
 
         return int(psutil.Process().memory_info().rss)
+
+
+def read_busy_cpu_s(cpus: set[int]) -> float | None:
+    """CPU seconds any process has spent on `cpus` since boot; None where /proc/stat cannot be read."""
+    busy = 0
+    try:
+        with open("/proc/stat", "rb") as stat:
+            for line in stat:
+                name, _, values = line.partition(b" ")
+                if not name.startswith(b"cpu"):
+                    break
+                if name[3:].isdigit() and int(name[3:]) in cpus:
+                    fields = [int(value) for value in values.split()]
+                    busy += sum(fields[:8]) - fields[3] - fields[4]  # all but idle and iowait
+    except (OSError, ValueError, IndexError):
+        return None
+    return busy / _CLOCK_TICKS
 
 
 def memory_readers() -> dict[str, Callable[[], float]]:
@@ -53,21 +75,30 @@ class MemorySampler:
     """Samples every `interval_s` while running; use as a context manager around the captured steps."""
 
     def __init__(self, recorder: SpanRecorder, interval_s: float = 0.01) -> None:
-        if interval_s <= 0:
-            raise ValueError(f"interval_s must be positive, got {interval_s}")
+        _check_interval(interval_s)
         self.recorder = recorder
         self.interval_s = interval_s
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._last_cpu: tuple[float, float] | None = None
+        self._last_cpu: tuple[float, float, float | None] | None = None
 
     def sample(self) -> None:
         for name, read in memory_readers().items():
             self.recorder.counter(name, float(read()))
-        wall, cpu = time.perf_counter(), time.process_time()
+        wall, cpu, usable_busy = time.perf_counter(), time.process_time(), read_busy_cpu_s(usable_cpus())
         if self._last_cpu is not None and wall > self._last_cpu[0]:
-            self.recorder.counter(CPU_CORES, (cpu - self._last_cpu[1]) / (wall - self._last_cpu[0]))
-        self._last_cpu = (wall, cpu)
+            last_wall, last_cpu, last_usable_busy = self._last_cpu
+            self.recorder.counter(CPU_CORES, (cpu - last_cpu) / (wall - last_wall))
+            if usable_busy is not None and last_usable_busy is not None:
+                self.recorder.counter(USABLE_CPUS_BUSY, (usable_busy - last_usable_busy) / (wall - last_wall))
+        self._last_cpu = (wall, cpu, usable_busy)
+
+    def sample_every(self, interval_s: float) -> None:
+        """Changes the interval, also while running: the next sample is taken at once."""
+        _check_interval(interval_s)
+        self.interval_s = interval_s
+        self._wake.set()
 
     def start(self) -> None:
         if self._thread is not None:
@@ -79,6 +110,7 @@ class MemorySampler:
     def stop(self) -> None:
         if self._thread is not None:
             self._stop.set()
+            self._wake.set()
             self._thread.join()
             self._thread = None
             self.sample()
@@ -93,5 +125,12 @@ class MemorySampler:
     def _run(self) -> None:
         while True:
             self.sample()
-            if self._stop.wait(self.interval_s):
+            self._wake.wait(self.interval_s)
+            if self._stop.is_set():
                 return
+            self._wake.clear()
+
+
+def _check_interval(interval_s: float) -> None:
+    if interval_s <= 0:
+        raise ValueError(f"interval_s must be positive, got {interval_s}")

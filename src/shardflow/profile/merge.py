@@ -27,13 +27,18 @@ def merge(role_traces: list[dict[str, Any]]) -> dict[str, Any]:
     for pid, (i, role_base_ns) in enumerate(zip(order, chief_time_ns, strict=True), start=1):
         shift_us = (role_base_ns - base_ns) / 1000
         events += _shift_role(role_traces[i]["traceEvents"], pid, shift_us, role_sort_key(roles[i]))
-    events = _connect_flows(_separate_lanes(events))
-    metadata = {"base_time_ns": base_ns, "roles": {roles[i]: _role_info(role_traces[i]) for i in order}}
+    events = _separate_lanes(_connect_flows(events))
+    # Ranks as HolisticTraceAnalysis and torch.distributed number processes: one per role, in the roles' order.
+    metadata = {
+        "base_time_ns": base_ns,
+        "roles": {roles[i]: {**_role_info(role_traces[i]), "rank": rank} for rank, i in enumerate(order)},
+    }
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": metadata}
 
 
 def cut(trace_path: str | Path, first_step: int, last_step: int, out_path: str | Path) -> Path:
-    """The events of steps [first_step, last_step), with each role's counters over that time."""
+    """The events of steps [first_step, last_step), with each role's counters over that time, and the arrows
+    whose both ends are among them."""
     metadata, stream = open_events(trace_path)
     kept: list[dict[str, Any]] = []
     counters: list[dict[str, Any]] = []
@@ -54,7 +59,8 @@ def cut(trace_path: str | Path, first_step: int, last_step: int, out_path: str |
             kept.append(counter)
     for role in metadata.get("roles", {}).values():
         role["first_step"], role["last_step"] = first_step, last_step
-    return write_trace({"traceEvents": kept, "otherData": metadata}, out_path)
+    # An arrow from a push before the window to an apply inside it (async) loses its start here.
+    return write_trace({"traceEvents": _connect_flows(kept), "otherData": metadata}, out_path)
 
 
 def _only_role(trace: dict[str, Any]) -> str:
@@ -134,13 +140,20 @@ def _rebind_flows(events: list[dict[str, Any]], by_track: dict[tuple[int, int], 
 
 
 def _connect_flows(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Keeps flows whose start and end were both captured; both ends get the start's name so viewers pair them."""
+    """Keeps flows whose start and end were both captured; both ends get the start's name so viewers pair them.
+    Lead-in events (a push from before the window and its arrow, see SpanRecorder.to_role_trace) stay only when
+    their arrow connects."""
     starts = {e["id"]: e["name"] for e in events if e["ph"] == "s"}
-    ends = {e["id"] for e in events if e["ph"] == "f"}
+    connected_ids = starts.keys() & {e["id"] for e in events if e["ph"] == "f"}
     connected = []
     for event in events:
+        lead_in = event.get("args", {}).get("lead_in")
+        if lead_in is not None:
+            if lead_in not in connected_ids:
+                continue
+            event = {**event, "args": {k: v for k, v in event["args"].items() if k != "lead_in"}}
         if event["ph"] in ("s", "f"):
-            if event["id"] not in ends or event["id"] not in starts:
+            if event["id"] not in connected_ids:
                 continue
             event = {**event, "name": starts[event["id"]], "cat": "flow"}
         connected.append(event)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import os
+import socket
 import threading
 import time
 import zlib
@@ -16,6 +18,8 @@ from shardflow.profile.spans import ARG_NAMES
 get_ident = threading.get_ident
 
 SPAN, FLOW_START, FLOW_END = 0, 1, 2
+LEAD_IN_STEPS = 64
+"""How many global steps before a window its trace looks back for the pushes the window's applies consumed."""
 _THREAD_SHIFT, _KIND_SHIFT = 20, 40
 _ID_MASK = (1 << _THREAD_SHIFT) - 1
 
@@ -66,9 +70,13 @@ class SpanRecorder:
     def span(self, name: str, step: int, arg0: int = -1, arg1: int = -1) -> _Span:
         return _Span(self, name, step, arg0, arg1)
 
-    def flow(self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None) -> None:
-        """Call inside the span the arrow binds to (same thread): the push (start=True) or the apply (start=False)."""
-        now = time.perf_counter_ns()
+    def flow(
+        self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None, at_ns: int | None = None
+    ) -> None:
+        """Call inside the span the arrow binds to (same thread): the push (start=True) or the apply (start=False).
+        `at_ns`: the `time.perf_counter_ns()` of the arrow's end when it came before its id was known (a push is
+        stamped before it is sent: the PS may apply it before `send()` returns with the id)."""
+        now = time.perf_counter_ns() if at_ns is None else at_ns
         thread_key: int | str = get_ident() if thread is None else thread
         thread_id = self._threads.get(thread_key)
         thread_id = self._intern_thread(thread_key) if thread_id is None else thread_id
@@ -79,15 +87,41 @@ class SpanRecorder:
         self._counters[next(self._next_counter) & self._mask] = (name, time.perf_counter_ns(), value)
 
     def events(self, first_step: int, last_step: int) -> list[dict[str, Any]]:
-        """Chrome-trace dicts for steps [first_step, last_step), ts in µs since `base_time_ns` (no pid)."""
-        spans = self._snapshot_spans()
-        keep = (spans["step"] >= first_step) & (spans["step"] < last_step)
-        spans = {column: values[keep] for column, values in spans.items()}
+        """Chrome-trace dicts for steps [first_step, last_step), ts in µs since `base_time_ns` (no pid), with the
+        counters over the time those steps took, each counter's value at its start included."""
+        return self._events(self._snapshot_spans(), first_step, last_step)
+
+    def _events(self, snapshot: dict[str, np.ndarray], first_step: int, last_step: int) -> list[dict[str, Any]]:
+        spans = _steps(snapshot, first_step, last_step)
         order = np.argsort(spans["start"], kind="stable")
         events = [self._span_event(spans, int(i)) for i in order]
         if len(order):
             events.extend(self._counter_events(int(spans["start"].min()), int(spans["end"].max())))
             events.sort(key=lambda event: event["ts"])
+        return events
+
+    def _lead_in(self, snapshot: dict[str, np.ndarray], first_step: int) -> list[dict[str, Any]]:
+        """Arrows started in the LEAD_IN_STEPS global steps before `first_step`, each with the innermost span it
+        binds to, both with the arrow's id as `lead_in`: in async training a push is applied global steps after the
+        one it was computed at, so the applies in a window consume pushes from before it. merge keeps the lead-in
+        events whose arrow ends in the window."""
+        spans = _steps(snapshot, first_step - LEAD_IN_STEPS, first_step)
+        kind = spans["key"] >> _KIND_SHIFT
+        track = (spans["key"] >> _THREAD_SHIFT) & _ID_MASK
+        events = []
+        for i in np.flatnonzero(kind == FLOW_START).tolist():
+            around = np.flatnonzero(
+                (kind == SPAN)
+                & (track == track[i])
+                & (spans["step"] == spans["step"][i])
+                & (spans["start"] <= spans["start"][i])
+                & (spans["end"] >= spans["start"][i])
+            )
+            if len(around):
+                innermost = int(around[np.argmin(spans["end"][around] - spans["start"][around])])
+                for event in (self._span_event(spans, innermost), self._span_event(spans, i)):
+                    event["args"]["lead_in"] = int(spans["arg0"][i])
+                    events.append(event)
         return events
 
     def to_role_trace(
@@ -98,8 +132,19 @@ class SpanRecorder:
         clock_error_us: float,
         extra_events: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
-        """One role's trace; clock_offset_us is added to this role's timestamps to get the chief's clock."""
-        events = self.events(first_step, last_step) + list(extra_events or [])
+        """One role's trace; clock_offset_us is added to this role's timestamps to get the chief's clock.
+
+        `extra_events` (torch ops) are kept where they lie within the time of the window's spans: a role that
+        starts recording ops before its window (the PS) records more than the window. Arrows started in the
+        LEAD_IN_STEPS steps before the window come with the spans they bind to, marked `lead_in` (see `_lead_in`).
+        """
+        snapshot = self._snapshot_spans()
+        events = self._events(snapshot, first_step, last_step)
+        spans = [event for event in events if event["ph"] == "X"]
+        if spans and extra_events:
+            low, high = min(e["ts"] for e in spans), max(e["ts"] + e["dur"] for e in spans)
+            events += [e for e in extra_events if low <= e["ts"] and e["ts"] + e.get("dur", 0.0) <= high]
+        events += self._lead_in(snapshot, first_step)
         thread_ids = sorted({e["tid"] for e in events if "tid" in e})
         metadata: list[dict[str, Any]] = [
             {"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": self.role}},
@@ -116,6 +161,7 @@ class SpanRecorder:
             "first_step": first_step,
             "last_step": last_step,
             "complete": self._holds_step(first_step),
+            **process_info(),
         }
         return {
             "traceEvents": metadata + events,
@@ -212,11 +258,20 @@ class SpanRecorder:
         }
 
     def _counter_events(self, start_ns: int, end_ns: int) -> list[dict[str, Any]]:
-        inside = sorted(
-            (entry for entry in self._counters[:] if entry is not None and start_ns <= entry[1] <= end_ns),
-            key=lambda entry: entry[1],
-        )
-        return [{"ph": "C", "name": name, "ts": self._us(ts), "args": {"value": value}} for name, ts, value in inside]
+        """Samples between start_ns and end_ns, and for each counter the last one before start_ns, moved to it: a
+        counter holds its value until the next sample, and a short window may fall between two samples."""
+        samples = sorted((entry for entry in self._counters[:] if entry is not None), key=lambda entry: entry[1])
+        before = {name: (name, start_ns, value) for name, ts, value in samples if ts < start_ns}
+        inside = [entry for entry in samples if start_ns <= entry[1] <= end_ns]
+        return [
+            {"ph": "C", "name": name, "ts": self._us(ts), "args": {"value": value}}
+            for name, ts, value in [*before.values(), *inside]
+        ]
+
+
+def _steps(spans: dict[str, np.ndarray], first_step: int, last_step: int) -> dict[str, np.ndarray]:
+    keep = (spans["step"] >= first_step) & (spans["step"] < last_step)
+    return {column: values[keep] for column, values in spans.items()}
 
 
 class _Span:
@@ -244,6 +299,22 @@ def get_recorder() -> SpanRecorder | None:
 def set_recorder(recorder: SpanRecorder | None) -> None:
     global _recorder
     _recorder = recorder
+
+
+def process_info() -> dict[str, Any]:
+    """Where this process runs, for the diagnosis to tell when the cores of a host are the limit: the host, the
+    process, the host's CPUs and the ones this process may run on (its affinity, as set by taskset or a cgroup)."""
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "cpu_count": os.cpu_count() or 1,
+        "cpus": sorted(usable_cpus()),
+    }
+
+
+def usable_cpus() -> set[int]:
+    """The CPUs this process may run on: its affinity (taskset, a cgroup's cpuset), else all of them."""
+    return os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
 
 
 def flow_id(sender: str, seq: int) -> int:

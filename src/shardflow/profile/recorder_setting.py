@@ -19,7 +19,9 @@ class NoRecorder(SpanRecorder):
     def end(self, name: str, step: int, start: int, arg0: int = -1, arg1: int = -1, thread: str | None = None) -> None:
         return None
 
-    def flow(self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None) -> None:
+    def flow(
+        self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None, at_ns: int | None = None
+    ) -> None:
         return None
 
 
@@ -40,9 +42,11 @@ class AlternatingRecorder(SpanRecorder):
         if self.on:
             super().end(name, step, start, arg0, arg1, thread)
 
-    def flow(self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None) -> None:
+    def flow(
+        self, name: str, step: int, flow_id: int, start: bool, thread: str | None = None, at_ns: int | None = None
+    ) -> None:
         if self.on:
-            super().flow(name, step, flow_id, start, thread)
+            super().flow(name, step, flow_id, start, thread, at_ns)
 
 
 def make_recorder(role: str) -> SpanRecorder:

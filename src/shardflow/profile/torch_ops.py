@@ -70,6 +70,15 @@ class OpCapture:
         self.stop()
 
 
+def warm_up() -> None:
+    """Starts and stops torch.profiler once. Its first start in a process initialises its backend, which takes
+    seconds on a busy host: a role does that when it learns of a capture, not inside the captured steps."""
+    import torch.profiler
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        pass
+
+
 def convert(exported: dict[str, Any], recorder: SpanRecorder) -> list[dict[str, Any]]:
     """torch.profiler's Chrome trace -> op, kernel, allocation and counter events of the recorder's role."""
     shift_us = (exported.get("baseTimeNanoseconds", 0) - recorder.base_time_ns) / 1000

@@ -24,6 +24,7 @@ from shardflow.profile.clock import replied_time_ns, time_reply, time_request
 from shardflow.profile.memory import MemorySampler
 from shardflow.profile.recorder_setting import AlternatingRecorder, NoRecorder, make_recorder
 from shardflow.profile.torch_ops import OpCapture
+from shardflow.profile.torch_ops import warm_up as warm_up_op_capture
 from shardflow.ps.client import read_global_step
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,12 @@ class RoleProfiler:
         set_recorder(None if isinstance(self.recorder, NoRecorder) else self.recorder)
         self.capture: dict[str, Any] | None = None
         self._finished: set[str] = set()
-        self._sampler: MemorySampler | None = None
+        # Memory and CPU are sampled always (every 0.1 s), so that every capture has counters, also one that is
+        # picked up after its window (on demand); every 10 ms inside a window known ahead.
+        self._sampler = MemorySampler(self.recorder, 0.1)
+        if not isinstance(self.recorder, NoRecorder):
+            self._sampler.start()
+        self._sampling_window = False
         self._ops: OpCapture | None = None
 
     def check_requests(self) -> None:
@@ -52,6 +58,8 @@ class RoleProfiler:
         request = json.loads(self.control.get(control_keys.CAPTURE_CURRENT, waiting_for="the capture request"))
         if request["name"] not in self._finished:
             self.capture = request
+            if request.get("ops"):
+                warm_up_op_capture()
 
     def at_step(self, step: int) -> None:
         """Called once per step with the global step: starts the samplers inside the window, dumps after it."""
@@ -62,9 +70,9 @@ class RoleProfiler:
             return
         if step >= capture["last"]:
             self.dump()
-        elif (step >= capture["first"] - 1 or self.steps_are_coarse) and self._sampler is None:
-            self._sampler = MemorySampler(self.recorder, 0.01)
-            self._sampler.start()
+        elif (step >= capture["first"] - 1 or self.steps_are_coarse) and not self._sampling_window:
+            self._sampling_window = True
+            self._sampler.sample_every(0.01)
             if capture.get("ops"):
                 self._ops = OpCapture(self.recorder)
                 self._ops.start()
@@ -73,6 +81,7 @@ class RoleProfiler:
         """The role is ending: hand over whatever part of a pending capture it recorded."""
         if self.capture is not None:
             self.dump()
+        self._sampler.stop()
 
     def dump(self) -> None:
         """Cut the pending capture's window out of the ring and hand it over to the chief."""
@@ -84,9 +93,9 @@ class RoleProfiler:
 
     def _cut(self, capture: dict[str, Any]) -> dict[str, Any]:
         extra: list[dict[str, Any]] = []
-        if self._sampler is not None:
-            self._sampler.stop()
-            self._sampler = None
+        if self._sampling_window:
+            self._sampler.sample_every(0.1)
+            self._sampling_window = False
         if self._ops is not None:
             self._ops.stop()
             extra = self._ops.events()
@@ -188,6 +197,7 @@ class ChiefProfiler(RoleProfiler):
         self._stop.set()
         self._thread.join(timeout=2)
         self._server.close()
+        self._sampler.stop()
 
 
 def request_capture(
