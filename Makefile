@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test bench faults lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,6 +22,10 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
+
+# Each fault injected into real jobs 3 times at random moments; writes RELIABILITY.md (about 15 minutes).
+faults: $(STAMP)
+	$(PY) benchmarks/faults.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

@@ -26,6 +26,7 @@ EXACT_KEYS = {
 KEY_PREFIXES = (
     "progress/",
     "heartbeat/",
+    "clip_norm/",
     "failed/",
     "preempted/",
     "capture/",

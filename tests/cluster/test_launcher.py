@@ -204,7 +204,9 @@ def test_a_worker_that_dies_is_restarted_after_its_back_off_and_the_job_goes_on(
     assert text.count("hello from worker:1") == 2
 
 
-def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent_and_a_ps_is_never_restarted(spec, role_command):
+def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent_and_the_chief_is_never_restarted(
+    spec, role_command
+):
     actions = {"chief:0": "sleep", "ps:0": "sleep", "worker:0": "sleep", "worker:1": 5}
     launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=2, restart_backoff_s=0.1)
     with launcher:
@@ -214,12 +216,12 @@ def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent_and_a_ps_is
         # Backed off 0.1s, then 0.2s: three runs in all.
         assert [d.task.name for d in launcher.restarts] == ["worker:1", "worker:1"]
 
-    actions = {"chief:0": "sleep", "worker:0": "sleep", "worker:1": "sleep", "ps:0": 4}
+    actions = {"ps:0": "sleep", "worker:0": "sleep", "worker:1": "sleep", "chief:0": 4}
     launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=2)
     with launcher:
         launcher.start()
         failure = launcher.wait(timeout_s=20)
-        assert failure is not None and (failure.task.name, launcher.restarts) == ("ps:0", [])
+        assert failure is not None and (failure.task.name, launcher.restarts) == ("chief", [])
 
 
 def test_stop_during_a_back_off_calls_the_restart_off(spec, role_command):

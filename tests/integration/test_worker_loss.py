@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,23 +91,31 @@ def test_under_shardflow_launch_a_worker_killed_from_outside_mid_training_rejoin
     command += ["--restart-backoff", "0.2", str(JOBS / "audit.py"), str(config)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        # The chief writes job.json just before it lets the workers start; they train about 5s.
-        job_file = tmp_path / "model" / "job.json"
-        deadline = time.monotonic() + 60
-        while not job_file.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, "the chief never started"
-            time.sleep(0.05)
-        time.sleep(1.5)
+        _wait_for_training(proc, tmp_path, 1.5)  # of about 5s
         _role(proc, "worker:0").send_signal(signal.SIGKILL)
         out, _ = proc.communicate(timeout=150)
     finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
+        _kill_if_running(proc)
     assert proc.returncode == 0, out
     assert "worker:0" in out and "SIGKILL" in out and "restarting it" in out, out
     _audit(tmp_path, num_records=num_records)
+
+
+def _wait_for_training(proc: subprocess.Popen[str], tmp_path: Path, seconds: float) -> None:
+    """Until `seconds` after the chief let the workers start (it writes job.json just before)."""
+    job_file = tmp_path / "model" / "job.json"
+    deadline = time.monotonic() + 60
+    while not job_file.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the chief never started"
+        time.sleep(0.05)
+    time.sleep(seconds)
+
+
+def _kill_if_running(proc: subprocess.Popen[str]) -> None:
+    if proc.poll() is None:
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            child.kill()
+        proc.kill()
 
 
 def _role(proc: subprocess.Popen[str], name: str) -> psutil.Process:
@@ -158,12 +167,7 @@ def _start_and_pause(tmp_path: Path, **config: Any) -> tuple[subprocess.Popen[st
     proc = subprocess.Popen(
         [sys.executable, str(JOBS / "audit.py"), str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
-    job_file = tmp_path / "model" / "job.json"
-    deadline = time.monotonic() + 60
-    while not job_file.exists():
-        assert proc.poll() is None and time.monotonic() < deadline, "the chief never started"
-        time.sleep(0.05)
-    time.sleep(1.0)
+    _wait_for_training(proc, tmp_path, 1.0)
     _role(proc, "worker:1").send_signal(signal.SIGSTOP)
     return proc, time.monotonic()
 
@@ -175,10 +179,7 @@ def test_a_silent_worker_is_named_lost_within_the_heartbeat_deadline_and_rejoins
         _role(proc, "worker:1").send_signal(signal.SIGCONT)
         out, _ = proc.communicate(timeout=150)
     finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
+        _kill_if_running(proc)
     assert proc.returncode == 0, out
     assert "worker:1 is lost: no heartbeat for 2." in out and "worker:1 rejoined" in out, out
     _audit(tmp_path, num_records=16 * NUM_RECORDS)
@@ -192,11 +193,26 @@ def test_a_worker_that_never_comes_back_fails_the_job_naming_it(tmp_path):
         out, _ = proc.communicate(timeout=60)
         ended_after = time.monotonic() - paused_at
     finally:
-        if proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                child.kill()
-            proc.kill()
+        _kill_if_running(proc)
     assert proc.returncode != 0, out
     assert "worker:1 was lost" in out and "worker_rejoin_timeout_s=3" in out, out
     # Lost after 2s of silence, failed 3s later; the rest is stopping the roles.
     assert ended_after < 15, (ended_after, out)
+
+
+# Sync is the same path (make faults runs both; RELIABILITY.md), so the suite runs async alone.
+@pytest.mark.parametrize("mode", ["async"])
+def test_a_ps_killed_mid_apply_is_restarted_and_every_ps_resumes_from_the_latest_checkpoint(tmp_path, mode):
+    # Slow steps (20 a second per worker), so the chief has saved the checkpoint of step 32 when step 40 comes.
+    config = _write_config(tmp_path, mode=mode, save_checkpoints_steps=16, step_delay_s=0.05)
+    env = _fault_env(tmp_path, "ps:1", "apply", 40)
+    returncode, out = _run([sys.executable, str(JOBS / "audit.py"), str(config)], env)
+    assert returncode == 0, out
+    assert (tmp_path / "fault.fired").exists()
+    assert "ps:1" in out and "SIGKILL" in out and "restarting it" in out, out
+    restored = re.search(r"ps:1 was lost and restarted: every PS restored to global step (\d+) \(the latest", out)
+    # The checkpoint of step 32, or of 16 when the chief had not saved 32 yet (it saves a few polls later).
+    assert restored is not None and int(restored[1]) in (16, 32), out
+    # Restored with the checkpoint: the parameters, optimizer slots and every worker's input position of step 32.
+    # The records applied after it were applied again, once: none twice, none lost.
+    _audit(tmp_path, replicas=2 if mode == "sync" else 1)

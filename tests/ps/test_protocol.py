@@ -19,7 +19,7 @@ from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.checkpointing import init_servers
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
-from shardflow.ps.protocol import PSProtocolError, StateReply, StatusReply, StepReply
+from shardflow.ps.protocol import PSProtocolError, RejoinReply, StateReply, StatusReply, StepReply
 
 SENDER = "worker:1#0badcafe"
 # A PS holding one float32 buffer of 5 elements and one table of 2 columns, in a job of 2 workers.
@@ -41,6 +41,8 @@ def _requests() -> list[tuple[protocol.PSRequest, list[torch.Tensor]]]:
                 slots=({"momentum_buffer": 0}, {}),
                 scalars=({"step": 3.0}, {}),
                 iterators={"worker:0": {"epoch": 1, "inner": None}},
+                worker_steps={"worker:0": 3},
+                generation=1,
             ),
             [*DENSE, torch.zeros(4, 2), torch.zeros(5)],
         ),
@@ -109,10 +111,17 @@ def test_a_state_reply_round_trips_through_the_wire():
         slots=({"exp_avg": 0, "exp_avg_sq": 1}, {}),
         scalars=({"step": 8.0}, {}),
         iterators={"worker:0": {"epoch": 2}},
+        worker_steps={"worker:0": 7},
         stats={"applied": 9},
     )
     header, _ = _over_the_wire(reply.header(), [])
     assert StateReply.decode(header, "ps:0") == reply
+
+
+def test_a_rejoin_reply_round_trips_through_the_wire():
+    reply = RejoinReply(step=9, stop=False, local_step=4, input_state={"epoch": 1}, done=False, generation=2)
+    header, _ = _over_the_wire(reply.header(), [])
+    assert RejoinReply.decode(header, "ps:1") == reply
 
 
 # -- malformed requests --------------------------------------------------------------------------------------

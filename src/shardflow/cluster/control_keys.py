@@ -14,9 +14,14 @@ Start-up, in order:
 
 While training:
 
-- `heartbeat/<role>`: each worker, every second from its start, from a thread of its own -> chief. A count
-  that changes with every beat; a worker whose count stops changing for the strategy's heartbeat_timeout_s is
-  lost (the chief then waits up to worker_rejoin_timeout_s for it to be restarted).
+- `heartbeat/<role>`: each worker and PS, every second from its start, from a thread of its own -> chief.
+  `<pid>:<count>`, changing with every beat; a role whose beat stops changing for the strategy's
+  heartbeat_timeout_s is lost (the chief then waits up to worker_rejoin_timeout_s for it to be restarted), and
+  a new pid means it was restarted.
+- `clip_norm/<generation>/<step>/ps:<k>`: ps:k -> every other PS, in sync mode with clip_grad_norm on several PS.
+  The squared norm of ps:k's shard of that step's gradient (ps/clipping.py); ps:k deletes it a step later.
+- `recovery`: chief, when it restored every PS after one was lost -> workers. JSON: {"generation", "step",
+  "checkpoint"}; a worker whose generation is older drops what it was doing and rejoins.
 - `progress/<role>`: each worker, about once a second -> chief. JSON progress report; its last one says
   `"done": true`.
 - `failed/<role>`: a worker that raised -> chief. The error, as `Type: message`.
@@ -40,6 +45,7 @@ READY = "ready"
 PLACEMENT = "placement"
 RESTORE_ITERATORS = "restore/iterators"
 SHUTDOWN = "shutdown"
+RECOVERY = "recovery"
 EVAL_FINAL = "eval/final"
 CAPTURE_CURRENT = "capture/current"
 CAPTURE_REQUEST = "capture/request"
@@ -62,6 +68,10 @@ def endpoint_curve(endpoint: str) -> str:
 
 def heartbeat(role: str) -> str:
     return f"heartbeat/{role}"
+
+
+def clip_norm(generation: int, step: int, ps: int) -> str:
+    return f"clip_norm/{generation}/{step}/ps:{ps}"
 
 
 def progress(role: str) -> str:

@@ -20,8 +20,9 @@ from shardflow import env
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
 
 _PR_SET_PDEATHSIG = 1
-RESTARTABLE = ("worker", "evaluator")
-"""The roles a launcher restarts: they keep no state of their own (a worker resumes where the PS say)."""
+RESTARTABLE = ("worker", "ps", "evaluator")
+"""The roles a launcher restarts; not the chief, whose control plane every role hangs on. A worker resumes where
+the PS say it stopped; a restarted PS gets every PS restored from the latest checkpoint (train/recovery.py)."""
 MAX_BACKOFF_S = 30.0
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 """How a preempted job's chief exits, checkpointed or not: the status SIGTERM gives (143)."""

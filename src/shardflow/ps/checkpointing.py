@@ -26,8 +26,24 @@ class ModelState:
     scalars: dict[str, float] = field(default_factory=dict)
     """Scalar optimizer state shared by all variables (e.g. Adam's "step")."""
     iterators: dict[str, Any] = field(default_factory=dict)
-    """Each worker's input position after the last batch whose update is in `params`."""
+    """Each worker's input position after the last batch whose update is in `params` (ps:0's)."""
+    ps_progress: list[dict[str, Any]] = field(default_factory=list)
+    """Per PS, what it had of each worker's steps: {"worker_steps": {worker: local step}, "iterators": {worker:
+    position after it}}. Async PS apply a worker's step at slightly different moments, so a snapshot at one
+    global step may hold a step on one PS and not on another; restored onto as many PS, each PS gets its own,
+    and each worker resumes after the last step all PS had, repeating only where some missed it (ps/server.py
+    `_repeated`): so a restore applies every record once on every PS."""
     stats: dict[str, Any] = field(default_factory=dict)
+
+
+def per_ps_progress(restore: ModelState | None, num_ps: int) -> list[dict[str, Any]]:
+    """What each of `num_ps` PS gets of the workers' steps when restoring: its own, if the checkpoint was written
+    by as many PS; else ps:0's input positions alone (the workers then start from those, see train/chief.py)."""
+    if restore is None:
+        return [{}] * num_ps
+    if len(restore.ps_progress) == num_ps:
+        return restore.ps_progress
+    return [{"iterators": restore.iterators}] + [{}] * (num_ps - 1)
 
 
 def init_servers(
@@ -36,10 +52,12 @@ def init_servers(
     apply: ApplyConfig,
     restore: ModelState | None = None,
     timeout_s: float | None = None,
+    generation: int = 0,
 ) -> None:
     """Send each PS its shard values (the model's current parameters), optimizer, update rule and, when
     restoring, its slots cut from whole-variable slots by this placement: so any number of PS can load
-    a checkpoint written by any other number."""
+    a checkpoint written by any other number. `generation` counts the restores after a PS was lost."""
+    progress = per_ps_progress(restore, client.layout.num_ps)
     layout = client.layout
     # Before any PS is initialised: an optimizer that cannot apply sparse gradients stops the job at its start.
     for name in layout.row_pieces:
@@ -63,7 +81,9 @@ def init_servers(
                 frame_counts=tuple(counts),
                 slots=tuple(slots),
                 scalars=tuple(scalars),
-                iterators=restore.iterators if restore is not None and k == 0 else {},
+                iterators=progress[k].get("iterators", {}),
+                worker_steps=progress[k].get("worker_steps", {}),
+                generation=generation,
             )
         )
         frames.append(ps_frames)
@@ -117,6 +137,7 @@ def fetch_state(client: ParameterClient, snapshot_step: int | None = None) -> Mo
         if k == 0:
             state.step = reply.state_step
             state.iterators = dict(reply.iterators)
+        state.ps_progress.append({"worker_steps": dict(reply.worker_steps), "iterators": dict(reply.iterators)})
         state.stats[client.peers[k]] = {"step": reply.step, **reply.stats}
     whole = layout.whole(params)
     state.params = {name: whole[name] for name in client.named}

@@ -4,7 +4,7 @@ fetch and push only the rows a batch uses of the row-sparse tables, and the chie
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,6 +12,7 @@ import torch
 
 from shardflow import faults
 from shardflow.comm.client import Client
+from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import protocol
@@ -20,6 +21,9 @@ from shardflow.ps.layout import ShardLayout
 from shardflow.ps.placement import Placement
 from shardflow.ps.protocol import RejoinReply, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, coalesced, lookup_modules, rows_between
+
+# How often a wait longer than this checks whether the PS were restored meanwhile.
+_RESTORE_CHECK_S = 0.5
 
 __all__ = ["ParameterClient", "Pushed", "Rejoined", "StatusReply", "StepReply", "read_global_step"]
 
@@ -53,6 +57,8 @@ class Rejoined:
     """The input position after that step; None for none."""
     ahead: int
     """How many of the steps after it some PS has already had."""
+    generation: int
+    """The lowest recovery generation among the PS (see protocol `Init`)."""
 
 
 class ParameterClient:
@@ -95,11 +101,16 @@ class ParameterClient:
         self._remaining: list[int] = []
         self._base_step = 0
         self._step = 0
+        self._push_early = True
         # Each PS's global step as its last reply said; a push to it carries that step as its base.
         self._ps_steps = [0] * placement.num_ps
         self.local_step = 0
         """This worker's steps so far, those of its earlier runs (restarts) included; see `rejoin`."""
         self.input_state: dict[str, Any] | None = None
+        self.generation = 0
+        """The recovery generation this client joined in (see protocol `Init`)."""
+        self.check_restored: Callable[[], None] | None = None
+        """Raises if the PS were restored since this client joined (set by the worker; see `_recv`)."""
 
     # -- moving tensors ---------------------------------------------------------------------------
 
@@ -140,7 +151,7 @@ class ParameterClient:
         with torch.no_grad():
             for ps, seq in seqs.items():
                 started = time.perf_counter_ns()
-                header, values = self.client.recv(self.peers[ps], seq, self.timeout_s)
+                header, values = self._recv(self.peers[ps], seq)
                 StepReply.decode(header, protocol.Rows.op, self.peers[ps])
                 if recorder is not None:
                     recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(v.nbytes for v in values))
@@ -148,6 +159,24 @@ class ParameterClient:
                 for index, local_rows, rows_values in zip(tables, frames, values, strict=True):
                     piece = self.layout.tables[ps][index]
                     weight.index_copy_(0, local_rows + piece.row_start, rows_values.to(weight.device))
+
+    def _recv(self, peer: str, seq: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """A worker's wait for a reply: within the request deadline, and cut short (by whatever `check_restored`
+        raises) once the PS were restored after one was lost, since a lost PS never answers."""
+        if self.check_restored is None:
+            return self.client.recv(peer, seq, self.timeout_s)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            slice_s = min(_RESTORE_CHECK_S, deadline - time.monotonic())
+            try:
+                return self.client.recv(peer, seq, max(slice_s, 0.0))
+            except DeadlineExceeded as expired:
+                self.check_restored()
+                if time.monotonic() >= deadline:
+                    raise DeadlineExceeded(peer, expired.address, expired.what, self.timeout_s) from None
+            except CommError:
+                self.check_restored()  # a PS refuses a push of the training before its restore
+                raise
 
     def _load(self, replies: dict[int, Sequence[torch.Tensor]]) -> None:
         """Point each parameter at its slice of the received buffers, without a copy; a partitioned one is
@@ -173,7 +202,7 @@ class ParameterClient:
         for peer, seq in peer_seqs.items():
             ps = self._index_of[peer]
             started = time.perf_counter_ns()
-            header, tensors = self.client.recv(peer, seq, self.timeout_s)
+            header, tensors = self._recv(peer, seq)
             reply = StepReply.decode(header, op, peer)
             self._ps_steps[ps] = reply.step
             if recorder is not None:
@@ -212,9 +241,9 @@ class ParameterClient:
         replies = self.exchange([message] * len(self.peers))
         return [StepReply.decode(h, message.op, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
 
-    def status(self) -> list[StatusReply]:
+    def status(self, timeout_s: float | None = None) -> list[StatusReply]:
         """Every PS's global step, snapshots held and counters, in PS order."""
-        replies = self.exchange([protocol.Status()] * len(self.peers))
+        replies = self.exchange([protocol.Status()] * len(self.peers), timeout_s=timeout_s)
         return [StatusReply.decode(h, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
 
     def snapshot_at(self, step: int) -> None:
@@ -258,13 +287,16 @@ class ParameterClient:
             local_step=behind.local_step,
             input_state=behind.input_state,
             ahead=max(r.local_step for r in rejoins) - behind.local_step,
+            generation=min(r.generation for r in rejoins),
         )
 
-    def begin_push(self, base_step: int) -> None:
+    def begin_push(self, base_step: int, *, push_early: bool = True) -> None:
         """Start a step on the parameters of global step `base_step` (as ps:0 counts it; the push to each PS
         carries that PS's step of the parameters it sent): the pushes go out as soon as backward has produced
-        every gradient and all of them are finite; see `end_push`."""
+        every gradient and all of them are finite; see `end_push`. Without `push_early` they wait for `end_push`,
+        for a worker that changes the gradients after backward (accumulation, clipping)."""
         self.local_step += 1
+        self._push_early = push_early
         self._base_step = self._step = base_step
         self._row_grads = {}
         self._prepared = {}
@@ -281,6 +313,8 @@ class ParameterClient:
         for name, servers in pieces_of.items():
 
             def ready(_param: torch.Tensor, servers: list[int] = servers) -> None:
+                if not self._push_early:
+                    return
                 for ps in servers:
                     self._remaining[ps] -= 1
                     if self._remaining[ps] == 0:
@@ -347,11 +381,12 @@ class ParameterClient:
                 frame_counts=tuple(counts),
                 input_state=input_state,
             )
+            sending = time.perf_counter_ns()  # the arrow starts before send(): the PS may apply it before that returns
             seq = requests[peer] = self.client.send(peer, push.header(), frames)
             if ps == 0:
                 faults.reached("push", f"worker:{self.worker_index}", self.local_step)
             if recorder is not None:
-                recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True)
+                recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True, at_ns=sending)
                 recorder.end(spans.PUSH, self._step, started, ps, sum(f.nbytes for f in frames))
         self._prepared = {}
         self._pushed = Pushed(requests=requests, base_step=self._base_step, nonfinite=nonfinite)
@@ -376,7 +411,18 @@ class ParameterClient:
 
     def done(self) -> None:
         """This worker has finished: the PS no longer wait for it."""
-        self._broadcast(protocol.Done(worker_index=self.worker_index))
+        try:
+            self._broadcast(protocol.Done(worker_index=self.worker_index))
+        except CommError:
+            if self.check_restored is not None:
+                self.check_restored()
+            raise
+
+    def reconnect(self, ps_endpoints: Sequence[tuple[str, bytes | None]]) -> None:
+        """Connect to every PS again, at these addresses (a restarted PS may serve elsewhere); requests in flight
+        are forgotten."""
+        for peer, (address, server_key) in zip(self.peers, ps_endpoints, strict=True):
+            self.client.connect(peer, address, server_key=server_key)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -3,10 +3,16 @@ the optimizer that stands in for one on row-sparse tables."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from shardflow.ps.schedules import ScheduleSpec
 
 # Element-wise optimizers only: the PS applies them to one flat buffer per dtype, which is exactly
 # equivalent to applying them per tensor and much cheaper (one kernel instead of one per variable).
@@ -37,10 +43,17 @@ _SPARSE_NEUTRAL: dict[str, Any] = {
 
 @dataclass(frozen=True)
 class OptimizerSpec:
-    """A `torch.optim` class name and its keyword arguments; serializable, never pickled."""
+    """A `torch.optim` class name and its keyword arguments, with the learning-rate schedule and the gradient
+    clipping the PS apply with it; serializable, never pickled."""
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    schedule: ScheduleSpec | None = None
+    """Sets the learning rate of every update from the global step (ps/schedules.py)."""
+    clip_grad_norm: float | None = None
+    """The update's gradient is scaled to at most this global L2 norm, over all variables on all PS."""
+    clip_grad_value: float | None = None
+    """The update's gradient is clamped to [-clip_grad_value, clip_grad_value]."""
 
     def __post_init__(self) -> None:
         if self.name not in _OPTIMIZERS:
@@ -48,6 +61,12 @@ class OptimizerSpec:
         for key, value in self.kwargs.items():
             if not isinstance(value, (int, float, bool, tuple, list)):
                 raise ValueError(f"optimizer argument {key}={value!r} must be a number, bool or tuple")
+        for name in ("clip_grad_norm", "clip_grad_value"):
+            value = getattr(self, name)
+            if value is not None and not (
+                isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < math.inf
+            ):
+                raise ValueError(f"{name} must be a positive number or None, got {value!r}")
 
     def build(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
         return _OPTIMIZERS[self.name](params, **self._kwargs())
@@ -82,12 +101,79 @@ class OptimizerSpec:
     def _kwargs(self) -> dict[str, Any]:
         return {k: tuple(v) if isinstance(v, list) else v for k, v in self.kwargs.items()}
 
+    def learning_rate(self, global_step: int) -> float:
+        """The learning rate of the update applied at `global_step`, for summaries."""
+        base_lr = self.kwargs.get("lr", inspect.signature(_OPTIMIZERS[self.name]).parameters["lr"].default)
+        return self.lr(global_step, float(base_lr))
+
+    def lr(self, global_step: int, base_lr: float) -> float:
+        """The learning rate of the update applied at `global_step` (the optimizer's own without a schedule)."""
+        return base_lr if self.schedule is None else self.schedule.lr(global_step, base_lr)
+
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "kwargs": self.kwargs}
+        return {
+            "name": self.name,
+            "kwargs": self.kwargs,
+            "schedule": self.schedule.to_json() if self.schedule is not None else None,
+            "clip_grad_norm": self.clip_grad_norm,
+            "clip_grad_value": self.clip_grad_value,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> OptimizerSpec:
-        return cls(d["name"], dict(d["kwargs"]))
+        known = {"name", "kwargs", "schedule", "clip_grad_norm", "clip_grad_value"}
+        if not set(d) <= known or not isinstance(d.get("kwargs"), dict):
+            raise ValueError(f"an optimizer is {{'name', 'kwargs' (a dict), ...}} with keys among {sorted(known)}")
+        schedule = d.get("schedule")
+        return cls(
+            d["name"],
+            dict(d["kwargs"]),
+            schedule=ScheduleSpec.from_json(schedule) if schedule is not None else None,
+            clip_grad_norm=d.get("clip_grad_norm"),
+            clip_grad_value=d.get("clip_grad_value"),
+        )
+
+
+_SUPPORTED = ", ".join(_OPTIMIZERS)
+
+OptimizerLike = OptimizerSpec | Callable[..., torch.optim.Optimizer]
+"""What Estimator takes as its optimizer: a spec, a torch.optim class, or functools.partial of one."""
+
+
+def as_optimizer_spec(optimizer: OptimizerLike) -> OptimizerSpec:
+    """`optimizer` as the spec the PS build from: an OptimizerSpec (`sf.optim.Adam(...)`), a torch.optim class
+    the PS can apply, or functools.partial of one with keyword arguments (`partial(torch.optim.Adam, lr=1e-3)`).
+    Anything else raises ValueError saying what is supported."""
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer
+    cls, kwargs = optimizer, {}
+    if isinstance(optimizer, functools.partial):
+        if optimizer.args:
+            raise ValueError(
+                "pass the optimizer's arguments by keyword, e.g. functools.partial(torch.optim.Adam, lr=1e-3); the "
+                "parameters are the PS's own"
+            )
+        cls, kwargs = optimizer.func, dict(optimizer.keywords)
+    if isinstance(cls, type) and cls in _OPTIMIZERS.values():
+        return OptimizerSpec(cls.__name__, {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
+    if isinstance(optimizer, torch.optim.Optimizer):
+        why = (
+            f"a {type(optimizer).__name__} instance is bound to this process's parameters, and the PS apply the "
+            f"optimizer to their own shards; pass the class with its arguments: "
+            f"functools.partial(torch.optim.{type(optimizer).__name__}, lr=...)"
+        )
+    elif isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer):
+        why = (
+            f"{cls.__name__} is not applied element by element (or not yet supported): the PS apply the optimizer to "
+            "each shard on its own, which is exact only for element-wise optimizers"
+        )
+    else:
+        why = "it is not a torch.optim optimizer"
+    name = getattr(optimizer, "__name__", type(optimizer).__name__)
+    raise ValueError(
+        f"unsupported optimizer {name}: {why}. Supported: sf.optim.{{{_SUPPORTED}}}(...), or torch.optim."
+        f"{{{_SUPPORTED}}} as the class or functools.partial(cls, **kwargs)"
+    )
 
 
 def SGD(lr: float = 0.01, momentum: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False) -> OptimizerSpec:

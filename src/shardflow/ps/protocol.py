@@ -8,9 +8,11 @@ Steps are ints >= 0; worker_index is a worker's number in [0, num_workers); fram
 Requests (sender: request, fields; frames; reply):
 
 - chief -> every PS: `Init` (op "init"): dtypes, num_tables, optimizer, apply, step, frame_counts, slots,
-  scalars, iterators. Frames: the dense pieces of each dtype buffer (frame_counts[i] 1-D frames of dtypes[i],
-  concatenated by the PS), then each table whole, then the slot tensors that `slots` index. A restored PS also
-  gets its optimizer slots and, on ps:0, the workers' input positions. Reply: `StepReply`.
+  scalars, iterators, worker_steps, generation. Frames: the dense pieces of each dtype buffer (frame_counts[i]
+  1-D frames of dtypes[i], concatenated by the PS), then each table whole, then the slot tensors that `slots`
+  index. A restored PS also
+  gets its optimizer slots and what it had of each worker's steps, with their input positions. Sent again to
+  every PS, with a higher generation, when one was lost. Reply: `StepReply`.
 - worker -> every PS: `Pull` (op "pull"): min_step. No frames. Answered once the PS reached min_step: a
   `StepReply` and one frame per dtype buffer, the current parameters.
 - worker -> the PS holding the tables: `Rows` (op "rows"): table_indices. One frame of int64 row numbers per
@@ -72,7 +74,7 @@ from shardflow.ps.fields import (
     short,
 )
 from shardflow.ps.optimizers import OptimizerSpec
-from shardflow.ps.replies import RejoinReply, StateReply, StatusReply, StepReply
+from shardflow.ps.replies import RejoinReply, StateReply, StatusReply, StepReply, worker_steps_field
 
 __all__ = [
     "BEFORE_INIT",
@@ -132,7 +134,12 @@ class Init:
     scalars: tuple[dict[str, float], ...] = ()
     """Per part: scalar optimizer state (e.g. Adam's step count)."""
     iterators: dict[str, Any] = field(default_factory=dict)
-    """ps:0 only: each worker's input position, by "worker:<index>"."""
+    """Restored: by "worker:<index>", its input position after the last of its steps this PS had."""
+    worker_steps: dict[str, int] = field(default_factory=dict)
+    """Restored: by "worker:<index>", the last of its steps this PS had (see `Rejoin`)."""
+    generation: int = 0
+    """How many times the PS were restored after one was lost; from the second, pushes of workers that have not
+    rejoined since are refused."""
 
     def header(self) -> dict[str, Any]:
         return {
@@ -146,13 +153,27 @@ class Init:
             "slots": list(self.slots),
             "scalars": list(self.scalars),
             "iterators": self.iterators,
+            "worker_steps": self.worker_steps,
+            "generation": self.generation,
         }
 
     @classmethod
     def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
         check_keys(
             header,
-            ("dtypes", "num_tables", "optimizer", "apply", "step", "frame_counts", "slots", "scalars", "iterators"),
+            (
+                "dtypes",
+                "num_tables",
+                "optimizer",
+                "apply",
+                "step",
+                "frame_counts",
+                "slots",
+                "scalars",
+                "iterators",
+                "worker_steps",
+                "generation",
+            ),
         )
         names = header["dtypes"]
         if type(names) is not list or not all(type(n) is str and is_dtype(n) for n in names):
@@ -181,6 +202,8 @@ class Init:
             slots=slots,
             scalars=scalars,
             iterators=map_field(header, "iterators"),
+            worker_steps=worker_steps_field(header),
+            generation=int_field(header, "generation"),
         )
 
 

@@ -111,6 +111,8 @@ class RejoinReply:
     """The worker's input position after that step; None for none."""
     done: bool
     """The worker had told this PS it finished."""
+    generation: int
+    """How many times the PS were restored after one was lost; the worker's pushes belong to this one."""
 
     def header(self) -> dict[str, Any]:
         return {
@@ -119,21 +121,30 @@ class RejoinReply:
             "local_step": self.local_step,
             "input_state": self.input_state,
             "done": self.done,
+            "generation": self.generation,
         }
 
     @classmethod
     def decode(cls, header: dict[Any, Any], sender: str) -> Self:
         try:
-            check_keys(header, ("step", "stop", "local_step", "input_state", "done"))
+            check_keys(header, ("step", "stop", "local_step", "input_state", "done", "generation"))
             return cls(
                 step=int_field(header, "step"),
                 stop=bool_field(header, "stop"),
                 local_step=int_field(header, "local_step"),
                 input_state=map_field(header, "input_state") if header["input_state"] is not None else None,
                 done=bool_field(header, "done"),
+                generation=int_field(header, "generation"),
             )
         except Invalid as invalid:
             raise PSProtocolError("rejoin", invalid.field, sender, invalid.problem) from None
+
+
+def worker_steps_field(header: dict[Any, Any]) -> dict[str, int]:
+    steps = map_field(header, "worker_steps")
+    if not all(type(value) is int and value >= 0 for value in steps.values()):
+        raise Invalid("worker_steps", f"must map worker names to steps (ints >= 0), got {short(steps)}")
+    return steps
 
 
 def stats_field(header: dict[Any, Any]) -> dict[str, float]:
@@ -155,6 +166,7 @@ class StateReply:
     slots: tuple[dict[str, int], ...]
     scalars: tuple[dict[str, float], ...]
     iterators: dict[str, Any]
+    worker_steps: dict[str, int]
     stats: dict[str, float]
 
     def header(self) -> dict[str, Any]:
@@ -166,13 +178,17 @@ class StateReply:
             "slots": list(self.slots),
             "scalars": list(self.scalars),
             "iterators": self.iterators,
+            "worker_steps": self.worker_steps,
             "stats": self.stats,
         }
 
     @classmethod
     def decode(cls, header: dict[Any, Any], sender: str) -> Self:
         try:
-            check_keys(header, ("step", "stop", "state_step", "dtypes", "slots", "scalars", "iterators", "stats"))
+            check_keys(
+                header,
+                ("step", "stop", "state_step", "dtypes", "slots", "scalars", "iterators", "worker_steps", "stats"),
+            )
             dtypes = header["dtypes"]
             if type(dtypes) is not list or not all(type(d) is str for d in dtypes):
                 raise Invalid("dtypes", f"must be a list of dtype names, got {short(dtypes)}")
@@ -185,6 +201,7 @@ class StateReply:
                 slots=per_part(header, "slots", num_parts, lambda v: type(v) is int and v >= 0),
                 scalars=per_part(header, "scalars", num_parts, lambda v: type(v) in (int, float)),
                 iterators=map_field(header, "iterators"),
+                worker_steps=worker_steps_field(header),
                 stats=stats_field(header),
             )
         except Invalid as invalid:

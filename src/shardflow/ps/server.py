@@ -14,14 +14,20 @@ from shardflow import faults
 from shardflow.comm.server import Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
-from shardflow.ps import protocol
+from shardflow.ps import clipping, protocol
 from shardflow.ps.apply import ApplyConfig, Gradients, Updates, all_finite
+from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
 from shardflow.ps.state import Part, Snapshots, capture, load_slots
 
 log = logging.getLogger(__name__)
 
+RESTORED = "the parameter servers were restored from a checkpoint after one was lost"
+"""The start of the error a PS answers a worker's push with after a restore, until the worker rejoins."""
+_FENCED = (protocol.Push, protocol.NonFinite, protocol.Done)
+"""What a worker sends that changes the update rule's state: refused from a worker that has not rejoined since a
+restore (not `Rejoin` nor `Lost`, which subclass `Done`)."""
 # A flood of bad requests must not flood the log: one line per kind of problem per this many seconds.
 _LOG_EVERY_S = 10.0
 
@@ -44,6 +50,10 @@ class ParameterServer:
         # Row-sparse pieces (embedding tables), each a tensor of its own, read and updated a few rows at a time.
         self.tables: list[torch.nn.Parameter] = []
         self.table_optimizer: torch.optim.Optimizer | None = None
+        self.optimizer_spec: OptimizerSpec | None = None
+        """The optimizer's spec with its learning-rate schedule and clipping; None until initialised."""
+        self.norm_exchange: clipping.NormExchange | None = None
+        """How this PS agrees a sync step's gradient norm with the others (clip_grad_norm); None: it is the only PS."""
         self.limits: protocol.Limits | None = None
         """What requests are checked against; None until the chief initialised this PS."""
         self.updates: Updates[Request] = Updates(ApplyConfig(), 0, self._apply, self._answer)
@@ -53,8 +63,12 @@ class ParameterServer:
         self.snapshots = Snapshots()
         # Per worker, the last of its steps this PS had and (by "worker:<index>") its input position after it: a
         # restarted worker resumes from these (see `_on_rejoin`); ps:0's positions go into checkpoints.
-        self.worker_steps: dict[int, int] = {}
+        self.worker_steps: dict[str, int] = {}
         self.iterators: dict[str, Any] = {}
+        # Raised by every `init` after a PS was lost (ps/checkpointing.py): until a worker rejoins, its pushes
+        # belong to the state before the restore and are refused.
+        self.generation = 0
+        self.rejoined: set[int] = set()
         self._deferred_pushes: list[tuple[Request, protocol.Push | protocol.NonFinite]] = []
         self._handling_since = 0
         self._shutdown = False
@@ -112,6 +126,10 @@ class ParameterServer:
         if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
             self.server.reply_error(request, f"ps:{self.index} is not initialised yet; the chief sends 'init' first")
             return
+        if self.generation and type(message) in _FENCED and self._not_rejoined(message):
+            # A request of the training before this PS was restored: its worker has not heard of the restore.
+            self.server.reply_error(request, f"{RESTORED} (recovery {self.generation}); rejoin first")
+            return
         if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
             self._deferred_pushes.append((request, message))
             return
@@ -121,6 +139,10 @@ class ParameterServer:
             self.stats["failed"] += 1
             self._log("failed", message.op, f"ps:{self.index} failed on {message.op!r} from {request.sender}: {error}")
             self.server.reply_error(request, f"ps:{self.index} failed on {message.op!r}: {error}")
+
+    def _not_rejoined(self, message: protocol.PSRequest) -> bool:
+        worker_index: int = getattr(message, "worker_index", -1)
+        return worker_index not in self.rejoined
 
     def _log(self, kind: str, op: object, line: str) -> None:
         key = (kind, repr(op))
@@ -187,18 +209,21 @@ class ParameterServer:
             for request in pushes:
                 recorder.flow(spans.APPLY, self.step, flow_id(request.sender, request.seq), start=False)
         count = len(pushes)
+        dense = [grad.div_(count) if count != 1 else grad for grad in grads] if self.optimizer is not None else []
+        # Every table gets a gradient, empty if no row of it was looked up: as a whole table does in one process,
+        # so step counts (Adam's bias correction) stay those of single-process training.
+        sparse = [row_gradient(t, g, count) for t, g in zip(self.tables, row_grads, strict=True)]
+        self._clip_and_schedule(dense + sparse)
         # A PS that holds no variables still counts steps, so every PS agrees on the global step.
         if self.optimizer is not None:
-            for param, grad in zip(self.params, grads, strict=True):
-                param.grad = grad.div_(count) if count != 1 else grad
+            for param, grad in zip(self.params, dense, strict=True):
+                param.grad = grad
             self.optimizer.step()
             for param in self.params:
                 param.grad = None
         if self.table_optimizer is not None:
-            # Every table gets a gradient, empty if no row of it was looked up: as a whole table does in one
-            # process, so step counts (Adam's bias correction) stay those of single-process training.
-            for table, grads_of_table in zip(self.tables, row_grads, strict=True):
-                table.grad = row_gradient(table, grads_of_table, count)
+            for table, grad in zip(self.tables, sparse, strict=True):
+                table.grad = grad
             self.table_optimizer.step()
             for table in self.tables:
                 table.grad = None
@@ -212,7 +237,26 @@ class ParameterServer:
         new_step = self.step + 1  # the update rule counts it once this returns
         if self.snapshots.due(new_step):
             # Held until the chief has saved it; see state.MAX_SNAPSHOTS for what happens when it falls behind.
-            self.snapshots.held[new_step] = capture(new_step, self._parts(), self.iterators)
+            self.snapshots.held[new_step] = capture(new_step, self._parts(), self.iterators, self.worker_steps)
+
+    def _clip_and_schedule(self, grads: list[torch.Tensor]) -> None:
+        """Clip this step's gradient (by value, then in sync mode by the global norm agreed with the other PS; see
+        ps/clipping.py) and set the learning rate of this global step's update."""
+        spec = self.optimizer_spec
+        if spec is None:
+            return
+        if spec.clip_grad_value is not None:
+            clipping.clamp_(grads, spec.clip_grad_value)
+        if spec.clip_grad_norm is not None and self.config.mode == "sync":
+            squared = clipping.squared_norm(grads)
+            total = self.norm_exchange(self.step, squared) if self.norm_exchange is not None else squared
+            clipping.scale_(grads, clipping.clip_coefficient(total**0.5, spec.clip_grad_norm))
+        if spec.schedule is not None:
+            for optimizer in (self.optimizer, self.table_optimizer):
+                if optimizer is not None:
+                    lr = spec.lr(self.step, optimizer.defaults["lr"])
+                    for group in optimizer.param_groups:
+                        group["lr"] = lr
 
     def _gradients(self, request: Request, push: protocol.Push) -> Gradients:
         """A push's dense gradients, one fresh tensor per dtype buffer, and its row-sparse ones, checked against
@@ -242,9 +286,15 @@ class ParameterServer:
         self.tables = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in tables]
         self.optimizer = init.optimizer.build(list(self.params)) if self.params else None
         self.table_optimizer = init.optimizer.build_sparse(list(self.tables)) if self.tables else None
+        self.optimizer_spec = init.optimizer
         if init.slots:
             load_slots(self._parts(), list(init.slots), list(init.scalars), frames[start + init.num_tables :])
         self.iterators = dict(init.iterators)
+        self.worker_steps = dict(init.worker_steps)
+        self.generation = init.generation
+        if isinstance(self.norm_exchange, clipping.StoreNormExchange):
+            self.norm_exchange.generation = init.generation
+        self.rejoined = set()
         self.updates = Updates(init.apply, init.step, self._apply, self._answer)
         self.snapshots = Snapshots(init.apply.snapshot_every_n_steps)
         self.limits = protocol.Limits(
@@ -271,7 +321,7 @@ class ParameterServer:
     def _repeated(self, request: Request, worker_index: int, local_step: int) -> bool:
         """Whether this PS already had this step of this worker: a restarted worker repeats the steps that some PS
         missed when it died (the others had them), and each PS takes every step once. Answered here if so."""
-        if local_step > self.worker_steps.get(worker_index, 0):
+        if local_step > self.worker_steps.get(f"worker:{worker_index}", 0):
             return False
         self.stats["repeated"] += 1
         self._reply(request, self._params_snapshot(), duplicate=True)
@@ -280,7 +330,7 @@ class ParameterServer:
     def _had(self, worker_index: int, local_step: int, input_state: dict[str, Any] | None) -> None:
         """This PS took step `local_step` of the worker, to apply (or accumulate) or to refuse as non-finite: it is
         not taken again, and the worker resumes after it."""
-        self.worker_steps[worker_index] = local_step
+        self.worker_steps[f"worker:{worker_index}"] = local_step
         if input_state is not None:
             self.iterators[f"worker:{worker_index}"] = input_state
 
@@ -327,12 +377,15 @@ class ParameterServer:
     def _on_rejoin(self, request: Request, rejoin: protocol.Rejoin) -> None:
         worker = rejoin.worker_index
         self.updates.rejoined(worker)
+        self.rejoined.add(worker)
+        name = f"worker:{worker}"
         reply = protocol.RejoinReply(
             step=self.step,
             stop=self.finished,
-            local_step=self.worker_steps.get(worker, 0),
-            input_state=self.iterators.get(f"worker:{worker}") if worker in self.worker_steps else None,
+            local_step=self.worker_steps.get(name, 0),
+            input_state=self.iterators.get(name) if name in self.worker_steps else None,
             done=worker in self.updates.finished_workers,
+            generation=self.generation,
         )
         self.server.reply(request, reply.header())
 
@@ -353,7 +406,7 @@ class ParameterServer:
     def _on_state(self, request: Request, get: protocol.GetState) -> None:
         """Parameters, optimizer slots and input positions: now, or as snapshotted (for checkpoints)."""
         if get.snapshot_step is None:
-            state = capture(self.step, self._parts(), self.iterators)
+            state = capture(self.step, self._parts(), self.iterators, self.worker_steps)
         else:
             state = self.snapshots.get(get.snapshot_step)
         reply = protocol.StateReply(
@@ -364,6 +417,7 @@ class ParameterServer:
             slots=tuple(state.slots),
             scalars=tuple(state.scalars),
             iterators=state.iterators,
+            worker_steps=state.worker_steps,
             stats={**self.updates.stats, **self.stats, "duplicates": self.server.duplicates},
         )
         self.server.reply(request, reply.header(), state.tensors())
@@ -373,7 +427,7 @@ class ParameterServer:
         if step < self.step:
             raise ValueError(f"snapshot step {step} already passed; ps:{self.index} is at {self.step}")
         if step == self.step:
-            self.snapshots.held[step] = capture(self.step, self._parts(), self.iterators)
+            self.snapshots.held[step] = capture(self.step, self._parts(), self.iterators, self.worker_steps)
         else:
             self.snapshots.at = step
         self._reply(request)

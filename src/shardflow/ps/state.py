@@ -15,7 +15,7 @@ Part = tuple[torch.nn.Parameter, torch.optim.Optimizer | None]
 @dataclass
 class ShardState:
     """Parameters (one flat buffer per dtype, then one tensor per row-sparse table), slot tensors and scalar
-    slots, and ps:0's input positions.
+    slots, and what this PS has of each worker's steps (see ps/server.py `_had`).
 
     `slots[i]` describes part i's optimizer state: key -> index into `slot_tensors`, and `scalars[i]`
     key -> value (e.g. Adam's step count)."""
@@ -26,17 +26,18 @@ class ShardState:
     slot_tensors: list[torch.Tensor] = field(default_factory=list)
     scalars: list[dict[str, float]] = field(default_factory=list)
     iterators: dict[str, Any] = field(default_factory=dict)
-
-    def header(self) -> dict[str, Any]:
-        return {"state_step": self.step, "slots": self.slots, "scalars": self.scalars, "iterators": self.iterators}
+    worker_steps: dict[str, int] = field(default_factory=dict)
+    """By "worker:<index>", the last of that worker's steps in this state; `iterators` holds its position after."""
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.params, *self.slot_tensors]
 
 
-def capture(step: int, parts: Sequence[Part], iterators: dict[str, Any]) -> ShardState:
+def capture(step: int, parts: Sequence[Part], iterators: dict[str, Any], worker_steps: dict[str, int]) -> ShardState:
     """A copy of the current state that later updates do not change."""
-    state = ShardState(step, [param.detach().clone() for param, _ in parts], iterators=dict(iterators))
+    state = ShardState(
+        step, [param.detach().clone() for param, _ in parts], iterators=dict(iterators), worker_steps=dict(worker_steps)
+    )
     for param, optimizer in parts:
         slots: dict[str, int] = {}
         scalars: dict[str, float] = {}

@@ -295,9 +295,8 @@ def save_state(
     for key, by_name in state.slots.items():
         for name, tensor in by_name.items():
             tensors[SLOT_SEPARATOR.join(("slot", key, name))] = tensor
-    return save(
-        model_dir, state.step, tensors, {"scalars": state.scalars, "iterators": state.iterators, **manifest}, keep
-    )
+    extra = {"scalars": state.scalars, "iterators": state.iterators, "ps_progress": state.ps_progress}
+    return save(model_dir, state.step, tensors, {**extra, **manifest}, keep)
 
 
 def load_state(path: str | os.PathLike[str]) -> tuple[ModelState, dict[str, Any]]:
@@ -307,6 +306,7 @@ def load_state(path: str | os.PathLike[str]) -> tuple[ModelState, dict[str, Any]
         params={},
         scalars=dict(manifest.get("scalars", {})),
         iterators=dict(manifest.get("iterators", {})),
+        ps_progress=list(manifest.get("ps_progress", [])),
     )
     for name, tensor in tensors.items():
         if name.startswith("slot" + SLOT_SEPARATOR):

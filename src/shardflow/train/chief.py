@@ -10,8 +10,6 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import torch
-
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
@@ -22,37 +20,22 @@ from shardflow.ps.placement import place
 from shardflow.ps.sparse import sparse_variables
 from shardflow.train import checkpoint
 from shardflow.train.chief_loop import ChiefLoop
-from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
 from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
+from shardflow.train.recovery import Recovery, restore_latest
 from shardflow.train.roles import RoleContext
 from shardflow.train.specs import TrainResult
 
 log = logging.getLogger(__name__)
 
 
-def _restore(job: JobConfig, model: torch.nn.Module, role: RoleContext) -> ModelState | None:
-    """Load the latest checkpoint in model_dir into `model`; tell the workers where their input stood."""
-    path = checkpoint.latest(job.model_dir)
-    if path is None:
-        return None
-    state, manifest = checkpoint.load_state(path)
-    model.load_state_dict(state.params)
-    old_workers = int(manifest.get("num_workers", role.num_workers))
-    if old_workers != role.num_workers and state.iterators:
-        state.iterators = carry_over(state.iterators, old_workers, role.num_workers)
-        log.info(
-            "restored %s written by %d workers into %d: the new workers first finish the old shards where they "
-            "stopped, through epoch %d, then read their own shards",
-            path,
-            old_workers,
-            role.num_workers,
-            next(iter(state.iterators.values()))["epoch"] - 1,
-        )
-    role.control.set(control_keys.RESTORE_ITERATORS, json.dumps(state.iterators))
-    log.info("restored %s at global step %d", path, state.step)
-    return state
+def _resumed_at(restored: ModelState | None, worker: str) -> int:
+    """The worker's own step count when this run started: it goes on counting from the checkpoint's, and a
+    run's result counts the steps of that run."""
+    if restored is None or not restored.ps_progress:
+        return 0
+    return min(int(progress.get("worker_steps", {}).get(worker, 0)) for progress in restored.ps_progress)
 
 
 def _snapshot_every(job: JobConfig, role: RoleContext) -> int | None:
@@ -81,7 +64,7 @@ def run_chief(
     # The chief is the only role that saves, and none of its saves has started yet.
     checkpoint.clean(job.model_dir)
     model = job.build_model()
-    restored = _restore(job, model, role)
+    restored = restore_latest(job, model, role)
     start_step = restored.step if restored else 0
     placement = place(model.named_parameters(), role.num_ps, strategy.partitioner, sparse_variables(model))
     addresses = [
@@ -110,7 +93,9 @@ def run_chief(
         "num_ps": role.num_ps,
         "optimizer": job.optimizer.to_json(),
     }
-    loop = ChiefLoop(job, role, client, model, profiler, manifest, start_step, failures)
+    initial = restored or ModelState(step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()})
+    recovery = Recovery(job, role, client, model, apply, initial)
+    loop = ChiefLoop(job, role, client, model, profiler, manifest, start_step, failures, recovery)
     control.set(control_keys.READY, "1")
     try:
         training_started = time.monotonic()
@@ -155,7 +140,7 @@ def run_chief(
         elapsed_s=time.monotonic() - started,
         training_s=training_s,
         start_step=start_step,
-        worker_steps={name: int(p["local_step"]) for name, p in progress.items()},
+        worker_steps={name: int(p["local_step"]) - _resumed_at(restored, name) for name, p in progress.items()},
         ps_stats=state.stats,
         profile_dir=str(captures[-1]) if captures else None,
         eval_history=loop.eval_history,

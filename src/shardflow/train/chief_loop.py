@@ -13,6 +13,7 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.comm.errors import DeadlineExceeded
 from shardflow.profile import spans
 from shardflow.ps.checkpointing import ModelState, fetch_state
 from shardflow.ps.client import ParameterClient, StatusReply
@@ -25,6 +26,7 @@ from shardflow.train.summaries import Summaries
 
 if TYPE_CHECKING:
     from shardflow.train.preemption import Preemption
+    from shardflow.train.recovery import Recovery
     from shardflow.train.strategy import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
@@ -47,8 +49,10 @@ class ChiefLoop:
         manifest: dict[str, Any],
         start_step: int,
         failures: Sequence[RoleExit] = (),
+        recovery: Recovery | None = None,
     ) -> None:
         self.job, self.role, self.client, self.model = job, role, client, model
+        self.recovery = recovery
         self.failures = failures
         self.profiler = profiler
         self.manifest = manifest
@@ -67,8 +71,15 @@ class ChiefLoop:
         self.requested_snapshot: int | None = None
         self.last_checkpoint_time = time.monotonic()
         self.last_eval_time = time.monotonic()
-        self.summaries = Summaries(job.model_dir)
+        self.summaries = Summaries(
+            job.model_dir,
+            save_summary_steps=job.save_summary_steps,
+            workers=self.workers,
+            learning_rate=job.optimizer.learning_rate,
+        )
         self.heartbeats = Heartbeats(self.control, job.strategy, client)
+        self.generation = 0
+        """How many times every PS was restored after one was lost (train/recovery.py)."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
 
@@ -84,7 +95,9 @@ class ChiefLoop:
                 now = time.monotonic()
                 if done or now >= stop_waiting_at:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
-                    self._save_snapshots(self.client.status())
+                    replies = self.client.status()
+                    self.global_step = replies[0].step  # the final summaries' step
+                    self._save_snapshots(replies)
                     return
                 if preemption is not None and not self.preempted and self._preempt(preemption, now >= next_ps_poll):
                     stop_waiting_at = now + preemption.remaining_s() / 2
@@ -100,7 +113,7 @@ class ChiefLoop:
                 time.sleep(_POLL_S)
         finally:
             # The workers' final reports, however short the run.
-            self.summaries.training(self.global_step, self.progress, self._ps_stats)
+            self.summaries.training(self.global_step, self.progress, self._ps_stats, final=True)
             self.display.update(self.global_step, self.progress)
             self.display.close()
 
@@ -127,11 +140,23 @@ class ChiefLoop:
 
     # -- workers ----------------------------------------------------------------------------------
 
+    def _watch_servers(self) -> None:
+        """A PS that was restarted holds nothing: restore every PS (train/recovery.py). One lost for good (no
+        beat within worker_rejoin_timeout_s) fails the job."""
+        for k in range(self.role.num_ps):
+            name = f"ps:{k}"
+            if self.heartbeats.check(name) and self.recovery is not None:
+                state = self.recovery.restore(name, self.global_step)
+                self.generation = self.recovery.generation
+                self.global_step = self.last_snapshot_step = state.step
+                self.requested_snapshot = None
+
     def _watch_workers(self) -> bool:
         """Read progress reports and heartbeats; fail on a reported failure or a worker lost for good; True once
-        every worker's last report says it is done."""
+        every worker's last report (of the current recovery generation) says it is done."""
         if self.failures:
             raise RoleFailedError(f"{self.failures[0].describe()}; the job was stopped")
+        self._watch_servers()
         all_done = True
         for name in self.workers:
             failed = control_keys.failed(name)
@@ -140,7 +165,8 @@ class ChiefLoop:
             progress = control_keys.progress(name)
             if self.control.is_set(progress):
                 self.progress[name] = json.loads(self.control.get(progress, waiting_for=name))
-            if self.progress.get(name, {}).get("done"):
+            report = self.progress.get(name, {})
+            if report.get("done") and report.get("generation", 0) == self.generation:
                 continue
             all_done = False
             self.heartbeats.check(name)
@@ -149,7 +175,14 @@ class ChiefLoop:
     # -- checkpoints and evaluation ---------------------------------------------------------------
 
     def _poll_servers(self) -> None:
-        replies = self.client.status()
+        try:
+            # A lost PS answers nothing: the heartbeats tell (see _watch_servers); meanwhile polls go unanswered.
+            # Short, so a PS that does not answer delays the chief's watch of the others by little.
+            strategy = self.job.strategy
+            replies = self.client.status(timeout_s=min(strategy.request_timeout_s, strategy.heartbeat_timeout_s / 4))
+        except DeadlineExceeded as error:
+            log.info("status poll unanswered: %s", error)
+            return
         self.global_step = replies[0].step
         self._ps_stats = [r.stats for r in replies]
         by_time = self.job.save_checkpoints_secs is not None and not self.job.save_checkpoints_steps
@@ -238,7 +271,7 @@ class ChiefLoop:
 
 
 class Heartbeats:
-    """Which workers beat (train/worker.py Heartbeat), which are lost, and for how long.
+    """Which workers and PS beat (train/heartbeat.py), which are lost, and for how long.
 
     A worker silent for heartbeat_timeout_s (startup_timeout_s before its first beat) is lost: the chief logs it
     and training goes on without it, while whoever supervises the process (the local launcher, the cluster
@@ -254,16 +287,21 @@ class Heartbeats:
         self.lost: dict[str, float] = {}
         """Lost workers, with when they went silent."""
 
-    def check(self, name: str) -> None:
+    def check(self, name: str) -> bool:
+        """Whether `name` was restarted since the last check (its beats come from a new process); raises once it
+        was lost for longer than worker_rejoin_timeout_s."""
         now = time.monotonic()
         key = control_keys.heartbeat(name)
         beat = self.control.get(key, waiting_for=name) if self.control.is_set(key) else None
         last = self._beats.get(name)
         if beat is not None and (last is None or beat != last[0]):
             self._beats[name] = (beat, now)
+            restarted = last is not None and beat.partition(":")[0] != last[0].partition(":")[0]
+            if last is not None and restarted:
+                log.warning("%s was restarted, %.1fs after its previous run's last beat", name, now - last[1])
             if name in self.lost:
                 log.warning("%s rejoined, %.1fs after it went silent", name, now - self.lost.pop(name))
-            return
+            return restarted
         seen = last[1] if last is not None else self.started
         silent = now - seen
         limit = self.strategy.heartbeat_timeout_s if last is not None else self.strategy.startup_timeout_s
@@ -277,10 +315,11 @@ class Heartbeats:
                 "training goes on without it" if goes_on else "its steps wait for it (lost_worker_policy 'wait')",
                 self.strategy.worker_rejoin_timeout_s,
             )
-            if self.strategy.lost_worker_policy == "continue":
+            if self.strategy.lost_worker_policy == "continue" and name.startswith("worker:"):
                 self.client.lost(int(name.rpartition(":")[2]))
         if name in self.lost and now - self.lost[name] > self.strategy.worker_rejoin_timeout_s:
             raise RoleFailedError(
                 f"{name} was lost {now - self.lost[name]:.0f}s ago (no heartbeat) and was not restarted within "
                 f"worker_rejoin_timeout_s={self.strategy.worker_rejoin_timeout_s:g}s; the job was stopped"
             )
+        return False

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -23,15 +25,16 @@ from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.comm.errors import CommError
 from shardflow.profile.capture import check_steps
 from shardflow.ps.client import ParameterClient
-from shardflow.ps.optimizers import SGD, OptimizerSpec
+from shardflow.ps.optimizers import SGD, OptimizerLike, as_optimizer_spec
+from shardflow.ps.schedules import ScheduleLike, as_schedule
 from shardflow.train import checkpoint
 from shardflow.train.chief import run_chief
-from shardflow.train.job import JobConfig, LossFn, RoleFailedError, build_model, evaluate_model
+from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
 from shardflow.train.preemption import Preemption, tell_chief
 from shardflow.train.roles import RoleContext, run_evaluator, run_ps
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
-from shardflow.train.worker import run_worker
+from shardflow.train.worker import PSRestored, recovery_generation, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -48,26 +51,48 @@ class Estimator:
 
     def __init__(
         self,
-        model_fn: Callable[[], torch.nn.Module],
+        model_fn: ModelFn,
         loss_fn: LossFn,
-        optimizer: OptimizerSpec | None = None,
+        optimizer: OptimizerLike | None = None,
         strategy: ParameterServerStrategy | None = None,
         model_dir: str | os.PathLike[str] = "runs/model",
         *,
         seed: int = 0,
+        lr_schedule: ScheduleLike | None = None,
+        clip_grad_norm: float | None = None,
+        clip_grad_value: float | None = None,
         profile_steps: tuple[int, int] | None = None,
         profile_ops: bool = False,
         save_checkpoints_steps: int | None = None,
         save_checkpoints_secs: float | None = 600.0,
         keep_checkpoint_max: int | None = 5,
+        save_summary_steps: int = 100,
     ) -> None:
+        """`model_fn`: a function building the model, or an `nn.Module` (copied for each role). `optimizer`:
+        `sf.optim.Adam(...)`, or a torch.optim class or `functools.partial(torch.optim.Adam, lr=...)`; applied on
+        the PS. `lr_schedule`: a torch.optim.lr_scheduler class or `functools.partial` of one, applied on the PS
+        by global step. `clip_grad_norm` / `clip_grad_value`: each update's gradient clipped as
+        `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` would in one process (ps/clipping.py)."""
         if not callable(model_fn):
-            raise ValueError("Estimator.model_fn must be a callable returning a torch.nn.Module")
+            raise ValueError("Estimator.model_fn must be a callable returning a torch.nn.Module, or a torch.nn.Module")
         if not callable(loss_fn):
             raise ValueError("Estimator.loss_fn must be a callable (model, batch) -> scalar tensor")
+        if not (isinstance(save_summary_steps, int) and not isinstance(save_summary_steps, bool)) or (
+            save_summary_steps < 1
+        ):
+            raise ValueError(f"Estimator.save_summary_steps must be an int >= 1, got {save_summary_steps!r}")
         self.model_fn = model_fn
         self.loss_fn = loss_fn
-        self.optimizer = optimizer or SGD(lr=0.01)
+        spec = as_optimizer_spec(optimizer) if optimizer is not None else SGD(lr=0.01)
+        self.optimizer = dataclasses.replace(
+            spec,
+            schedule=as_schedule(lr_schedule) if lr_schedule is not None else spec.schedule,
+            clip_grad_norm=clip_grad_norm if clip_grad_norm is not None else spec.clip_grad_norm,
+            clip_grad_value=clip_grad_value if clip_grad_value is not None else spec.clip_grad_value,
+        )
+        """The optimizer the PS apply, with its learning-rate schedule and gradient clipping."""
+        self.save_summary_steps = save_summary_steps
+        """TensorBoard training scalars at every multiple of this global step, and at the last."""
         self.strategy = strategy or ParameterServerStrategy()
         # Tools (shardflow scale) point each run at its own directory and capture window.
         self.model_dir = Path(env.get(env.MODEL_DIR) or model_dir)
@@ -116,6 +141,7 @@ class Estimator:
             save_checkpoints_steps=self.save_checkpoints_steps,
             save_checkpoints_secs=self.save_checkpoints_secs,
             keep_checkpoint_max=self.keep_checkpoint_max,
+            save_summary_steps=self.save_summary_steps,
         )
 
     def _set_live(self, client: ParameterClient | None) -> None:
@@ -227,12 +253,16 @@ def _run_chief(
     task: TaskSpec,
     failures: Sequence[RoleExit] = (),
     preemption: Preemption | None = None,
+    keep_alive: list[object] | None = None,
 ) -> TrainResult:
-    """Raises Preempted, after the final checkpoint, when SIGTERM (or a role's preemption) ended training early."""
+    """Raises Preempted, after the final checkpoint, when SIGTERM (or a role's preemption) ended training early.
+    `keep_alive` holds the control plane past the return, while the roles read that the job is over."""
     own_preemption = preemption is None
     if preemption is None:
         preemption = Preemption(job.strategy.termination_grace_s).install()
     role = _connect(job, spec, task)
+    if keep_alive is not None:
+        keep_alive.append(role.control)
     log_handlers = _log_to(job.model_dir / "logs" / "chief.log")
     try:
         result = run_chief(job, role, failures=failures, on_connect=est._set_live, preemption=preemption)
@@ -272,7 +302,7 @@ def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: Tas
         if task.type == "ps":
             run_ps(role)
         elif task.type == "worker":
-            run_worker(job, role, on_connect=est._set_live)
+            _run_worker_until_the_end(est, job, role)
         elif task.type == "evaluator":
             run_evaluator(job, role)
     except Exception as error:
@@ -281,6 +311,28 @@ def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: Tas
         raise
     sys.stdout.flush()
     raise SystemExit(0)
+
+
+def _run_worker_until_the_end(est: Estimator, job: JobConfig, role: RoleContext) -> None:
+    """Train; then stay until the chief says the job is over. Whenever the PS are restored after one was lost,
+    even once this worker has finished its input, it starts again from where the PS now say it stands."""
+    while True:
+        generation = recovery_generation(role)
+        try:
+            run_worker(job, role, on_connect=est._set_live)
+        except PSRestored as restored:
+            log.warning("%s", restored)
+            continue
+        try:
+            while not role.control.is_set(control_keys.SHUTDOWN):
+                if recovery_generation(role) > generation:
+                    break
+                time.sleep(0.2)
+            else:
+                return
+        except RuntimeError:  # the chief's control plane closed: the job is over, or the chief's failure says why
+            log.info("%s: the chief is gone after this worker finished; exiting", role.task.name)
+            return
 
 
 def _log_to(path: Path) -> list[logging.Handler]:
@@ -349,6 +401,7 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
         max_restarts=strategy.max_restarts,
         restart_backoff_s=strategy.restart_backoff_s,
     )
+    keep_alive: list[object] = []  # the chief's control plane, until every role has exited
     # The launcher appends roles that fail for good (out of restarts, or not restartable); the chief's loop reads
     # it on every poll.
     failures: list[RoleExit] = []
@@ -369,7 +422,7 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
             launcher.start()
             launcher.watch(on_failure)
             try:
-                result = _run_chief(est, job, spec, chief, failures, preemption)
+                result = _run_chief(est, job, spec, chief, failures, preemption, keep_alive)
             except Preempted:
                 # Every role was told the job is over; those not gone shortly before the deadline are stopped.
                 margin_s = min(1.0, strategy.termination_grace_s / 10)

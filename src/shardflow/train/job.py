@@ -3,6 +3,7 @@ does with the model it describes (build it, evaluate it)."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,8 @@ from shardflow.train.specs import EvalSpec, InputContext, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
+ModelFn = Callable[[], torch.nn.Module] | torch.nn.Module
+"""A function building the model, or the model itself."""
 
 
 class RoleFailedError(RuntimeError):
@@ -26,7 +29,7 @@ class RoleFailedError(RuntimeError):
 class JobConfig:
     """What the chief, the workers, the PS and the evaluator are given; built once per job by `train_and_evaluate`."""
 
-    model_fn: Callable[[], torch.nn.Module]
+    model_fn: ModelFn
     """Builds the model, the same in every process (see `build_model`)."""
     loss_fn: LossFn
     """(model, batch) -> scalar loss tensor."""
@@ -52,6 +55,8 @@ class JobConfig:
     """Checkpoint at most this often when save_checkpoints_steps is None."""
     keep_checkpoint_max: int | None = 5
     """Checkpoints kept; None keeps all."""
+    save_summary_steps: int = 100
+    """TensorBoard training scalars at every multiple of this global step, and at the last."""
 
     def build_model(self) -> torch.nn.Module:
         return build_model(self.model_fn, self.seed)
@@ -60,8 +65,11 @@ class JobConfig:
         return evaluate_model(model, self.loss_fn, eval_spec)
 
 
-def build_model(model_fn: Callable[[], torch.nn.Module], seed: int) -> torch.nn.Module:
-    """The model as model_fn builds it, with the same initial values in every process."""
+def build_model(model_fn: ModelFn, seed: int) -> torch.nn.Module:
+    """The model as model_fn builds it, with the same initial values in every process; a module given in its place
+    is copied, so each role (and each call) gets a model of its own with the module's values."""
+    if isinstance(model_fn, torch.nn.Module):
+        return copy.deepcopy(model_fn)
     torch.manual_seed(seed)
     model = model_fn()
     if not isinstance(model, torch.nn.Module):

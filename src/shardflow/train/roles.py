@@ -15,8 +15,10 @@ from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
 from shardflow.comm.security import is_loopback
 from shardflow.comm.server import secure_server
+from shardflow.ps.clipping import StoreNormExchange
 from shardflow.ps.server import ParameterServer
 from shardflow.train import checkpoint
+from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.job import JobConfig
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.summaries import Summaries
@@ -67,7 +69,12 @@ def run_ps(role: RoleContext) -> None:
         role.control.publish_endpoint(control_keys.ps_endpoint(role.task.index), address, server.public_key)
         encryption = "CURVE-encrypted" if server.public_key is not None else "plaintext on loopback"
         print(f"{role.task.name} serving at {address} ({encryption})", flush=True)
+        # After its address is published: a chief that sees a restarted PS beat finds where it serves.
+        heartbeat = Heartbeat(role.task.name, role.control)
         ps = ParameterServer(server, role.task.index)
+        if role.num_ps > 1:  # used only by sync mode with clip_grad_norm
+            control = role.control
+            ps.norm_exchange = StoreNormExchange(control.store, role.task.index, role.num_ps, control.timeout_s)
         profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True)
         profiler.check_requests()  # a capture requested up front (profile_steps) is known before the first step
 
@@ -84,7 +91,10 @@ def run_ps(role: RoleContext) -> None:
                 ) from error
 
         # Every 0.1 s: a capture request reaches the PS before the workers are past its first step.
-        ps.serve(should_stop=job_over, poll_s=0.1, periodic=periodic)
+        try:
+            ps.serve(should_stop=job_over, poll_s=0.1, periodic=periodic)
+        finally:
+            heartbeat.stop()
         profiler.finish()
     finally:
         server.close()

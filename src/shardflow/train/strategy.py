@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from shardflow.ps.apply import UpdateRule
 from shardflow.ps.placement import Partitioner
+from shardflow.train.precision import check_mixed_precision
 
 LOST_WORKER_POLICIES = ("wait", "continue")
 
@@ -50,6 +51,12 @@ class ParameterServerStrategy(UpdateRule):
     termination_grace_s: float = 30.0
     """SIGTERM: checkpoint at the current step and exit within this many seconds; keep it below the cluster
     manager's termination grace period, 30 s by default on Kubernetes."""
+    gradient_accumulation_steps: int = 1
+    """Each worker step sums the gradients of this many batches (each loss divided by it: their mean) before its
+    one push; in sync mode the same as batches this many times larger."""
+    mixed_precision: str | None = None
+    """"bf16": the workers' forward runs under torch.autocast in bfloat16; parameters on the PS, gradients and
+    pushes stay float32. None: float32 throughout."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,6 +80,10 @@ class ParameterServerStrategy(UpdateRule):
         for name in ("request_timeout_s", "startup_timeout_s", "heartbeat_timeout_s", "worker_rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ParameterServerStrategy.{name} must be positive")
+        steps = self.gradient_accumulation_steps
+        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
+            raise ValueError(f"ParameterServerStrategy.gradient_accumulation_steps must be an int >= 1, got {steps!r}")
+        check_mixed_precision(self.mixed_precision)
         if self.termination_grace_s <= 0:
             raise ValueError(
                 f"ParameterServerStrategy.termination_grace_s must be positive, got {self.termination_grace_s}; "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -38,20 +39,80 @@ class EventWriter:
 
 
 class Summaries:
-    """Scalars under model_dir/tensorboard (train) and model_dir/tensorboard/eval."""
+    """Scalars under model_dir/tensorboard (train) and model_dir/tensorboard/eval.
 
-    def __init__(self, model_dir: Path) -> None:
+    Training scalars come every `save_summary_steps` global steps and at the last: the loss at global step s is
+    the mean over all workers of the losses of the batches computed on the parameters of global steps
+    [s - save_summary_steps, s), written once every worker is past that interval; the rates (steps/s, input wait,
+    PS apply time) and the learning rate at the global step where the chief sees a multiple passed."""
+
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        save_summary_steps: int = 100,
+        workers: Sequence[str] = (),
+        learning_rate: Callable[[int], float] | None = None,
+    ) -> None:
         self.directory = model_dir / "tensorboard"
         self.train = EventWriter(self.directory)
         self.eval = EventWriter(self.directory / "eval")
+        self.every = save_summary_steps
+        self.workers = list(workers)
+        self.learning_rate = learning_rate
         self._last: tuple[float, int] | None = None
         self._last_apply: dict[str, tuple[float, float]] = {}
+        self._next_rates_step: int | None = None
+        # Per summary interval not written yet, per worker: its loss sum and count in that interval.
+        self._losses: dict[int, dict[str, tuple[float, int]]] = {}
+        self._written_interval = -1
 
-    def training(self, step: int, progress: dict[str, dict[str, Any]], ps_stats: list[dict[str, Any]]) -> None:
+    def training(
+        self,
+        step: int,
+        progress: dict[str, dict[str, Any]],
+        ps_stats: list[dict[str, Any]],
+        *,
+        final: bool = False,
+    ) -> None:
+        """Write what is due at global step `step`; `final`: training is over at `step`, write everything."""
+        self._write_losses(step, progress, final)
+        if self._next_rates_step is None:
+            self._next_rates_step = (step // self.every + 1) * self.every
+        if final or step >= self._next_rates_step:
+            self._next_rates_step = (step // self.every + 1) * self.every
+            self._write_rates(step, progress, ps_stats)
+        self.train.flush()
+
+    def _write_losses(self, step: int, progress: dict[str, dict[str, Any]], final: bool) -> None:
+        for name, p in progress.items():
+            for interval, (total, count) in p.get("summary_losses", {}).items():
+                if int(interval) > self._written_interval:
+                    self._losses.setdefault(int(interval), {})[name] = (float(total), int(count))
+        # A worker adds to no interval before its latest; one that is done adds to none.
+        workers = self.workers or list(progress)
+        passed = [
+            progress[w].get("summary_interval", -1) if not progress[w].get("done") else None
+            for w in workers
+            if w in progress
+        ]
+        complete = min([i for i in passed if i is not None], default=None) if len(passed) == len(workers) else -1
+        for interval in sorted(self._losses):
+            end = (interval + 1) * self.every
+            if interval * self.every >= step and final:
+                break  # batches of updates dropped after the last step
+            if not final and (end > step or (complete is not None and interval >= complete)):
+                break
+            by_worker = self._losses.pop(interval).values()
+            count = sum(c for _, c in by_worker)
+            if count:
+                self.train.add_scalar("loss", sum(t for t, _ in by_worker) / count, min(end, step))
+            self._written_interval = interval
+
+    def _write_rates(self, step: int, progress: dict[str, dict[str, Any]], ps_stats: list[dict[str, Any]]) -> None:
         now = time.monotonic()
         running = [p for p in progress.values() if p.get("local_step")]
         if running:
-            self.train.add_scalar("loss", sum(p["loss"] for p in running) / len(running), step)
             share = sum(p.get("input_wait_share", 0.0) for p in running) / len(running)
             self.train.add_scalar("input_wait_share", share, step)
         for name, p in progress.items():
@@ -59,7 +120,8 @@ class Summaries:
         if self._last is not None and now > self._last[0]:
             self.train.add_scalar("global_step/sec", (step - self._last[1]) / (now - self._last[0]), step)
         self._last = (now, step)
-        self.train.flush()
+        if self.learning_rate is not None:
+            self.train.add_scalar("learning_rate", self.learning_rate(step), step)
         for k, stats in enumerate(ps_stats):
             applied, apply_s = float(stats.get("applied", 0)), float(stats.get("apply_s", 0.0))
             previous = self._last_apply.get(f"ps:{k}")

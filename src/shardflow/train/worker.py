@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import threading
+import math
 import time
 from collections import deque
 from collections.abc import Callable
@@ -14,15 +13,18 @@ from typing import Any
 import torch
 
 from shardflow.cluster import control_keys
-from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.comm.client import Client
 from shardflow.data.torch_edge import to_torch
 from shardflow.profile import spans
+from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps.client import ParameterClient, Pushed, StepReply
+from shardflow.ps.clipping import clip_local_gradients
 from shardflow.ps.placement import Placement
+from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
 from shardflow.train.job import JobConfig
+from shardflow.train.precision import autocast
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.roles import RoleContext
 from shardflow.train.specs import InputContext
@@ -30,6 +32,7 @@ from shardflow.train.specs import InputContext
 log = logging.getLogger(__name__)
 
 _REPORT_EVERY_S = 1.0
+_SUMMARY_KEEP_S = 30.0
 
 
 class NonFiniteUpdateError(RuntimeError):
@@ -46,7 +49,7 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
     addresses = [
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)
     ]
-    return ParameterClient(
+    client = ParameterClient(
         Client(role.task.name),
         addresses,
         placement,
@@ -54,6 +57,26 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
         timeout_s=strategy.request_timeout_s,
         worker_index=role.task.index if role.task.type == "worker" else -1,
     )
+    client.generation = generation = recovery_generation(role)
+    client.check_restored = lambda: _check_restored(role, generation)
+    return client
+
+
+class PSRestored(Exception):
+    """The chief restored every PS from a checkpoint after one was lost: what this worker was doing belongs to the
+    training before, and it starts again from where the PS now say it stands (see train/chief_loop.py)."""
+
+
+def recovery_generation(role: RoleContext) -> int:
+    """How many times the PS of this job were restored after one was lost, so far."""
+    if not role.control.is_set(control_keys.RECOVERY):
+        return 0
+    return int(json.loads(role.control.get(control_keys.RECOVERY, waiting_for="the recovery"))["generation"])
+
+
+def _check_restored(role: RoleContext, generation: int) -> None:
+    if recovery_generation(role) > generation:
+        raise PSRestored(f"{role.task.name}: the parameter servers were restored; rejoining")
 
 
 def _restored_position(role: RoleContext) -> dict[str, Any] | None:
@@ -69,6 +92,14 @@ def _resume(role: RoleContext, params: ParameterClient) -> dict[str, Any] | None
     """Where this worker's input starts: after the last of its steps every PS has, when it ran before (it was
     restarted); else the restored checkpoint's position, if any. Its step count goes on from there."""
     rejoined = params.rejoin()
+    generation = recovery_generation(role)
+    deadline = time.monotonic() + role.control.timeout_s
+    # After a recovery, until the chief has restored every PS, some still hold the state before it.
+    while rejoined.generation < generation:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{role.task.name} waited {role.control.timeout_s:.0f}s for the PS to be restored")
+        time.sleep(0.1)
+        rejoined = params.rejoin()
     if not rejoined.local_step and not rejoined.ahead:
         return _restored_position(role)
     log.warning(
@@ -89,7 +120,7 @@ def run_worker(
     the PS while it exists (Estimator.global_step reads it). A restarted worker goes on where it stopped."""
     control = role.control
     spec = job.train_spec
-    heartbeat = Heartbeat(role)
+    heartbeat = Heartbeat(role.task.name, role.control)
     profiler = RoleProfiler(role.task.name, control)
     recorder = profiler.recorder
     control.get(control_keys.READY, waiting_for="the chief to initialise the parameter servers")
@@ -106,7 +137,12 @@ def run_worker(
     reply = params.pull()
     step, stop = reply.step, reply.stop
     in_flight: deque[Pushed] = deque()
-    report = Report(role, params.local_step)
+    report = Report(role, params.local_step, job.save_summary_steps)
+    report.generation = params.generation
+    # An update is one worker's gradient in async and ssp mode, so the worker clips it by its global norm itself;
+    # in sync mode the PS clip the mean of the replicas' (ps/clipping.py).
+    clip_on_worker = job.optimizer.clip_grad_norm if mode != "sync" else None
+    changes_gradients = clip_on_worker is not None or job.strategy.gradient_accumulation_steps > 1
     try:
         while not stop:
             step_started = time.perf_counter_ns()
@@ -115,21 +151,16 @@ def run_worker(
             report.input_wait_ns += time.perf_counter_ns() - step_started
             if batch is None:
                 break
-            batch = to_torch(batch)
             model.zero_grad(set_to_none=True)
-            params.input_state = position.get_state()
-            params.begin_push(step)
-            t = time.perf_counter_ns()
-            loss = job.loss_fn(model, batch)
-            recorder.end(spans.FORWARD, step, t)
+            params.begin_push(step, push_early=not changes_gradients)
+            loss = _forward_backward(job, model, params, position, batch, step, report, recorder)
             # A NaN or inf loss is not backpropagated: every PS is told, and refuses the step alike.
-            if bool(torch.isfinite(loss.detach()).all()):
-                t = time.perf_counter_ns()
-                loss.backward()
-                recorder.end(spans.BACKWARD, step, t)
-                in_flight.append(params.end_push())
-            else:
+            if loss is None:
                 in_flight.append(params.push_nonfinite_loss())
+            else:
+                if clip_on_worker is not None:
+                    clip_local_gradients(model, clip_on_worker)
+                in_flight.append(params.end_push())
             recorded_step = step
             while len(in_flight) > depth:
                 pushed = in_flight.popleft()
@@ -137,7 +168,7 @@ def run_worker(
                 _check_finite(role.task.name, job.strategy.max_nonfinite_updates, pushed, reply)
                 step, stop = reply.step, stop or reply.stop
             recorder.end(spans.STEP, recorded_step, step_started)
-            report.step(float(loss.detach()), position.epoch)
+            report.step(float("nan") if loss is None else loss, position.epoch, recorded_step)
             stop = hooks.after_step(report.local_step, step, report.last_loss) or stop
             profiler.at_step(step)
             if report.due():
@@ -157,6 +188,48 @@ def run_worker(
     report.send(done=True)
 
 
+def _forward_backward(
+    job: JobConfig,
+    model: torch.nn.Module,
+    params: ParameterClient,
+    position: InputPosition,
+    batch: Any,
+    step: int,
+    report: Report,
+    recorder: SpanRecorder,
+) -> float | None:
+    """Forward and backward of one step's `gradient_accumulation_steps` batches, `batch` first: each loss divided
+    by their number, so the summed gradient is that of their mean loss. Returns that mean, or None as soon as a
+    loss holds NaN or inf (it is not backpropagated). When the input ends within the step, the gradient is
+    rescaled to the mean over the batches read."""
+    num_batches = job.strategy.gradient_accumulation_steps
+    losses: list[float] = []
+    while True:
+        params.input_state = position.get_state()
+        t = time.perf_counter_ns()
+        with autocast(job.strategy.mixed_precision):
+            loss = job.loss_fn(model, to_torch(batch))
+        recorder.end(spans.FORWARD, step, t)
+        if not bool(torch.isfinite(loss.detach()).all()):
+            return None
+        t = time.perf_counter_ns()
+        (loss / num_batches if num_batches > 1 else loss).backward()
+        recorder.end(spans.BACKWARD, step, t)
+        losses.append(float(loss.detach()))
+        if len(losses) == num_batches:
+            break
+        waited = time.perf_counter_ns()
+        batch = position.next()
+        report.input_wait_ns += time.perf_counter_ns() - waited
+        if batch is None:
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.grad is not None:
+                        param.grad.mul_(num_batches / len(losses))
+            break
+    return sum(losses) / len(losses)
+
+
 def _check_finite(name: str, max_nonfinite_updates: int, pushed: Pushed, reply: StepReply) -> None:
     """Raise once the PS have refused `max_nonfinite_updates` non-finite steps in all; this step's refusal was
     the count the PS reply with. The error reaches the chief through this worker's failure key."""
@@ -172,8 +245,15 @@ def _check_finite(name: str, max_nonfinite_updates: int, pushed: Pushed, reply: 
 class Report:
     """The worker's progress, sent to the chief about once a second (also its heartbeat)."""
 
-    def __init__(self, role: RoleContext, local_step: int = 0) -> None:
+    def __init__(self, role: RoleContext, local_step: int = 0, save_summary_steps: int = 100) -> None:
         self.role = role
+        self.save_summary_steps = save_summary_steps
+        # Loss sum and count per summary interval of global steps (by the step its batch was computed on): the
+        # chief writes each interval's mean once every worker is past it.
+        self.summary_losses: dict[int, list[float]] = {}
+        self.summary_interval = -1
+        """The interval of this worker's latest step; it adds to no earlier one."""
+        self._completed: dict[int, float] = {}
         self.started = self.last_sent = time.monotonic()
         self.local_step = local_step
         self._first_local_step = local_step
@@ -181,13 +261,28 @@ class Report:
         self.first_loss: float | None = None
         self.last_loss = 0.0
         self.input_wait_ns = 0
+        self.generation = 0
+        """The recovery generation this run of the worker belongs to: the chief counts a "done" of the current one."""
 
-    def step(self, loss: float, epoch: int) -> None:
+    def step(self, loss: float, epoch: int, base_step: int) -> None:
+        """One step of this worker, computed on the parameters of global step `base_step`."""
         self.local_step += 1
         self.last_loss = loss
         self.epoch = epoch
         if self.first_loss is None:
             self.first_loss = loss
+        interval = base_step // self.save_summary_steps
+        if math.isfinite(loss):
+            total = self.summary_losses.setdefault(interval, [0.0, 0])
+            total[0] += loss
+            total[1] += 1
+        # An interval is complete once this worker is past it (its base steps only grow); it is reported for
+        # _SUMMARY_KEEP_S more, so the chief sees it even when it was busy (a checkpoint, an evaluation) meanwhile.
+        now = time.monotonic()
+        for k in [k for k in self.summary_losses if k < interval]:
+            if now - self._completed.setdefault(k, now) > _SUMMARY_KEEP_S:
+                del self.summary_losses[k], self._completed[k]
+        self.summary_interval = interval
 
     def due(self) -> bool:
         return time.monotonic() - self.last_sent >= _REPORT_EVERY_S
@@ -204,36 +299,8 @@ class Report:
             "input_wait_share": self.input_wait_ns / 1e9 / elapsed if elapsed > 0 else 0.0,
             "time": time.time(),
             "done": done,
+            "generation": self.generation,
+            "summary_losses": {str(k): v for k, v in self.summary_losses.items()},
+            "summary_interval": self.summary_interval,
         }
         self.role.control.set(control_keys.progress(self.role.task.name), json.dumps(progress))
-
-
-class Heartbeat:
-    """Beats every `interval_s` from a thread of its own, over a connection of its own, from the worker's start to
-    its end: a step of any length, or a long start-up, is never taken for a lost worker (see chief_loop.py)."""
-
-    def __init__(self, role: RoleContext, interval_s: float = 1.0) -> None:
-        self._key = control_keys.heartbeat(role.task.name)
-        self._control = ControlPlane(role.control.address, is_chief=False, timeout_s=role.control.timeout_s)
-        self._interval_s = interval_s
-        self._stopped = threading.Event()
-        self._beat(0)
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-        self._thread.start()
-
-    def _beat(self, count: int) -> None:
-        # The pid too: a restarted worker's beats differ from its earlier run's even where the counts meet.
-        self._control.set(self._key, f"{os.getpid()}:{count}")
-
-    def _run(self) -> None:
-        count = 1
-        while not self._stopped.wait(self._interval_s):
-            try:
-                self._beat(count)
-            except (RuntimeError, OSError):  # the chief is gone; the worker's own requests will say so
-                return
-            count += 1
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._thread.join(timeout=2 * self._interval_s)

@@ -9,6 +9,7 @@ push that reached only some PS shows. Configured by a JSON file given as argv[1]
 
 import json
 import sys
+import time
 
 import torch
 
@@ -42,8 +43,10 @@ class Audited(torch.nn.Module):
         return self.head(x)
 
 
-def loss_fn(model: Audited, batch) -> torch.Tensor:
+def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
+    assert isinstance(model, Audited)
     ids, x, y = batch
+    time.sleep(config.get("step_delay_s", 0))
     return torch.nn.functional.mse_loss(model(x), y) * 0.05 - model.seen[ids].sum() / LR
 
 

@@ -1,0 +1,317 @@
+"""`make faults`: inject each fault into real jobs, several times at random moments, and write RELIABILITY.md.
+
+Every run is tests/integration/jobs/audit.py (2 PS, 2 workers, 1024 records of 8), whose final parameters count how
+many times each record's gradient was applied. A fault is a SIGKILL at an exact point (SHARDFLOW_FAULT, see
+src/shardflow/faults.py) at a random step, or a SIGTERM from outside at a random moment. After each run: did the job
+end by itself with exit status 0 at the exact global step (or, for a fault the job cannot survive alone, did the
+next run of the same command resume and end so), how many records were applied twice or never, how many steps were
+lost, how long until the fault was detected and until training went on.
+
+Times come from the moments lines of output arrive: the fault is when its marker file was written (the process dies
+0.1 s later), detection is the launcher's line saying the process exited, recovery is the last line of a rejoining
+worker after it.
+
+Usage: python benchmarks/faults.py [--runs N] [--seed S] [--out RELIABILITY.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parent.parent
+JOB = ROOT / "tests" / "integration" / "jobs" / "audit.py"
+NUM_RECORDS, BATCH = 1024, 8
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    mode: str
+    role: str = ""
+    point: str = ""
+    steps: tuple[int, int] = (0, 0)
+    """The fault's step is drawn from this range (inclusive)."""
+    sigterm: bool = False
+    """SIGTERM to the job from outside, 1 to 3 s into training, in place of a fault point."""
+    config: dict[str, Any] = field(default_factory=dict)
+
+
+FAULTS = [
+    Fault("worker SIGKILLed mid-push (async)", "async", "worker:1", "push", (5, 55)),
+    Fault("worker SIGKILLed mid-push (sync)", "sync", "worker:1", "push", (5, 55)),
+    Fault(
+        "PS SIGKILLed mid-apply (async)",
+        "async",
+        "ps:1",
+        "apply",
+        (20, 100),
+        config={"save_checkpoints_steps": 16, "step_delay_s": 0.05},
+    ),
+    Fault(
+        "PS SIGKILLed mid-apply (sync)",
+        "sync",
+        "ps:1",
+        "apply",
+        (10, 50),
+        config={"save_checkpoints_steps": 8, "step_delay_s": 0.05},
+    ),
+    Fault(
+        "chief SIGKILLed inside a checkpoint save",
+        "async",
+        "chief",
+        "checkpoint",
+        (1, 6),
+        config={"save_checkpoints_steps": 16, "step_delay_s": 0.02},
+    ),
+    Fault("SIGTERM to the job (preemption)", "async", sigterm=True, config={"step_delay_s": 0.02}),
+]
+
+
+@dataclass
+class Outcome:
+    fault: str
+    step: int | None
+    survived: bool
+    how: str
+    twice: int
+    never: int
+    steps_lost: int | None
+    detect_s: float | None
+    recover_s: float | None
+
+
+class Run:
+    """One job, its output lines with the moment each arrived."""
+
+    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str]) -> None:
+        path = workdir / "config.json"
+        path.write_text(json.dumps(config))
+        self.proc = subprocess.Popen(
+            [sys.executable, str(JOB), str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.lines: list[tuple[float, str]] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append((time.time(), line.rstrip("\n")))
+
+    def wait(self, timeout_s: float = 300) -> int:
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._reader.join(5)
+        return self.proc.returncode
+
+    def first(self, pattern: str, after: float = 0.0) -> tuple[float, re.Match[str]] | None:
+        for at, line in self.lines:
+            if at >= after and (found := re.search(pattern, line)):
+                return at, found
+        return None
+
+    def last(self, pattern: str, after: float = 0.0) -> tuple[float, re.Match[str]] | None:
+        found = None
+        for at, line in self.lines:
+            if at >= after and (match := re.search(pattern, line)):
+                found = at, match
+        return found
+
+    @property
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def _audit(workdir: Path, mode: str) -> tuple[bool, int, int, str]:
+    """Whether the result is exact, with the counts of records applied twice (or more) and never."""
+    result_path = workdir / "result.json"
+    if not result_path.exists():
+        return False, 0, 0, "no result"
+    result = json.loads(result_path.read_text())
+    replicas = 2 if mode == "sync" else 1
+    seen = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * replicas
+    applied = seen.round().long()
+    twice, never = int((applied >= 2).sum()), int((applied == 0).sum())
+    exact_step = result["global_step"] == NUM_RECORDS // BATCH // replicas
+    exact = exact_step and bool(torch.equal(seen, torch.ones_like(seen)))
+    why = "" if exact else f"global step {result['global_step']}, {twice} twice, {never} never"
+    return exact, twice, never, why
+
+
+def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
+    config = {
+        "model_dir": str(workdir / "model"),
+        "result": str(workdir / "result.json"),
+        "mode": fault.mode,
+        "restart_backoff_s": 0.5,
+        **fault.config,
+    }
+    env = dict(os.environ)
+    marker = workdir / "fault.fired"
+    step = None
+    if not fault.sigterm:
+        step = rng.randint(*fault.steps)
+        if fault.point == "checkpoint":
+            step *= int(fault.config["save_checkpoints_steps"])
+        env["SHARDFLOW_FAULT"] = json.dumps(
+            {"role": fault.role, "point": fault.point, "step": step, "marker": str(marker)}
+        )
+    run = Run(workdir, config, env)
+    fired_at: float | None = None
+    if fault.sigterm:
+        job_file = workdir / "model" / "job.json"
+        deadline = time.monotonic() + 120
+        while not job_file.exists() and run.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(rng.uniform(1.0, 3.0))
+        fired_at = time.time()
+        run.proc.send_signal(signal.SIGTERM)
+    returncode = run.wait()
+    if marker.exists():
+        fired_at = marker.stat().st_mtime + 0.1  # the process sleeps 0.1 s, then SIGKILLs itself
+    how = "by itself"
+    steps_lost = None
+    detect_s = recover_s = None
+    if fired_at is not None and not fault.sigterm:
+        detected = run.first(r"\[launcher\] .* exited with code -9", fired_at - 0.5)
+        detect_s = detected[0] - fired_at if detected else None
+        rejoined = run.last(r"rejoins the job", fired_at)
+        recover_s = rejoined[0] - fired_at if rejoined else None
+        lost = run.first(r"the (\d+) steps since are done again")
+        steps_lost = int(lost[1][1]) if lost else (0 if fault.role.startswith("worker") else None)
+    if returncode != 0:
+        # Not survived alone: run the same command again, as a user or a cluster manager would.
+        how = f"exit {returncode}; the next run resumed"
+        again_started = time.time()
+        rerun = Run(workdir, config, {k: v for k, v in os.environ.items() if k != "SHARDFLOW_FAULT"})
+        if rerun.wait() != 0:
+            return Outcome(fault.name, step, False, f"exit {returncode}, rerun failed", 0, 0, None, detect_s, None)
+        recover_s = again_started - (fired_at or again_started)
+        resumed = json.loads((workdir / "result.json").read_text())
+        steps_lost = None if fault.sigterm else steps_lost
+        if fault.sigterm:
+            how = f"exit {returncode} (checkpoint at step {resumed['start_step']}); the next run resumed there"
+            steps_lost = 0
+    exact, twice, never, why = _audit(workdir, fault.mode)
+    if not exact:
+        how += f"; audit failed: {why}"
+    return Outcome(fault.name, step, exact, how, twice, never, steps_lost, detect_s, recover_s)
+
+
+def _fmt(value: float | None, unit: str = "s") -> str:
+    return "-" if value is None else f"{value:.1f} {unit}".strip()
+
+
+def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: float) -> None:
+    today = datetime.date.today().isoformat()
+    lines = [
+        "# Reliability",
+        "",
+        f"Measured {today} by `{command}` on this machine (2 cores), {seconds / 60:.0f} minutes in all.",
+        "Every run is `tests/integration/jobs/audit.py`: 2 PS, 2 workers, 1024 records in batches of 8, one",
+        "epoch, whose final parameters count how many times each record's gradient was applied. *Survived* means",
+        "the job ended at its exact global step with every record applied exactly once: by itself, or (where the",
+        "job cannot go on alone) when the same command was run again. Times are from the fault to the launcher's",
+        "line that the process exited (detect) and to the last worker's line that it rejoined training (recover);",
+        "for faults survived by a re-run, recover is the time until that re-run started. Steps lost are the global",
+        "steps done again after a PS restore.",
+        "",
+        "## Summary",
+        "",
+        "| fault | runs | survived | records twice / never | steps lost (median) | detect (median) "
+        "| recover (median) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for fault in FAULTS:
+        runs = [o for o in outcomes if o.fault == fault.name]
+        if not runs:
+            continue
+
+        def median(values: list[float | None]) -> float | None:
+            present = [v for v in values if v is not None]
+            return statistics.median(present) if present else None
+
+        lost = median([o.steps_lost for o in runs])
+        lines.append(
+            f"| {fault.name} | {len(runs)} | {sum(o.survived for o in runs)} of {len(runs)} "
+            f"| {sum(o.twice for o in runs)} / {sum(o.never for o in runs)} "
+            f"| {'-' if lost is None else f'{lost:.0f}'} | {_fmt(median([o.detect_s for o in runs]))} "
+            f"| {_fmt(median([o.recover_s for o in runs]))} |"
+        )
+    lines += [
+        "",
+        "## Every run",
+        "",
+        "| fault | at step | survived | how | twice / never | steps lost | detect | recover |",
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for o in outcomes:
+        lines.append(
+            f"| {o.fault} | {'random moment' if o.step is None else o.step} | {'yes' if o.survived else 'NO'} "
+            f"| {o.how} | {o.twice} / {o.never} | {'-' if o.steps_lost is None else o.steps_lost} "
+            f"| {_fmt(o.detect_s)} | {_fmt(o.recover_s)} |"
+        )
+    lines += [
+        "",
+        "What the job does after each fault is described in the README's failure model. The chief cannot be",
+        "restarted into a running job yet (its control plane lives in its process); a killed chief ends the job,",
+        "and the next run resumes from the newest intact checkpoint.",
+        "",
+    ]
+    path.write_text("\n".join(lines))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=3, help="runs of each fault (3)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of the random moments (default: random)")
+    parser.add_argument("--out", type=Path, default=ROOT / "RELIABILITY.md")
+    parser.add_argument("--only", default="", help="run only the faults whose name contains this")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    started = time.monotonic()
+    outcomes = []
+    for fault in FAULTS:
+        if args.only not in fault.name:
+            continue
+        for attempt in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="shardflow-fault-") as tmp:
+                outcome = run_once(fault, rng, Path(tmp))
+            outcomes.append(outcome)
+            print(
+                f"{fault.name} #{attempt + 1}: step {outcome.step}, survived {outcome.survived} ({outcome.how}), "
+                f"twice {outcome.twice}, never {outcome.never}, lost {outcome.steps_lost}, "
+                f"detect {_fmt(outcome.detect_s)}, recover {_fmt(outcome.recover_s)}",
+                flush=True,
+            )
+    command = (
+        "make faults" if args.runs == 3 and not args.only else " ".join(["python benchmarks/faults.py", *sys.argv[1:]])
+    )
+    write_report(outcomes, args.out, command, time.monotonic() - started)
+    print(f"wrote {args.out}")
+    return 0 if all(o.survived for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
