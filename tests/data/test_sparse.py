@@ -43,3 +43,28 @@ def test_to_torch_makes_a_sparse_coo_tensor_with_the_same_dense_values() -> None
 def test_sparse_leaves_of_strings_stay_numpy_for_torch() -> None:
     strings = SparseTensor(np.array([[0]]), np.array([b"x"], dtype=object), np.array([1]))
     assert to_torch({"names": strings})["names"] is strings
+
+
+def _sparse_row(i: np.integer) -> SparseTensor:
+    n = int(i) % 3 + 1
+    return SparseTensor(
+        np.arange(n, dtype=np.int64).reshape(n, 1), np.full(n, float(i), np.float32), np.array([4], np.int64)
+    )
+
+
+def _same(a: list[SparseTensor], b: list[SparseTensor]) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(x.indices, y.indices)
+        and np.array_equal(x.values, y.values)
+        and np.array_equal(x.dense_shape, y.dense_shape)
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+def test_sparse_elements_cross_worker_processes_and_the_file_cache(tmp_path):
+    expected = [_sparse_row(np.int64(i)) for i in range(7)]
+    in_processes = data.Dataset.range(7).map(_sparse_row, num_parallel_calls=2, use_processes=True)
+    assert _same(list(in_processes), expected)
+    cached = data.Dataset.range(7).map(_sparse_row).cache(str(tmp_path / "sparse"))
+    assert _same(list(cached), expected)
+    assert _same(list(cached), expected)  # the second pass reads the cache file

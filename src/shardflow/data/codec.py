@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from shardflow.data import structure
+from shardflow.data.sparse import SparseTensor
 
 _ALIGN = 64
 
@@ -40,6 +41,9 @@ def encode(element: Any) -> Encoded:
             leaf_specs.append(_encode_array(leaf, buffers))
         elif isinstance(leaf, bool | int | float):
             leaf_specs.append(["p", leaf])
+        elif isinstance(leaf, SparseTensor):
+            parts = (leaf.indices, leaf.values, leaf.dense_shape)
+            leaf_specs.append(["s", *(_encode_array(part, buffers) for part in parts)])
         else:
             raise TypeError(
                 f"cannot send or cache a {type(leaf).__name__}: elements must hold numpy arrays, numbers or bytes"
@@ -102,35 +106,45 @@ def write(encoded: Encoded, target: memoryview, offset: int) -> None:
 
 
 def decode(spec: Sequence[Any], source: memoryview, offset: int, copy: bool = True) -> Any:
-    """The element `write` put at `offset` of `source` (only numpy arrays, bytes, numbers and tuples are built):
+    """The element `write` put at `offset` of `source` (only numpy arrays, bytes, numbers, sparse tensors and
+    tuples are built):
     copied out so that `source` can be released, or with
     `copy=False` as views of a `source` that the caller hands over for good."""
     tree, leaf_specs = spec
     leaves = []
     for leaf_spec in leaf_specs:
-        kind = leaf_spec[0]
-        if kind == "p":
-            leaves.append(leaf_spec[1])
-        elif kind == "b":
-            leaves.append(bytes(source[offset : offset + leaf_spec[1]]))
-            offset += aligned(leaf_spec[1])
-        elif kind == "a":
-            _, dtype, shape, is_scalar, nbytes = leaf_spec
-            array = np.frombuffer(source, np.uint8, nbytes, offset).view(np.dtype(dtype)).reshape(shape)
-            array = array.copy() if copy else array
-            leaves.append(array[()] if is_scalar else array)
-            offset += aligned(nbytes)
-        else:
-            _, shape, lengths_nbytes, data_nbytes = leaf_spec
-            lengths = np.frombuffer(source, np.int64, lengths_nbytes // 8, offset)
-            offset += aligned(lengths_nbytes)
-            data = bytes(source[offset : offset + data_nbytes])
-            offset += aligned(data_nbytes)
-            ends = np.cumsum(lengths).tolist()
-            items = np.empty(len(ends), dtype=object)
-            items[:] = [data[end - length : end] for end, length in zip(ends, lengths.tolist(), strict=True)]
-            leaves.append(items.reshape(shape))
+        leaf, offset = _decode_leaf(leaf_spec, source, offset, copy)
+        leaves.append(leaf)
     return structure.pack(_decode_tree(tree), leaves)
+
+
+def _decode_leaf(leaf_spec: Sequence[Any], source: memoryview, offset: int, copy: bool) -> tuple[Any, int]:
+    """One leaf, and the offset after its buffers."""
+    kind = leaf_spec[0]
+    if kind == "p":
+        return leaf_spec[1], offset
+    if kind == "b":
+        return bytes(source[offset : offset + leaf_spec[1]]), offset + aligned(leaf_spec[1])
+    if kind == "a":
+        _, dtype, shape, is_scalar, nbytes = leaf_spec
+        array = np.frombuffer(source, np.uint8, nbytes, offset).view(np.dtype(dtype)).reshape(shape)
+        array = array.copy() if copy else array
+        return (array[()] if is_scalar else array), offset + aligned(nbytes)
+    if kind == "s":
+        parts = []
+        for part_spec in leaf_spec[1:]:
+            part, offset = _decode_leaf(part_spec, source, offset, copy)
+            parts.append(np.asarray(part))
+        return SparseTensor(*parts), offset
+    _, shape, lengths_nbytes, data_nbytes = leaf_spec
+    lengths = np.frombuffer(source, np.int64, lengths_nbytes // 8, offset)
+    offset += aligned(lengths_nbytes)
+    data = bytes(source[offset : offset + data_nbytes])
+    offset += aligned(data_nbytes)
+    ends = np.cumsum(lengths).tolist()
+    items = np.empty(len(ends), dtype=object)
+    items[:] = [data[end - length : end] for end, length in zip(ends, lengths.tolist(), strict=True)]
+    return items.reshape(shape), offset
 
 
 def stack(elements: list[Any]) -> Any | None:

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 from google.protobuf.message import DecodeError
 
+from shardflow.data.errors import InvalidArgumentError
 from shardflow.data.example import example_pb2
 from shardflow.data.example.features import KIND_NAMES, KIND_OF_DTYPE, STRING, Column
 from shardflow.data.example.layout import decode_by_layout
@@ -153,7 +154,7 @@ def _decode_each(serialized: Sequence[bytes], dtypes: Mapping[str, np.dtype[Any]
         try:
             feature_map = example_pb2.Example.FromString(record).features.feature
         except DecodeError as error:
-            raise ValueError(f"record {index} is not a serialized tf.train.Example: {error}") from None
+            raise InvalidArgumentError(f"record {index} is not a serialized tf.train.Example: {error}") from None
         for name, (records, kinds, lists) in found.items():
             if name in feature_map:
                 feature = feature_map[name]
@@ -178,7 +179,7 @@ def _check_kinds(name: str, dtype: np.dtype[Any], records: Int64Array, kinds: In
     expected = KIND_OF_DTYPE[dtype]
     wrong = np.flatnonzero(kinds != expected)
     if wrong.size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"feature {name!r} of record {records[wrong[0]]} holds {KIND_NAMES[int(kinds[wrong[0]])]} values, but "
             f"its spec expects {KIND_NAMES[expected]}"
         )

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shardflow.data.errors import InvalidArgumentError
 from shardflow.data.example.decode import decode_columns
 from shardflow.data.example.features import Column, FixedLenFeature, VarLenFeature
 from shardflow.data.sparse import SparseTensor
@@ -21,7 +22,8 @@ def parse_example(serialized: Any, features: Mapping[str, Feature]) -> Parsed:
 
     A FixedLenFeature gives an array of shape (batch, *shape); a VarLenFeature a SparseTensor with indices
     (value count, 2) and dense_shape (batch, longest list). Errors (a required feature missing, a wrong
-    number or type of values, a malformed record) raise ValueError naming the feature and the record.
+    number or type of values, a malformed record) raise InvalidArgumentError (a ValueError) naming the feature and
+    the record.
     """
     records = _records(serialized)
     columns = decode_columns(records, {name: spec.dtype for name, spec in features.items()})
@@ -54,7 +56,7 @@ def _records(serialized: Any) -> list[bytes]:
         raise TypeError("parse_example takes a batch of records; use parse_single_example for one")
     if isinstance(serialized, np.ndarray):
         if serialized.ndim != 1:
-            raise ValueError(f"serialized must be a 1-D batch of records, got shape {serialized.shape}")
+            raise InvalidArgumentError(f"serialized must be a 1-D batch of records, got shape {serialized.shape}")
         # A fixed-width bytes ("S") array has lost the trailing zero bytes of its records; an object array has not.
         return serialized.tolist()  # type: ignore[no-any-return]
     return list(serialized)
@@ -64,7 +66,7 @@ def _dense(name: str, spec: FixedLenFeature, column: Column, batch_size: int) ->
     size = spec.size
     wrong = np.flatnonzero(column.counts != size)
     if wrong.size:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"feature {name!r} of record {column.records[wrong[0]]} has {column.counts[wrong[0]]} values, "
             f"but its shape {list(spec.shape)} needs {size}"
         )
@@ -72,7 +74,9 @@ def _dense(name: str, spec: FixedLenFeature, column: Column, batch_size: int) ->
     if column.records.size < batch_size:
         if spec.default_value is None:
             missing = np.setdiff1d(np.arange(batch_size), column.records)[0]
-            raise ValueError(f"feature {name!r} is required (it has no default_value) but missing in record {missing}")
+            raise InvalidArgumentError(
+                f"feature {name!r} is required (it has no default_value) but missing in record {missing}"
+            )
         dense = np.empty((batch_size, size), dtype=spec.dtype)
         dense[:] = spec.default_array()
         dense[column.records] = values

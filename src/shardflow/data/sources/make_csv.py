@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import errno
 import glob
 import os
 from collections.abc import Callable, Sequence
@@ -12,6 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from shardflow.data.dataset import Dataset
+from shardflow.data.errors import NotFoundError
 from shardflow.data.options import AUTOTUNE
 from shardflow.data.sources.csv import split_record
 from shardflow.data.sources.csv_dataset import CsvDataset, Row
@@ -115,7 +117,7 @@ def _matching_files(file_pattern: str | Sequence[str]) -> list[str]:
     patterns = [file_pattern] if isinstance(file_pattern, str | os.PathLike) else list(file_pattern)
     filenames = [name for pattern in patterns for name in sorted(glob.glob(os.fspath(pattern)))]
     if not filenames:
-        raise FileNotFoundError(f"no files match {', '.join(map(str, patterns))}")
+        raise NotFoundError(errno.ENOENT, "no files match", ", ".join(map(str, patterns)))
     return filenames
 
 
