@@ -81,7 +81,10 @@ FAULTS = [
         (1, 6),
         config={"save_checkpoints_steps": 16, "step_delay_s": 0.02},
     ),
-    Fault("SIGTERM to the job (preemption)", "async", sigterm=True, config={"step_delay_s": 0.02}),
+    Fault("SIGTERM to the job (preemption)", "async", sigterm=True, config={"step_delay_s": 0.05}),
+    # A NaN loss in one batch of worker:1, with max_nonfinite_updates=2: that batch is refused on every PS and
+    # counted, and training goes on; its 8 records are the only ones never applied.
+    Fault("NaN loss in one batch", "async", point="nan", steps=(0, 63), config={"max_nonfinite_updates": 2}),
 ]
 
 
@@ -170,7 +173,11 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
     env = dict(os.environ)
     marker = workdir / "fault.fired"
     step = None
-    if not fault.sigterm:
+    if fault.point == "nan":
+        batch = 2 * rng.randint(*fault.steps) + 1  # worker:1 reads batches 1, 3, 5, ...
+        config["nan_at"] = [1, batch * BATCH]
+        step = batch
+    elif not fault.sigterm:
         step = rng.randint(*fault.steps)
         if fault.point == "checkpoint":
             step *= int(fault.config["save_checkpoints_steps"])
@@ -184,7 +191,7 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
         deadline = time.monotonic() + 120
         while not job_file.exists() and run.proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        time.sleep(rng.uniform(1.0, 3.0))
+        time.sleep(rng.uniform(0.5, 2.5))  # of about 3 s of training
         fired_at = time.time()
         run.proc.send_signal(signal.SIGTERM)
     returncode = run.wait()
@@ -203,24 +210,51 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
     if returncode != 0:
         # Not survived alone: run the same command again, as a user or a cluster manager would.
         how = f"exit {returncode}; the next run resumed"
-        again_started = time.time()
         rerun = Run(workdir, config, {k: v for k, v in os.environ.items() if k != "SHARDFLOW_FAULT"})
         if rerun.wait() != 0:
             return Outcome(fault.name, step, False, f"exit {returncode}, rerun failed", 0, 0, None, detect_s, None)
-        recover_s = again_started - (fired_at or again_started)
+        # Training went on when the re-run's workers rejoined at the checkpoint's positions.
+        rejoined = rerun.last(r"rejoins the job")
+        recover_s = rejoined[0] - fired_at if rejoined and fired_at is not None else None
         resumed = json.loads((workdir / "result.json").read_text())
-        steps_lost = None if fault.sigterm else steps_lost
         if fault.sigterm:
             how = f"exit {returncode} (checkpoint at step {resumed['start_step']}); the next run resumed there"
             steps_lost = 0
+        elif step is not None:
+            # Killed while saving `step`: the re-run starts from the checkpoint before (at least these are lost).
+            how = f"exit {returncode}; the next run resumed from step {resumed['start_step']}"
+            steps_lost = step - int(resumed["start_step"])
+    if fault.point == "nan":
+        return _refused_batch(fault, step, workdir, returncode, run.text)
     exact, twice, never, why = _audit(workdir, fault.mode)
     if not exact:
         how += f"; audit failed: {why}"
     return Outcome(fault.name, step, exact, how, twice, never, steps_lost, detect_s, recover_s)
 
 
+def _refused_batch(fault: Fault, batch: int | None, workdir: Path, returncode: int, out: str) -> Outcome:
+    """Survived: exit 0, one refusal counted, the bad batch's records never applied, every other one once."""
+    result = json.loads((workdir / "result.json").read_text())
+    seen = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"]
+    applied = seen.round().long()
+    twice, never = int((applied >= 2).sum()), int((applied == 0).sum())
+    assert batch is not None
+    bad = slice(batch * BATCH, (batch + 1) * BATCH)
+    refused = sum(int(stats.get("nonfinite", 0)) for stats in result["ps_stats"].values() if isinstance(stats, dict))
+    exact = (
+        returncode == 0
+        and bool((applied[bad] == 0).all())
+        and never == BATCH
+        and twice == 0
+        and result["global_step"] == NUM_RECORDS // BATCH - 1
+    )
+    named = "worker:1 computed a NaN or inf loss" in out
+    how = f"exit {returncode}; refused on {refused} PS, named in the log: {named}"
+    return Outcome(fault.name, batch, exact and named, how, twice, never, 1, None, None)
+
+
 def _fmt(value: float | None, unit: str = "s") -> str:
-    return "-" if value is None else f"{value:.1f} {unit}".strip()
+    return "-" if value is None else f"{value:.2f} {unit}".strip()
 
 
 def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: float) -> None:
@@ -234,8 +268,10 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         "the job ended at its exact global step with every record applied exactly once: by itself, or (where the",
         "job cannot go on alone) when the same command was run again. Times are from the fault to the launcher's",
         "line that the process exited (detect) and to the last worker's line that it rejoined training (recover);",
-        "for faults survived by a re-run, recover is the time until that re-run started. Steps lost are the global",
-        "steps done again after a PS restore.",
+        "for faults survived by a re-run, recover is the time until that re-run's workers went on (the re-run is",
+        "started as soon as the job exits, as a cluster manager's restart policy would). Steps lost are the",
+        "global steps done again: after a PS restore, or (chief) from the checkpoint the re-run resumed to the",
+        "step whose save was killed, at least.",
         "",
         "## Summary",
         "",
@@ -263,7 +299,7 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         "",
         "## Every run",
         "",
-        "| fault | at step | survived | how | twice / never | steps lost | detect | recover |",
+        "| fault | at step (NaN: batch) | survived | how | twice / never | steps lost | detect | recover |",
     ]
     lines.append("|---|---|---|---|---|---|---|---|")
     for o in outcomes:

@@ -140,6 +140,7 @@ def main() -> None:
         strategy=sf.ParameterServerStrategy(num_ps=2, num_workers=2, mode="async"),
         model_dir=args.model_dir,
         profile_steps=profile_steps,
+        save_summary_steps=10,  # a TensorBoard loss curve of 20 points for the demo's 200 steps
     )
     result = sf.train_and_evaluate(
         est,

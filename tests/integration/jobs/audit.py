@@ -8,6 +8,7 @@ push that reached only some PS shows. Configured by a JSON file given as argv[1]
 """
 
 import json
+import os
 import sys
 import time
 
@@ -43,11 +44,19 @@ class Audited(torch.nn.Module):
         return self.head(x)
 
 
+TASK = json.loads(os.environ.get("SHARDFLOW_CLUSTER", "{}")).get("task", {})
+NAN_AT = config.get("nan_at")
+"""[worker index, first record id of a batch]: that batch's loss is NaN (a bad record, as users meet them)."""
+
+
 def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
     assert isinstance(model, Audited)
     ids, x, y = batch
     time.sleep(config.get("step_delay_s", 0))
-    return torch.nn.functional.mse_loss(model(x), y) * 0.05 - model.seen[ids].sum() / LR
+    loss = torch.nn.functional.mse_loss(model(x), y) * 0.05 - model.seen[ids].sum() / LR
+    if NAN_AT is not None and [TASK.get("index"), int(ids[0])] == NAN_AT:
+        loss = loss * float("nan")
+    return loss
 
 
 strategy = sf.ParameterServerStrategy(
@@ -63,6 +72,7 @@ strategy = sf.ParameterServerStrategy(
     max_restarts=config.get("max_restarts", 3),
     restart_backoff_s=config.get("restart_backoff_s", 0.5),
     request_timeout_s=config.get("request_timeout_s", 60.0),
+    max_nonfinite_updates=config.get("max_nonfinite_updates", 1),
 )
 est = sf.Estimator(
     Audited,
