@@ -4,8 +4,10 @@ each PS takes every step of every worker exactly once, and all PS end at the sam
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from shardflow.comm.errors import CommError
 from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.checkpointing import fetch_state, init_servers
@@ -130,3 +132,22 @@ def test_sync_completes_a_step_without_a_lost_worker_and_counts_it_again_once_it
     assert [s.step for s in chief.status()] == [1, 1]  # held for worker 1
     assert _step(returning, returning_model, 1).step == 2
     assert survivor.wait_push(waiting).step == 2
+
+
+def test_after_a_restore_a_ps_refuses_the_pushes_of_a_worker_until_it_rejoins(start_cluster):
+    cluster = start_cluster(2)
+    model, placement = _start(cluster, "async")
+    worker = cluster.client(model, placement)
+    worker.rejoin()
+    worker.pull()
+    _step(worker, model, 1)
+    # A PS was lost: the chief restores every PS (generation 1); the worker's next push is of the training before.
+    chief = cluster.client(_model(), placement, worker_index=-1)
+    init_servers(chief, SGD(lr=1.0), ApplyConfig(num_workers=1), generation=1)
+    with pytest.raises(CommError, match="restored from a checkpoint after one was lost"):
+        _step(worker, model, 2)
+    assert [s.step for s in chief.status()] == [0, 0]
+    rejoined = worker.rejoin()
+    assert (rejoined.generation, rejoined.local_step) == (1, 0)
+    worker.pull()
+    assert _step(worker, model, 1).step == 1

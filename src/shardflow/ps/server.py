@@ -292,6 +292,8 @@ class ParameterServer:
         self.iterators = dict(init.iterators)
         self.worker_steps = dict(init.worker_steps)
         self.generation = init.generation
+        # Pushes held back before a restore belong to the training before it; their workers have moved on.
+        self._deferred_pushes = []
         if isinstance(self.norm_exchange, clipping.StoreNormExchange):
             self.norm_exchange.generation = init.generation
         self.rejoined = set()
