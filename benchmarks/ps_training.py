@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -62,7 +63,13 @@ def local_loop(steps: int) -> float:
 
 
 def shardflow_job(
-    workers: int, ps: int, steps: int, mode: str = "async", overlap: bool = True, save_every: int = 0
+    workers: int,
+    ps: int,
+    steps: int,
+    mode: str = "async",
+    overlap: bool = True,
+    save_every: int = 0,
+    features: str = "",
 ) -> dict:
     return run_json(
         [
@@ -73,8 +80,22 @@ def shardflow_job(
             mode,
             "1" if overlap else "0",
             str(save_every),
+            features,
         ]
     )
+
+
+def features_side_by_side(steps: int, repeats: int) -> None:
+    """2 workers + 1 PS with gradient clipping by global norm and bf16 autocast against without, alternating."""
+    plain, featured = [], []
+    for _ in range(repeats):
+        plain.append(shardflow_job(2, 1, steps)["steps_per_s"])
+        featured.append(shardflow_job(2, 1, steps, features="clip,bf16")["steps_per_s"])
+    print(f"2w+1PS plain, steps/s: {', '.join(f'{v:.0f}' for v in plain)}")
+    print(f"2w+1PS clip_grad_norm + bf16, steps/s: {', '.join(f'{v:.0f}' for v in featured)}")
+    ratio = statistics.median(featured) / statistics.median(plain)
+    print(f"clip + bf16 vs plain (medians): {ratio:.2f}x")
+    print("RESULT " + json.dumps({"plain_steps_per_s": plain, "clip_bf16_steps_per_s": featured, "ratio": ratio}))
 
 
 def best(runs: list[dict]) -> dict:
@@ -86,8 +107,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--no-tf", action="store_true", help="skip the TensorFlow peer")
+    parser.add_argument(
+        "--features", action="store_true", help="only: clip_grad_norm + bf16 against plain, alternating"
+    )
     args = parser.parse_args()
     r = args.repeats
+    if args.features:
+        features_side_by_side(args.steps, r)
+        return
 
     # The local loop at its best: torch's default threads (one per core) and one thread, whichever is faster.
     local = 0.0

@@ -11,9 +11,25 @@ learns to predict each next byte. Every 20th file is held out for evaluation.
 The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief.
 """
 
+# ruff: noqa: E402  (most imports follow parse_args(), so that --help does not wait for torch to load)
 from __future__ import annotations
 
 import argparse
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-steps", type=int, default=1200, help="global steps to train to (1200)")
+    parser.add_argument("--model-dir", default="runs/char_lm", help="checkpoints, logs, TensorBoard, profile")
+    parser.add_argument("--profile-steps", default="100:103", help="profile global steps [A, B) (100:103; '' for none)")
+    parser.add_argument("--max-files", type=int, help="read only this many source files (for a quick test)")
+    parser.add_argument("--eval-batches", type=int, default=20, help="held-out batches of 64 windows (20)")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+
 import glob
 import math
 import os
@@ -30,16 +46,6 @@ VOCAB_SIZE = 256  # bytes, so any file decodes
 WINDOW = 64  # bytes of context per training sequence
 BATCH_SIZE = 32
 HELD_OUT_EVERY = 20
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-steps", type=int, default=1200, help="global steps to train to (1200)")
-    parser.add_argument("--model-dir", default="runs/char_lm", help="checkpoints, logs, TensorBoard, profile")
-    parser.add_argument("--profile-steps", default="100:103", help="profile global steps [A, B) (100:103; '' for none)")
-    parser.add_argument("--max-files", type=int, help="read only this many source files (for a quick test)")
-    parser.add_argument("--eval-batches", type=int, default=20, help="held-out batches of 64 windows (20)")
-    return parser.parse_args()
 
 
 def stdlib_sources(max_files: int | None) -> tuple[list[str], list[str]]:
@@ -117,8 +123,7 @@ def sample(model: CharLM, prompt: bytes, length: int, temperature: float = 0.7) 
     return bytes(out).decode("utf-8", errors="replace")
 
 
-def main() -> None:
-    args = parse_args()
+def main(args: argparse.Namespace) -> None:
     train_files, held_out_files = stdlib_sources(args.max_files)
 
     def input_fn(ctx: sf.InputContext) -> data.Dataset:
@@ -169,4 +174,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(args)

@@ -14,9 +14,25 @@ optimizer for sparse embeddings, applies their gradients on the PS.
 The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief.
 """
 
+# ruff: noqa: E402  (most imports follow parse_args(), so that --help does not wait for torch to load)
 from __future__ import annotations
 
 import argparse
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--records", type=int, default=100_000, help="training click records to generate (100000)")
+    # More passes overfit the rare ids' rows (the "one-epoch phenomenon" of click models).
+    parser.add_argument("--epochs", type=int, default=1, help="passes over the training logs, cluster-wide (1)")
+    parser.add_argument("--data-dir", default="runs/click_logs", help="where the TFRecord files are written")
+    parser.add_argument("--model-dir", default="runs/click_through", help="checkpoints, logs, TensorBoard")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    args = parse_args()
+
 import fcntl
 import json
 from pathlib import Path
@@ -40,16 +56,6 @@ BATCH_SIZE = 256
 # Tables with at least this many rows are row-sparse. A small table costs less whole, in the dense pull that comes
 # back with every push, than in a round trip of its own for its rows during the forward.
 SPARSE_MIN_ROWS = 1_000
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--records", type=int, default=100_000, help="training click records to generate (100000)")
-    # More passes overfit the rare ids' rows (the "one-epoch phenomenon" of click models).
-    parser.add_argument("--epochs", type=int, default=1, help="passes over the training logs, cluster-wide (1)")
-    parser.add_argument("--data-dir", default="runs/click_logs", help="where the TFRecord files are written")
-    parser.add_argument("--model-dir", default="runs/click_through", help="checkpoints, logs, TensorBoard")
-    return parser.parse_args()
 
 
 def generate_click_logs(directory: Path, num_train: int, seed: int = 0) -> dict[str, Any]:
@@ -175,8 +181,7 @@ def auc(model: ClickModel, features: dict[str, torch.Tensor]) -> torch.Tensor:
     return (ranks[clicked].sum() - num_clicks * (num_clicks + 1) / 2) / (num_clicks * num_others)
 
 
-def main() -> None:
-    args = parse_args()
+def main(args: argparse.Namespace) -> None:
     data_dir = Path(args.data_dir)
     meta = generate_click_logs(data_dir, args.records)
 
@@ -244,4 +249,4 @@ def _table_placement(checkpoint: Path) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
+    main(args)

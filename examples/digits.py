@@ -10,9 +10,25 @@ needs to reach a target:
 The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief.
 """
 
+# ruff: noqa: E402  (most imports follow parse_args(), so that --help does not wait for torch to load)
 from __future__ import annotations
 
 import argparse
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training images, cluster-wide (20)")
+    parser.add_argument("--eval-every", type=int, default=25, help="evaluate every this many global steps (25)")
+    parser.add_argument("--workers", type=int, default=2, help="workers of the local cluster (2)")
+    parser.add_argument("--ps", type=int, default=1, help="parameter servers of the local cluster (1)")
+    parser.add_argument("--mode", choices=["async", "sync", "ssp"], default="async", help="(async)")
+    parser.add_argument("--model-dir", default="runs/digits", help="checkpoints, logs, TensorBoard")
+    return parser.parse_args()
+
+
+if __name__ == "__main__":
+    args = parse_args()
 
 import numpy as np
 import torch
@@ -25,17 +41,6 @@ from shardflow import data
 
 BATCH_SIZE = 32
 TARGET_ACCURACY = 0.95
-
-
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--epochs", type=int, default=20, help="passes over the training images, cluster-wide (20)")
-    parser.add_argument("--eval-every", type=int, default=25, help="evaluate every this many global steps (25)")
-    parser.add_argument("--workers", type=int, default=2, help="workers of the local cluster (2)")
-    parser.add_argument("--ps", type=int, default=1, help="parameter servers of the local cluster (1)")
-    parser.add_argument("--mode", choices=["async", "sync", "ssp"], default="async", help="(async)")
-    parser.add_argument("--model-dir", default="runs/digits", help="checkpoints, logs, TensorBoard")
-    return parser.parse_args()
 
 
 def digits() -> tuple[np.ndarray, ...]:
@@ -64,8 +69,7 @@ def accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     return (model(images).argmax(dim=1) == labels).float().mean()
 
 
-def main() -> None:
-    args = parse_args()
+def main(args: argparse.Namespace) -> None:
     train_images, test_images, train_labels, test_labels = digits()
 
     def input_fn(ctx: sf.InputContext) -> data.Dataset:
@@ -109,4 +113,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(args)

@@ -1,6 +1,8 @@
 """Benchmark job: MLP 64-512-512-10 (301k parameters), batch 32, on a local shardflow cluster.
 
-Usage: python mlp_async.py RESULT_JSON WORKERS PS STEPS [MODE] [OVERLAP] [SAVE_CHECKPOINTS_STEPS]
+Usage: python mlp_async.py RESULT_JSON WORKERS PS STEPS [MODE] [OVERLAP] [SAVE_CHECKPOINTS_STEPS] [FEATURES]
+
+FEATURES: comma-separated training-loop features to turn on: clip (clip_grad_norm=1.0), bf16 (mixed precision).
 """
 
 import json
@@ -22,6 +24,7 @@ result_path, num_workers, num_ps, steps = (
 mode = sys.argv[5] if len(sys.argv) > 5 else "async"
 overlap = (sys.argv[6] if len(sys.argv) > 6 else "1") == "1"
 save_every = int(sys.argv[7]) if len(sys.argv) > 7 and sys.argv[7] != "0" else None
+features = set(sys.argv[8].split(",")) - {""} if len(sys.argv) > 8 else set()
 
 
 def model_fn() -> torch.nn.Module:
@@ -66,9 +69,23 @@ class StepLog(sf.Hook):
 
 step_log = os.environ.get("SHARDFLOW_BENCH_STEP_LOG")
 hooks = [StepLog(step_log)] if step_log else []
-strategy = sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode, overlap=overlap)
+strategy = sf.ParameterServerStrategy(
+    num_ps=num_ps,
+    num_workers=num_workers,
+    mode=mode,
+    overlap=overlap,
+    mixed_precision="bf16" if "bf16" in features else None,
+)
 with tempfile.TemporaryDirectory() as model_dir:
-    est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=0.01), strategy, model_dir, save_checkpoints_steps=save_every)
+    est = sf.Estimator(
+        model_fn,
+        loss_fn,
+        sf.optim.SGD(lr=0.01),
+        strategy,
+        model_dir,
+        save_checkpoints_steps=save_every,
+        clip_grad_norm=1.0 if "clip" in features else None,
+    )
     result = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, max_steps=steps, hooks=hooks))
 with open(result_path, "w") as f:
     json.dump(

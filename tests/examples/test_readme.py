@@ -1,0 +1,156 @@
+"""The README runs as written: its Python programs run on a local cluster, and its commands exist with the flags shown.
+
+A ```python block is a complete program unless the line before it is `<!-- fragment -->` (a snippet showing an API
+call). Commands that need a running job or a capture are checked against their subcommand's --help; the quick,
+harmless ones (--help, --version, plan) are run.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+FRAGMENT_MARKER = "<!-- fragment -->"
+SHARDFLOW = [sys.executable, "-m", "shardflow"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeBlock:
+    language: str
+    code: str
+    line: int
+    """1-based line of the opening fence, to name the block in failures."""
+    fragment: bool
+
+
+def code_blocks(text: str) -> list[CodeBlock]:
+    blocks = []
+    lines = text.splitlines()
+    index = 0
+    while index < len(lines):
+        opening = re.fullmatch(r"```(\w*)\s*", lines[index])
+        if opening is None:
+            index += 1
+            continue
+        end = lines.index("```", index + 1)
+        fragment = index > 0 and lines[index - 1].strip() == FRAGMENT_MARKER
+        code = "\n".join(lines[index + 1 : end]) + "\n"
+        blocks.append(CodeBlock(language=opening[1], code=code, line=index + 1, fragment=fragment))
+        index = end + 1
+    return blocks
+
+
+def shell_commands(text: str) -> list[str]:
+    """Each command of the ```sh blocks, and each inline `shardflow ...` span of the prose and tables."""
+    commands = []
+    for block in code_blocks(text):
+        if block.language == "sh":
+            commands += [line.split(" #")[0].strip() for line in block.code.splitlines() if line.strip()]
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    # An inline span may wrap onto the next line of its paragraph, not past a blank line.
+    spans = (" ".join(span.split()) for span in re.findall(r"`((?:[^`\n]|\n(?!\s*\n))+)`", prose))
+    commands += [span for span in spans if span.startswith("shardflow ")]
+    return list(dict.fromkeys(commands))
+
+
+BLOCKS = code_blocks(README.read_text())
+PROGRAMS = [block for block in BLOCKS if block.language == "python" and not block.fragment]
+FRAGMENTS = [block for block in BLOCKS if block.language == "python" and block.fragment]
+COMMANDS = shell_commands(README.read_text())
+
+
+def shardflow(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*SHARDFLOW, *args], capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+
+
+@functools.cache
+def help_of(*path: str) -> str:
+    """The --help of `shardflow PATH`; it fails the test if the subcommand does not exist."""
+    done = shardflow(*path, "--help")
+    assert done.returncode == 0, f"shardflow {' '.join(path)} --help failed\n{done.stderr}"
+    return done.stdout
+
+
+def subcommands(help_text: str) -> set[str]:
+    """The subcommands a --help lists under its positional arguments, one a line indented by four spaces."""
+    positional = help_text.partition("positional arguments:")[2].partition("\n\n")[0]
+    return set(re.findall(r"^    ([\w-]+)", positional, flags=re.MULTILINE))
+
+
+def test_the_readme_has_a_complete_program_and_its_fragments_are_marked():
+    assert PROGRAMS, "the Quickstart should be a complete program"
+    assert all(block.language for block in BLOCKS if block.code.lstrip().startswith(("import ", "shardflow "))), (
+        "a code block without a language is not tested"
+    )
+
+
+@pytest.mark.parametrize("block", PROGRAMS, ids=lambda block: f"line-{block.line}")
+def test_python_program_runs_as_a_script_on_a_local_cluster(block: CodeBlock, tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(block.code)
+    done = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False
+    )
+    assert done.returncode == 0, (
+        f"README.md line {block.line}: the program exited {done.returncode} (if it is a snippet, put "
+        f"{FRAGMENT_MARKER} on the line before it)\n{done.stdout}{done.stderr}"
+    )
+
+
+@pytest.mark.parametrize("block", FRAGMENTS, ids=lambda block: f"line-{block.line}")
+def test_python_fragment_is_valid_python(block: CodeBlock):
+    compile(block.code, f"README.md:{block.line}", "exec")
+
+
+def test_quickstart_data_is_seeded_so_every_role_sees_the_same():
+    (quickstart,) = (block for block in PROGRAMS if "train_and_evaluate" in block.code)
+    assert "manual_seed(" in quickstart.code
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_shell_command_exists_with_every_flag_it_uses(command: str):
+    words = [word.strip("[]") for word in shlex.split(command.replace("\\|", "|"))]
+    program, *args = words
+    if program == "make":
+        makefile = (ROOT / "Makefile").read_text()
+        for target in args:
+            assert re.search(rf"^{re.escape(target)}:", makefile, flags=re.MULTILINE), f"no make target {target}"
+        return
+    assert program == "shardflow", f"a README command this test does not know how to check: {command}"
+    if args in (["--version"], ["--help"]):
+        done = shardflow(*args)
+        assert done.returncode == 0 and done.stdout.startswith(("shardflow", "usage: shardflow")), done.stderr
+        return
+    # The subcommand path: each word the --help of the path so far lists as a subcommand. A word "a|b|c" names
+    # alternatives, each of which must exist.
+    path: list[str] = []
+    help_text = help_of()
+    for word in args:
+        alternatives = word.split("|")
+        available = subcommands(help_text)
+        if not available or not set(alternatives) <= available:
+            assert len(alternatives) == 1, f"{command}: {word} are not all subcommands of shardflow {path}"
+            break
+        for alternative in alternatives[1:]:
+            help_of(*path, alternative)
+        path.append(alternatives[0])
+        help_text = help_of(*path)
+    assert path, f"{command}: no such subcommand"
+    # "--a=1" uses --a; "--a/--b" (two flags named together in prose) uses both.
+    flags = {flag.split("=")[0] for word in args if word.startswith("--") for flag in word.split("/")}
+    for flag in flags:
+        assert re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", help_text), (
+            f"{command}: shardflow {' '.join(path)} --help lists no {flag}"
+        )
+    if path == ["plan"]:  # a quick calculation: run it as written
+        done = shardflow(*args)
+        assert done.returncode == 0, done.stderr
