@@ -216,3 +216,29 @@ def test_a_ps_killed_mid_apply_is_restarted_and_every_ps_resumes_from_the_latest
     # Restored with the checkpoint: the parameters, optimizer slots and every worker's input position of step 32.
     # The records applied after it were applied again, once: none twice, none lost.
     _audit(tmp_path, replicas=2 if mode == "sync" else 1)
+
+
+def test_a_malformed_capture_request_on_the_control_plane_is_refused_and_the_job_goes_on(tmp_path):
+    from shardflow.cluster import control_keys
+    from shardflow.cluster.rendezvous import ControlPlane
+
+    path = _write_config(tmp_path, mode="async", step_delay_s=0.03)
+    proc = subprocess.Popen(
+        [sys.executable, str(JOBS / "audit.py"), str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        _wait_for_training(proc, tmp_path, 0.0)
+        job = json.loads((tmp_path / "model" / "job.json").read_text())
+        outsider = ControlPlane(job["control"], is_chief=False, timeout_s=10)
+        escape = tmp_path / "escaped"
+        outsider.set(
+            control_keys.CAPTURE_REQUEST,
+            json.dumps({"name": f"../../../{escape.relative_to('/')}", "first": 5, "last": 8}),
+        )
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        _kill_if_running(proc)
+    assert proc.returncode == 0, out
+    assert "refused a capture request on the control plane: a capture name is" in out, out
+    assert not escape.exists() and not (tmp_path / "model" / "profile").exists()
+    _audit(tmp_path)

@@ -3,6 +3,7 @@ its events table."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,19 @@ def check_steps(steps: Sequence[int], what: str = "profile_steps") -> tuple[int,
     if len(steps) != 2 or not 0 <= steps[0] < steps[1]:
         raise ValueError(f"{what} must be (first, last) with 0 <= first < last, got {tuple(steps)}")
     return int(steps[0]), int(steps[1])
+
+
+CAPTURE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,99}")
+"""What a capture may be called: it becomes a directory under model_dir/profile, and nothing may lead outside."""
+
+
+def check_capture_name(name: object) -> str:
+    """`name` if it is a valid capture name; else a ValueError saying what is allowed."""
+    if not isinstance(name, str) or not CAPTURE_NAME.fullmatch(name):
+        raise ValueError(
+            f"a capture name is 1 to 100 letters, digits, '_' or '-', starting with a letter or digit; got {name!r}"
+        )
+    return name
 
 
 def capture_dir(model_dir: str | Path, name: str | None = None) -> Path:

@@ -15,6 +15,7 @@ from shardflow.cluster.launcher import RoleExit
 from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.comm.errors import DeadlineExceeded
 from shardflow.profile import spans
+from shardflow.profile.capture import check_capture_name, check_steps
 from shardflow.ps.checkpointing import ModelState, fetch_state
 from shardflow.ps.client import ParameterClient, StatusReply
 from shardflow.train import checkpoint
@@ -78,6 +79,7 @@ class ChiefLoop:
             learning_rate=job.optimizer.learning_rate,
         )
         self.heartbeats = Heartbeats(self.control, job.strategy, client)
+        self._refused_request: str | None = None
         self.generation = 0
         """How many times every PS was restored after one was lost (train/recovery.py)."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
@@ -259,15 +261,29 @@ class ChiefLoop:
     # -- captures -----------------------------------------------------------------------------------
 
     def _pick_up_capture(self) -> None:
-        """A tool asked for a capture of the running job through the control plane."""
+        """A tool asked for a capture of the running job through the control plane. A request that is not valid
+        (anyone on the control plane can write it) is refused with one warning, never raised."""
         if not self.control.is_set(control_keys.CAPTURE_REQUEST):
             return
-        request = json.loads(self.control.get(control_keys.CAPTURE_REQUEST, waiting_for="the capture request"))
-        known = any(p["name"] == request["name"] for p in self.profiler.pending)
-        if not known and not self.control.is_set(control_keys.capture_done(request["name"])):
-            self.profiler.request(
-                request["first"], request["last"], ops=request.get("ops", False), name=request["name"]
-            )
+        raw = self.control.get(control_keys.CAPTURE_REQUEST, waiting_for="the capture request")
+        if raw == self._refused_request:
+            return
+        try:
+            request = json.loads(raw)
+            if not isinstance(request, dict) or not isinstance(request.get("ops", False), bool):
+                raise ValueError("expected a JSON object with name, first, last and ops (a bool)")
+            name = check_capture_name(request.get("name"))
+            first, last = request.get("first"), request.get("last")
+            if not (type(first) is int and type(last) is int):
+                raise ValueError(f"first and last must be ints, got {first!r} and {last!r}")
+            first, last = check_steps((first, last), what="the capture's steps")
+        except ValueError as error:  # json.JSONDecodeError is one
+            self._refused_request = raw
+            log.warning("refused a capture request on the control plane: %s", error)
+            return
+        known = any(p["name"] == name for p in self.profiler.pending)
+        if not known and not self.control.is_set(control_keys.capture_done(name)):
+            self.profiler.request(first, last, ops=request.get("ops", False), name=name)
 
 
 class Heartbeats:

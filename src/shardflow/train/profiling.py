@@ -19,7 +19,7 @@ from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.comm.client import Client
 from shardflow.comm.server import secure_server
 from shardflow.profile import ClockEstimate, estimate_offset, set_recorder
-from shardflow.profile.capture import check_steps, write_capture
+from shardflow.profile.capture import check_capture_name, check_steps, write_capture
 from shardflow.profile.clock import replied_time_ns, time_reply, time_request
 from shardflow.profile.memory import MemorySampler
 from shardflow.profile.recorder_setting import AlternatingRecorder, NoRecorder, make_recorder
@@ -154,7 +154,8 @@ class ChiefProfiler(RoleProfiler):
 
     def request(self, first: int, last: int, ops: bool = False, name: str | None = None) -> dict[str, Any]:
         first, last = check_steps((first, last))
-        capture = {"name": name or f"steps-{first}-{last}", "first": first, "last": last, "ops": ops}
+        name = check_capture_name(name or f"steps-{first}-{last}")
+        capture = {"name": name, "first": first, "last": last, "ops": ops}
         self.control.set(control_keys.CAPTURE_CURRENT, json.dumps(capture))
         self.capture = dict(capture)
         self.pending.append(capture)
