@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from shardflow.comm.client import Client
-from shardflow.comm.errors import DeadlineExceeded
+from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.comm.security import client_keys, is_loopback, server_keys
 from shardflow.comm.server import Server
 
@@ -54,7 +54,9 @@ def test_a_client_without_the_secret_is_refused():
     thread = _echo_once(server)
     with Client("intruder") as client:
         client.connect("ps:0", server.address, server_key=server.public_key, keys=client_keys("guess"))
-        with pytest.raises(DeadlineExceeded, match="ps:0"):
+        # Refused either way: no reply by the deadline, or (when ZeroMQ has already dropped the refused
+        # connection) the request cannot even be queued; both name the peer.
+        with pytest.raises(CommError, match="ps:0"):
             client.request("ps:0", {"op": "echo"}, timeout_s=1.0)
     thread.join()
     server.close()
