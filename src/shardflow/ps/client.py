@@ -80,6 +80,7 @@ class ParameterClient:
         self.placement = placement
         self.timeout_s = timeout_s
         self.worker_index = worker_index
+        self._role = f"worker:{worker_index}"
         self.peers = [f"ps:{k}" for k in range(placement.num_ps)]
         self._index_of = {peer: k for k, peer in enumerate(self.peers)}
         # A PS that is not on loopback encrypts (CURVE); its key came with its address.
@@ -384,7 +385,7 @@ class ParameterClient:
             sending = time.perf_counter_ns()  # the arrow starts before send(): the PS may apply it before that returns
             seq = requests[peer] = self.client.send(peer, push.header(), frames)
             if ps == 0:
-                faults.reached("push", f"worker:{self.worker_index}", self.local_step)
+                faults.reached("push", self._role, self.local_step)
             if recorder is not None:
                 recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True, at_ns=sending)
                 recorder.end(spans.PUSH, self._step, started, ps, sum(f.nbytes for f in frames))

@@ -44,6 +44,7 @@ class ParameterServer:
     def __init__(self, server: Server, index: int) -> None:
         self.server = server
         self.index = index
+        self.name = f"ps:{index}"
         self.dtypes: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
@@ -227,7 +228,7 @@ class ParameterServer:
             self.table_optimizer.step()
             for table in self.tables:
                 table.grad = None
-        faults.reached("apply", f"ps:{self.index}", self.step + 1)
+        faults.reached("apply", self.name, self.step + 1)
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
             worker = pushes[0].header["worker_index"] if count == 1 else -1
