@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -23,10 +24,11 @@ import torch
 HERE = Path(__file__).parent
 
 
-def run_json(command: list[str]) -> dict:
+def run_json(command: list[str], env: dict[str, str] | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         subprocess.run(
             [sys.executable, *command[:1], out.name, *command[1:]],
+            env={**os.environ, **(env or {})},
             check=True,
             timeout=600,
             stdout=subprocess.DEVNULL,
@@ -70,6 +72,7 @@ def shardflow_job(
     overlap: bool = True,
     save_every: int = 0,
     features: str = "",
+    env: dict[str, str] | None = None,
 ) -> dict:
     return run_json(
         [
@@ -81,7 +84,8 @@ def shardflow_job(
             "1" if overlap else "0",
             str(save_every),
             features,
-        ]
+        ],
+        env,
     )
 
 
@@ -98,6 +102,19 @@ def features_side_by_side(steps: int, repeats: int) -> None:
     print("RESULT " + json.dumps({"plain_steps_per_s": plain, "clip_bf16_steps_per_s": featured, "ratio": ratio}))
 
 
+def auth_side_by_side(steps: int, repeats: int) -> None:
+    """2 workers + 1 PS on loopback with the job's authentication (the default) against SHARDFLOW_INSECURE=1."""
+    on, off = [], []
+    for _ in range(repeats):
+        off.append(shardflow_job(2, 1, steps, env={"SHARDFLOW_INSECURE": "1"})["steps_per_s"])
+        on.append(shardflow_job(2, 1, steps)["steps_per_s"])
+    print(f"2w+1PS authentication off, steps/s: {', '.join(f'{v:.0f}' for v in off)}")
+    print(f"2w+1PS authentication on (default), steps/s: {', '.join(f'{v:.0f}' for v in on)}")
+    ratio = statistics.median(on) / statistics.median(off)
+    print(f"on vs off (medians): {ratio:.2f}x")
+    print("RESULT " + json.dumps({"auth_on_steps_per_s": on, "auth_off_steps_per_s": off, "ratio": ratio}))
+
+
 def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["steps_per_s"])
 
@@ -110,10 +127,14 @@ def main() -> None:
     parser.add_argument(
         "--features", action="store_true", help="only: clip_grad_norm + bf16 against plain, alternating"
     )
+    parser.add_argument("--auth", action="store_true", help="only: authentication on against off, alternating")
     args = parser.parse_args()
     r = args.repeats
     if args.features:
         features_side_by_side(args.steps, r)
+        return
+    if args.auth:
+        auth_side_by_side(args.steps, r)
         return
 
     # The local loop at its best: torch's default threads (one per core) and one thread, whichever is faster.

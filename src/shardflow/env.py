@@ -3,9 +3,19 @@
 Set by users:
 
 - `SHARDFLOW_CLUSTER`: the cluster as TF_CONFIG-style JSON; `shardflow launch` sets it for every role.
-- `SHARDFLOW_NUM_PS`: how many PS a torchrun job has, when the program does not say.
-- `SHARDFLOW_CLUSTER_SECRET`: a secret every process of a job shares; a PS then accepts only its holders.
+- `SHARDFLOW_NUM_PS`: how many PS a torchrun job has, when the program does not say, or a JobSet job has.
+- `SHARDFLOW_NUM_WORKERS`: how many workers a JobSet job has (a pod reads every role's count from these two).
+- `SHARDFLOW_PORT`: the port roles listen on in a JobSet (every pod) or a Slurm heterogeneous job (the chief; each
+  PS on the next port, each worker on the one after); default 2222.
+- `SHARDFLOW_CLUSTER_SECRET`: the secret every process of a job shares; every server of the job (the chief's
+  control service, each PS) accepts only its holders. The local launcher makes one per job by itself.
+- `SHARDFLOW_CLUSTER_SECRET_FILE`: a file holding that secret (a Kubernetes Secret mounted as a file).
 - `SHARDFLOW_ENCRYPT`: `always` encrypts loopback traffic too (a machine shared with untrusted users).
+- `SHARDFLOW_INSECURE`: `1`, with no secret given, turns authentication and encryption off on every address
+  (logged loudly), so that a role may serve off loopback without a secret. Off by default.
+- `SHARDFLOW_BIND_ADDRESS`: the interface a role listens on when its address in the cluster spec is not
+  loopback (default: every interface); it still advertises the address from the spec.
+- `SHARDFLOW_MAX_FRAME_MB`: the largest message part a server accepts (ZMQ_MAXMSGSIZE; default 1024).
 - `SHARDFLOW_RECORDER`: `on` (the default), `off`, or `alternate:N` (record in every other block of N global
   steps, so one run measures what the always-on recorder costs).
 
@@ -27,8 +37,14 @@ import os
 
 CLUSTER = "SHARDFLOW_CLUSTER"
 NUM_PS = "SHARDFLOW_NUM_PS"
+NUM_WORKERS = "SHARDFLOW_NUM_WORKERS"
+PORT = "SHARDFLOW_PORT"
 CLUSTER_SECRET = "SHARDFLOW_CLUSTER_SECRET"
+CLUSTER_SECRET_FILE = "SHARDFLOW_CLUSTER_SECRET_FILE"
 ENCRYPT = "SHARDFLOW_ENCRYPT"
+INSECURE = "SHARDFLOW_INSECURE"
+BIND_ADDRESS = "SHARDFLOW_BIND_ADDRESS"
+MAX_FRAME_MB = "SHARDFLOW_MAX_FRAME_MB"
 RECORDER = "SHARDFLOW_RECORDER"
 LOCAL_THREADS = "SHARDFLOW_LOCAL_THREADS"
 MODEL_DIR = "SHARDFLOW_MODEL_DIR"
@@ -39,8 +55,14 @@ FAULT = "SHARDFLOW_FAULT"
 ALL = (
     CLUSTER,
     NUM_PS,
+    NUM_WORKERS,
+    PORT,
     CLUSTER_SECRET,
+    CLUSTER_SECRET_FILE,
     ENCRYPT,
+    INSECURE,
+    BIND_ADDRESS,
+    MAX_FRAME_MB,
     RECORDER,
     LOCAL_THREADS,
     MODEL_DIR,

@@ -159,11 +159,12 @@ TORCHRUN = {"WORLD_SIZE": "5", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"
     ],
 )
 def test_torchrun_ranks_map_to_chief_then_ps_then_workers(rank, expected):
+    # The chief's control service takes MASTER_PORT + 1: torchrun's own store holds MASTER_PORT.
     spec, task = ClusterSpec.from_torchrun({**TORCHRUN, "RANK": rank}, num_ps=2)
 
     assert task == expected
     assert spec.roles == {
-        "chief": ("10.0.0.1:29500",),
+        "chief": ("10.0.0.1:29501",),
         "worker": (DYNAMIC, DYNAMIC),
         "ps": (DYNAMIC, DYNAMIC),
     }

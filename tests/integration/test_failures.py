@@ -73,4 +73,7 @@ def test_training_over_encrypted_authenticated_connections(run_job, monkeypatch)
     proc, result = run_job("regression.py", mode="async", num_workers=2, num_ps=2, epochs=1, num_batches=40)
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == 40
-    assert "[ps:1] ps:1 serving at tcp://127.0.0.1:" in proc.stdout and "(CURVE-encrypted)" in proc.stdout
+    assert (
+        "[ps:1] ps:1 serving at tcp://127.0.0.1:" in proc.stdout
+        and "(authenticated and CURVE-encrypted)" in proc.stdout
+    )

@@ -221,6 +221,7 @@ def test_a_ps_killed_mid_apply_is_restarted_and_every_ps_resumes_from_the_latest
 def test_a_malformed_capture_request_on_the_control_plane_is_refused_and_the_job_goes_on(tmp_path):
     from shardflow.cluster import control_keys
     from shardflow.cluster.rendezvous import ControlPlane
+    from shardflow.comm.security import job_credentials
 
     path = _write_config(tmp_path, mode="async", step_delay_s=0.03)
     proc = subprocess.Popen(
@@ -229,7 +230,11 @@ def test_a_malformed_capture_request_on_the_control_plane_is_refused_and_the_job
     try:
         _wait_for_training(proc, tmp_path, 0.0)
         job = json.loads((tmp_path / "model" / "job.json").read_text())
-        outsider = ControlPlane(job["control"], is_chief=False, timeout_s=10)
+        # A member of the job (the secret its chief left for the user's tools) with a bad request: the chief's
+        # own validation is what refuses it.
+        member = job_credentials(tmp_path / "model")
+        assert member.secret is not None
+        outsider = ControlPlane(job["control"], is_chief=False, timeout_s=10, credentials=member)
         escape = tmp_path / "escaped"
         outsider.set(
             control_keys.CAPTURE_REQUEST,

@@ -33,7 +33,7 @@ class Cluster:
     def client(self, model: torch.nn.Module, placement: Placement, worker_index: int = 0) -> ParameterClient:
         return ParameterClient(
             Client(f"worker:{worker_index}"),
-            [(address, None) for address in self.addresses],
+            list(self.addresses),
             placement,
             model,
             timeout_s=5,

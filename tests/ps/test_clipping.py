@@ -50,7 +50,7 @@ def test_sync_on_two_ps_equals_one_process_clipping_the_averaged_gradient(start_
     chief_store = ControlPlane(f"127.0.0.1:{_free_port()}", is_chief=True, timeout_s=10)
     stores = [ControlPlane(chief_store.address, is_chief=False, timeout_s=10) for _ in cluster.ps]
     for k, ps in enumerate(cluster.ps):
-        ps.norm_exchange = StoreNormExchange(stores[k].store, k, 2, timeout_s=10)
+        ps.norm_exchange = StoreNormExchange(stores[k], k, 2, timeout_s=10)
     model = _model()
     placement = place(model.named_parameters(), 2)
     assert {piece.ps for piece in placement.pieces} == {0, 1}
@@ -80,8 +80,8 @@ def test_sync_on_two_ps_equals_one_process_clipping_the_averaged_gradient(start_
 
 def test_the_ps_agree_the_norm_over_every_ps_in_ps_order():
     chief = ControlPlane(f"127.0.0.1:{_free_port()}", is_chief=True, timeout_s=10)
-    first = StoreNormExchange(chief.store, 0, 2, timeout_s=10)
-    second = StoreNormExchange(ControlPlane(chief.address, is_chief=False).store, 1, 2, timeout_s=10)
+    first = StoreNormExchange(chief, 0, 2, timeout_s=10)
+    second = StoreNormExchange(ControlPlane(chief.address, is_chief=False), 1, 2, timeout_s=10)
     second.store.set(second._key(7, 1), repr(2.5))
     assert first(7, 1.25) == 3.75
 
@@ -89,7 +89,7 @@ def test_the_ps_agree_the_norm_over_every_ps_in_ps_order():
 def test_a_ps_waiting_for_a_norm_that_never_comes_names_the_step():
     chief = ControlPlane(f"127.0.0.1:{_free_port()}", is_chief=True, timeout_s=10)
     with pytest.raises(RuntimeError, match="gradient norms of global step 4"):
-        StoreNormExchange(chief.store, 0, 2, timeout_s=0.2)(4, 1.0)
+        StoreNormExchange(chief, 0, 2, timeout_s=0.2)(4, 1.0)
 
 
 def test_async_worker_clip_equals_clip_grad_norm_including_sparse_embeddings():

@@ -6,8 +6,7 @@ Values are UTF-8 text (JSON where structured) unless a key says bytes. Each entr
 
 Start-up, in order:
 
-- `ps/<k>/address`, `ps/<k>/curve`: ps:k -> chief, workers, `shardflow profile capture`. Where ps:k serves, and
-  its CURVE public key (bytes) when it encrypts.
+- `ps/<k>/address`: ps:k -> chief, workers, `shardflow profile capture`. Where ps:k serves.
 - `restore/iterators`: chief, when it restored a checkpoint -> workers. JSON: each worker's input position.
 - `placement`: chief -> workers. JSON: which PS holds which piece of which variable.
 - `ready`: chief -> workers. The PS are initialised; workers may pull.
@@ -27,7 +26,7 @@ While training:
 - `failed/<role>`: a worker that raised -> chief. The error, as `Type: message`.
 - `preempted/<role>`: a worker, PS or evaluator sent SIGTERM -> chief. Why (e.g. `SIGTERM`); the chief then ends
   the whole job at the current step, checkpointed, within the strategy's termination_grace_s.
-- `chief/clock/address`, `chief/clock/curve`: chief -> every role handing over a capture. The clock service.
+- `chief/clock/address`: chief -> every role handing over a capture. The clock service.
 - `capture/current`: chief -> every role. JSON: the capture being recorded (name, first, last, ops).
 - `capture/request`: `shardflow profile capture` -> chief. JSON: a capture asked for from outside the job.
 - `capture/<name>/part/<role>`: each role but the chief -> chief. Its gzipped trace of the capture (bytes).
@@ -36,6 +35,8 @@ While training:
 The end:
 
 - `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
+- `goodbye/<role>`: each role but the chief, when it saw the end -> chief. A chief in a process of its own
+  serves the control plane until every role said it (or 10 s).
 - `eval/final`: evaluator -> chief. JSON: the side-car evaluator's last checkpoint and metrics.
 """
 
@@ -50,7 +51,7 @@ EVAL_FINAL = "eval/final"
 CAPTURE_CURRENT = "capture/current"
 CAPTURE_REQUEST = "capture/request"
 CHIEF_CLOCK = "chief/clock"
-"""An endpoint name: see `endpoint_address` and `endpoint_curve`."""
+"""An endpoint name: see `endpoint_address`."""
 
 
 def ps_endpoint(index: int) -> str:
@@ -62,8 +63,8 @@ def endpoint_address(endpoint: str) -> str:
     return f"{endpoint}/address"
 
 
-def endpoint_curve(endpoint: str) -> str:
-    return f"{endpoint}/curve"
+def goodbye(role: str) -> str:
+    return f"goodbye/{role}"
 
 
 def heartbeat(role: str) -> str:

@@ -18,6 +18,7 @@ from typing import IO, Any, TextIO
 
 from shardflow import env
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
+from shardflow.comm.security import new_secret
 
 _PR_SET_PDEATHSIG = 1
 RESTARTABLE = ("worker", "ps", "evaluator")
@@ -74,6 +75,7 @@ class LocalLauncher:
         self._spec = spec
         self._command = list(command)
         self._env = dict(env or {})
+        self._secret = new_secret()
         self._prefix_output = prefix_output
         # Each role's output is also kept, unprefixed, in log_dir/<role>.log.
         self._log_dir = Path(log_dir) if log_dir is not None else None
@@ -229,6 +231,10 @@ class LocalLauncher:
 
     def _child_env(self, task: TaskSpec) -> dict[str, str]:
         child = {**os.environ, **self._env}
+        # One secret per job, made here unless the job has one: no other process can talk to its roles.
+        given = (child.get(name, "").strip() for name in (env.CLUSTER_SECRET, env.CLUSTER_SECRET_FILE, env.INSECURE))
+        if not any(given):
+            child[env.CLUSTER_SECRET] = self._secret
         # Without TF_CONFIG no reader of the environment can take it for this task's role.
         child.pop("TF_CONFIG", None)
         child[env.CLUSTER] = self._spec.to_json(task)

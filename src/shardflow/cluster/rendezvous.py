@@ -1,73 +1,140 @@
-"""The control plane: a `torch.distributed.TCPStore` hosted by the chief, with waits that say who they wait for."""
+"""The control plane's client: every role's connection to the chief's control service (cluster/control.py), with
+waits that say whom they wait for and ride out a restart of the chief."""
 
 from __future__ import annotations
 
-import datetime
-import os
+import logging
+import math
+import threading
 import time
+from typing import Any
 
-from torch.distributed import TCPStore  # type: ignore[attr-defined]
+import torch
+
+from shardflow.cluster import control, control_keys
+from shardflow.cluster.control import MAX_WAIT_S, ControlService, as_frame
+from shardflow.comm.client import Client
+from shardflow.comm.errors import CommError, DeadlineExceeded
+from shardflow.comm.security import Credentials, job_credentials
+
+log = logging.getLogger(__name__)
+
+_ATTEMPT_S = 2.0
+"""How long one request waits for its reply before it is sent again: a restarted chief answers the next one."""
+_LOG_EVERY_S = 5.0
+_WAIT_LOG_EVERY_S = 10.0
+"""A wait for a key logs whom it waits for this often (a slow start-up under load takes a few seconds)."""
 
 
 class ControlPlaneError(RuntimeError):
-    """A control-plane wait expired or the chief's store could not be reached."""
+    """A control-plane wait expired or the chief's control service could not be reached."""
 
 
 class ControlPlane:
-    """Small keys, counters and waits shared by every role of one job."""
+    """Small keys, counters and waits shared by every role of one job; safe to use from several threads."""
 
-    def __init__(self, chief_address: str, *, is_chief: bool, timeout_s: float = 120.0) -> None:
-        # Under torchrun the elastic agent already serves a store at MASTER_ADDR:MASTER_PORT; the chief joins it.
-        hosts_store = is_chief and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-        host, _, port = chief_address.rpartition(":")
-        host = host.removeprefix("[").removesuffix("]")
+    def __init__(
+        self, chief_address: str, *, is_chief: bool, timeout_s: float = 120.0, credentials: Credentials | None = None
+    ) -> None:
+        """Connects to the control service at `chief_address` (host:port), which the chief (`is_chief`) serves
+        itself. A role waits up to `timeout_s` for the chief to answer, logging whom it waits for. Credentials
+        default to the job's (comm/security.py)."""
         self.address = chief_address
         self.timeout_s = timeout_s
-        try:
-            self.store = TCPStore(
-                host,
-                int(port),
-                is_master=hosts_store,
-                wait_for_workers=False,
-                timeout=datetime.timedelta(seconds=timeout_s),
+        self.service = ControlService(chief_address) if is_chief else None
+        self._client = Client("control", credentials=credentials or job_credentials())
+        self._client.connect("chief", f"tcp://{chief_address}")
+        self._lock = threading.Lock()
+        if not is_chief:
+            self._request(
+                control.request("check", ks=[control_keys.SHUTDOWN]), what="to reach the chief's control service"
             )
-        except (RuntimeError, OSError) as error:
-            action = "host" if hosts_store else "reach"
-            raise ControlPlaneError(
-                f"could not {action} the control plane of the chief at {chief_address} within {timeout_s:.0f}s: {error}"
-            ) from error
+
+    def close(self) -> None:
+        with self._lock:
+            self._client.close()
+        if self.service is not None:
+            self.service.close()
 
     def set(self, key: str, value: str | bytes) -> None:
-        self.store.set(key, value)  # type: ignore[arg-type]  # TCPStore takes bytes too
+        data = value.encode() if isinstance(value, str) else value
+        self._request(control.request("set", k=key), [as_frame(data)], what=key)
 
     def is_set(self, key: str) -> bool:
-        return bool(self.store.check([key]))
+        return bool(self._request(control.request("check", ks=[key]), what=key)[0]["set"])
+
+    def delete(self, key: str) -> bool:
+        return bool(self._request(control.request("delete", k=key), what=key)[0]["found"])
+
+    def add(self, key: str, amount: int) -> int:
+        return int(self._request(control.request("add", k=key, n=amount), what=key)[0]["value"])
 
     def get(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> str:
         """Wait until `key` is set; on expiry the error names what was awaited."""
         return self.get_bytes(key, waiting_for=waiting_for, timeout_s=timeout_s).decode()
 
     def get_bytes(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> bytes:
+        self.wait([key], waiting_for=waiting_for, timeout_s=timeout_s)
+        header, frames = self._request(control.request("get", k=key), what=key)
+        if not header["found"]:  # deleted between the wait and the get
+            return self.get_bytes(key, waiting_for=waiting_for, timeout_s=timeout_s)
+        return frames[0].numpy().tobytes()
+
+    def wait(self, keys: list[str], *, waiting_for: str, timeout_s: float | None = None) -> None:
+        """Until every key is set; the service holds each wait up to MAX_WAIT_S, then it is asked again."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + timeout_s
-        while not self.is_set(key):
-            if time.monotonic() > deadline:
-                raise ControlPlaneError(
-                    f"waited {timeout_s:.0f}s for {waiting_for} (key {key!r} on the control plane at {self.address})"
+        start = time.monotonic()
+        deadline = start + timeout_s
+        next_log = start + _WAIT_LOG_EVERY_S
+        while True:
+            left = deadline - time.monotonic()
+            hold = max(0.0, min(MAX_WAIT_S, left, _LOG_EVERY_S))
+            header, _ = self._request(control.request("wait", ks=keys, w=hold), what=waiting_for, extra_s=hold)
+            if header["set"]:
+                return
+            now = time.monotonic()
+            if now >= deadline:
+                where = f"key {keys[0]!r} on the control plane at {self.address}"
+                raise ControlPlaneError(f"waited {timeout_s:.0f}s for {waiting_for} ({where})")
+            if now >= next_log:
+                next_log = now + _WAIT_LOG_EVERY_S
+                log.warning("still waiting for %s (%.0fs of %.0fs)", waiting_for, now - start, timeout_s)
+
+    def publish_endpoint(self, name: str, address: str) -> None:
+        """Where `name` (e.g. "ps/0") listens."""
+        self.set(control_keys.endpoint_address(name), address)
+
+    def endpoint(self, name: str, *, waiting_for: str) -> str:
+        return self.get(control_keys.endpoint_address(name), waiting_for=waiting_for)
+
+    def _request(
+        self, header: dict[str, Any], frames: list[torch.Tensor] | None = None, *, what: str, extra_s: float = 0.0
+    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """One request, sent again every _ATTEMPT_S (same sequence number: applied once) until the chief answers
+        or timeout_s passes; a restarted chief answers the next copy."""
+        start = time.monotonic()
+        attempt_s = min(_ATTEMPT_S, self.timeout_s)
+        retries = max(0, math.ceil(self.timeout_s / attempt_s) - 1)
+
+        def before_retry(attempt: int) -> None:
+            if attempt * attempt_s % _LOG_EVERY_S < attempt_s:
+                log.warning(
+                    "waiting for the chief's control service at %s (%s, %.0fs so far)",
+                    self.address,
+                    what,
+                    time.monotonic() - start,
                 )
-            time.sleep(0.02)
-        return bytes(self.store.get(key))
 
-    def publish_endpoint(self, name: str, address: str, public_key: bytes | None) -> None:
-        """Where `name` (e.g. "ps/0") listens, and its CURVE key when it encrypts."""
-        if public_key is not None:
-            self.set(f"{name}/curve", public_key)
-        self.set(f"{name}/address", address)
-
-    def endpoint(self, name: str, *, waiting_for: str) -> tuple[str, bytes | None]:
-        address = self.get(f"{name}/address", waiting_for=waiting_for)
-        key = self.get_bytes(f"{name}/curve", waiting_for=waiting_for) if self.is_set(f"{name}/curve") else None
-        return address, key
-
-    def add(self, key: str, amount: int) -> int:
-        return int(self.store.add(key, amount))
+        try:
+            with self._lock:
+                return self._client.request(
+                    "chief", header, frames or (), attempt_s + extra_s, retries=retries, before_retry=before_retry
+                )
+        except DeadlineExceeded:
+            raise ControlPlaneError(
+                f"the chief's control service at {self.address} did not answer for {self.timeout_s:.0f}s "
+                f"({header['op']!r} for {what}): is the chief running and reachable, and does this process hold "
+                "the job's secret?"
+            ) from None
+        except CommError as error:
+            raise ControlPlaneError(f"the chief's control service at {self.address}: {error}") from None

@@ -1,8 +1,9 @@
-"""Cluster specs: the tasks of a job and their addresses, from TF_CONFIG, torchrun or free ports."""
+"""Cluster specs: the tasks of a job and their addresses, from TF_CONFIG, a cluster manager, torchrun or free ports."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from collections.abc import Mapping
@@ -110,7 +111,8 @@ class ClusterSpec:
 
     @classmethod
     def from_torchrun(cls, environ: Mapping[str, str], num_ps: int) -> tuple[ClusterSpec, TaskSpec]:
-        """Maps torchrun ranks to roles: 0 is the chief, 1..num_ps the PS, the rest workers."""
+        """Maps torchrun ranks to roles: 0 is the chief, 1..num_ps the PS, the rest workers. torchrun's own store
+        holds MASTER_PORT, so the chief's control service listens on MASTER_PORT + 1."""
         missing = [name for name in _TORCHRUN_VARS if not environ.get(name)]
         if missing:
             raise ClusterSpecError(
@@ -129,7 +131,7 @@ class ClusterSpec:
             raise ClusterSpecError(f"RANK={rank} is out of range for WORLD_SIZE={world_size}")
         spec = cls(
             {
-                "chief": (f"{_bracketed(environ['MASTER_ADDR'])}:{port}",),
+                "chief": (f"{_bracketed(environ['MASTER_ADDR'])}:{port + 1}",),
                 "ps": (DYNAMIC,) * num_ps,
                 "worker": (DYNAMIC,) * (world_size - 1 - num_ps),
             }
@@ -162,14 +164,21 @@ class ClusterSpec:
 
 
 def cluster_from_env(
-    environ: Mapping[str, str] | None = None, num_ps: int | None = None
+    environ: Mapping[str, str] | None = None, num_ps: int | None = None, num_workers: int | None = None
 ) -> tuple[ClusterSpec, TaskSpec] | None:
-    """This process's cluster and task from SHARDFLOW_CLUSTER, TF_CONFIG or torchrun; else None."""
+    """This process's cluster and task from, first found, SHARDFLOW_CLUSTER, TF_CONFIG, a JobSet or a Slurm
+    heterogeneous job (cluster/managers.py), or torchrun; else None. Under torchrun the chief warns once when
+    `num_workers` (the strategy's) differs from the workers the world size leaves."""
+    from shardflow.cluster import managers  # it builds on this module
+
     if environ is None:
         environ = os.environ
     for name in (env.CLUSTER, "TF_CONFIG"):
         if environ.get(name, "").strip():
             return ClusterSpec.from_tf_config(environ[name], source=name)
+    found = managers.from_cluster_manager(environ)
+    if found is not None:
+        return found
     if "RANK" in environ and "WORLD_SIZE" in environ:
         if num_ps is None:
             if not environ.get(env.NUM_PS):
@@ -178,8 +187,33 @@ def cluster_from_env(
                     f"is unknown: pass num_ps or set {env.NUM_PS}"
                 )
             num_ps = _env_int(environ, env.NUM_PS)
-        return ClusterSpec.from_torchrun(environ, num_ps)
+        spec, task = ClusterSpec.from_torchrun(environ, num_ps)
+        if num_workers is not None and task.type == "chief":
+            _warn_on_worker_count(spec, num_workers)
+        return spec, task
     return None
+
+
+_warned_worker_counts: set[tuple[int, int, int]] = set()
+
+
+def _warn_on_worker_count(spec: ClusterSpec, num_workers: int) -> None:
+    """torchrun decides the workers (WORLD_SIZE - 1 - num_ps); a strategy that expects others is told once."""
+    given, num_ps = spec.num("worker"), spec.num("ps")
+    if given == num_workers or (given, num_ps, num_workers) in _warned_worker_counts:
+        return
+    _warned_worker_counts.add((given, num_ps, num_workers))
+    logging.getLogger(__name__).warning(
+        "the strategy says num_workers=%d, but torchrun's WORLD_SIZE=%d with num_ps=%d leaves %d workers (rank 0 "
+        "is the chief, ranks 1..num_ps the PS): training uses %d; start %d processes or set num_workers=%d",
+        num_workers,
+        given + num_ps + 1,
+        num_ps,
+        given,
+        given,
+        num_workers + num_ps + 1,
+        given,
+    )
 
 
 def _read_tf_config(config: str | Mapping[str, Any], source: str) -> tuple[dict[str, Any], Mapping[str, Any]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -14,10 +14,12 @@ import zmq
 
 from shardflow.comm.errors import CommError, DeadlineExceeded, ProtocolError
 from shardflow.comm.framing import NOBLOCK, Receiver, decode, encode, send_frames, timeout_ms
-from shardflow.comm.security import CurveKeys, client_keys, secure_client
+from shardflow.comm.security import Credentials, secure_client_socket
 
 Reply = tuple[dict[str, Any], list[torch.Tensor]]
 
+HEARTBEAT_IVL_MS = 2000
+HEARTBEAT_TIMEOUT_MS = 6000
 # Far above any real number of requests in flight: a full queue means the peer is gone.
 _SEND_QUEUE_LIMIT = 100_000
 
@@ -43,8 +45,13 @@ class Client:
     once. A Client belongs to one thread at a time, as its sockets do.
     """
 
-    def __init__(self, sender: str, context: zmq.Context[Any] | None = None) -> None:
+    def __init__(
+        self, sender: str, context: zmq.Context[Any] | None = None, credentials: Credentials | None = None
+    ) -> None:
+        """With `credentials`, every connection proves the job secret (comm/security.py); pass
+        `job_credentials()` to talk to a job's servers."""
         self.sender = sender
+        self.credentials = credentials
         # A restarted process gets a new id, so its sequence numbers never collide with the
         # ones its previous incarnation used.
         self.sender_id = f"{sender}#{secrets.token_hex(4)}"
@@ -52,14 +59,21 @@ class Client:
         self._peers: dict[str, _Peer] = {}
         self._next_seq = 1
 
-    def connect(self, peer: str, address: str, server_key: bytes | None = None, keys: CurveKeys | None = None) -> None:
+    def connect(self, peer: str, address: str) -> None:
         """Open a socket to `peer` (a role name such as "ps:0") at `address`; a second call for
-        the same peer replaces its socket and forgets the requests in flight on it. With the server's
-        CURVE `server_key`, the connection is encrypted (with `keys`, or a fresh key pair)."""
+        the same peer replaces its socket and forgets the requests in flight on it."""
         socket = self._context.socket(zmq.DEALER)
-        if server_key is not None:
-            secure_client(socket, server_key, keys or client_keys())
+        if self.credentials is not None:
+            try:
+                secure_client_socket(socket, address, self.credentials)
+            except Exception:
+                socket.close(linger=0)
+                raise
         socket.linger = 0
+        # ZMTP heartbeats: a connection whose peer went silent (a cut link, a lost host) is dropped and made
+        # again within seconds, instead of waiting out TCP's retransmission back-off.
+        socket.heartbeat_ivl = HEARTBEAT_IVL_MS
+        socket.heartbeat_timeout = HEARTBEAT_TIMEOUT_MS
         socket.sndhwm = _SEND_QUEUE_LIMIT
         socket.rcvhwm = _SEND_QUEUE_LIMIT
         # A fixed routing id keeps replies routable across reconnects (the server enables handover).
@@ -121,9 +135,11 @@ class Client:
         tensors: Sequence[torch.Tensor] = (),
         timeout_s: float = 30.0,
         retries: int = 0,
+        before_retry: Callable[[int], None] | None = None,
     ) -> Reply:
         """Send a request and wait for its reply. After each deadline, re-send the same request
-        (same sender and seq, which the server applies at most once) up to `retries` times."""
+        (same sender and seq, which the server applies at most once) up to `retries` times, calling
+        `before_retry(attempts so far)` first (it may log, or raise to give up)."""
         connection = self._peer(peer)
         seq, frames = self._start(connection, header, tensors)
         attempts = 1
@@ -137,6 +153,12 @@ class Client:
                         raise
                     what = f"{header['op']!r} (seq {seq}, {attempts} attempts)"
                     raise DeadlineExceeded(peer, connection.address, what, timeout_s) from None
+                if before_retry is not None:
+                    try:
+                        before_retry(attempts)
+                    except BaseException:
+                        del connection.pending[seq]
+                        raise
                 attempts += 1
                 self._send_frames(connection, frames)
 
@@ -186,7 +208,8 @@ class Client:
         except zmq.Again:
             raise CommError(
                 f"{_SEND_QUEUE_LIMIT} requests queued for {connection.name} at "
-                f"{connection.address} and none sent; is the process running and reachable?"
+                f"{connection.address} and none sent; is the process running and reachable, and does this process hold "
+                "the job's secret?"
             ) from None
 
 

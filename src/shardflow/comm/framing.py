@@ -1,20 +1,23 @@
 """Wire format: frame 0 is a msgpack header, then one raw frame per tensor. No pickle.
 
 Also the frame-level socket calls, written out because pyzmq's send_multipart/recv_multipart
-cost about twice as much Python per message.
+cost about twice as much Python per message, and the limits a server puts on what it receives.
 """
 
 from __future__ import annotations
 
 import math
+import reprlib
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
 import zmq
 
+from shardflow import env
 from shardflow.comm.errors import ProtocolError
 
 Frame = zmq.Frame | bytes | memoryview
@@ -87,29 +90,32 @@ def decode(frames: Sequence[Frame]) -> tuple[dict[str, Any], list[torch.Tensor]]
     tensors = []
     for index, spec in enumerate(specs):
         try:
-            dtype_name, shape = spec
-            numel = math.prod(shape)
-            if numel:
-                tensor = torch.frombuffer(frames[index + 1], dtype=_DTYPES[dtype_name])
-                if tensor.numel() != numel:
-                    raise ValueError(f"frame holds {tensor.numel()} elements")
-                tensors.append(tensor if len(shape) == 1 else tensor.view(shape))
-            else:
-                tensors.append(_empty_tensor(frames[index + 1], _DTYPES[dtype_name], shape))
-        except KeyError:
-            message = f"tensor {index}: unknown dtype {spec[0]!r}"
-            raise ProtocolError(message, header) from None
+            tensors.append(_tensor(spec, frames[index + 1]))
         except (ValueError, TypeError, RuntimeError) as error:
-            message = f"tensor {index} with spec {spec!r}: {error}"
-            raise ProtocolError(message, header) from error
+            raise ProtocolError(f"tensor {index} with spec {reprlib.repr(spec)}: {error}", header) from None
     return header, tensors
 
 
-def _empty_tensor(frame: Frame, dtype: torch.dtype, shape: list[int]) -> torch.Tensor:
-    # torch.frombuffer refuses empty buffers.
-    if (frame.nbytes if isinstance(frame, memoryview) else len(frame)) != 0:
-        raise ValueError("frame is not empty")
-    return torch.empty(shape, dtype=dtype)
+def _tensor(spec: Any, frame: Frame) -> torch.Tensor:
+    """The tensor a [dtype name, shape] spec says `frame` holds; ValueError if it does not."""
+    if type(spec) is not list or len(spec) != 2:
+        raise ValueError("a tensor spec is [dtype name, shape]")
+    dtype_name, shape = spec
+    dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
+    if dtype is None:
+        raise ValueError(f"unknown dtype {reprlib.repr(dtype_name)}; supported: {', '.join(_DTYPES)}")
+    numel = math.prod(shape) if type(shape) is list else None
+    # The product of anything but ints is no int (min() is cheaper than a check of each size's type).
+    if type(numel) is not int or (shape and min(shape) < 0):
+        raise ValueError("a shape is a list of ints >= 0")
+    if not numel:  # torch.frombuffer refuses empty buffers
+        if (frame.nbytes if isinstance(frame, memoryview) else len(frame)) != 0:
+            raise ValueError("frame is not empty")
+        return torch.empty(shape, dtype=dtype)
+    tensor = torch.frombuffer(frame, dtype=dtype)
+    if tensor.numel() != numel:
+        raise ValueError(f"frame holds {tensor.numel()} elements")
+    return tensor if len(shape) == 1 else tensor.view(shape)
 
 
 # Plain ints: combining pyzmq's IntFlag members runs Python enum code on every send.
@@ -127,6 +133,81 @@ def send_frames(socket: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) 
     socket.send(frames[last], flags, copy=False)
 
 
+_DEFAULT_MAX_FRAME_MB = 1024
+
+
+def _max_frame_bytes() -> int:
+    megabytes = env.get_int(env.MAX_FRAME_MB)
+    if megabytes is None:
+        megabytes = _DEFAULT_MAX_FRAME_MB
+    if megabytes < 1:
+        raise ValueError(f"{env.MAX_FRAME_MB}={megabytes}: the largest frame a server accepts must be >= 1 (MiB)")
+    return megabytes << 20
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireLimits:
+    """The most a server takes in one message, so that no peer can make it hold memory without bound.
+
+    ZeroMQ checks the frame size before it allocates (ZMQ_MAXMSGSIZE): a bigger frame closes the sender's
+    connection, unanswered, and the client's deadline names the server. The Receiver checks the rest as it takes
+    the frames; a message over them is dropped unread and answered with an error naming the limit. ZeroMQ hands
+    over a message's frames together, so those limits bound what one message costs until it is dropped.
+    """
+
+    max_header_bytes: int = 64 << 10
+    """Size of the msgpack header (frame 0); a PS header is well under 1 KiB, input positions aside."""
+    max_frames: int = 1 + 65_536
+    """Frames per message: the header and at most this many minus one tensors (one per variable piece)."""
+    max_frame_bytes: int = field(default_factory=_max_frame_bytes)
+    """Size of one frame (a tensor): `SHARDFLOW_MAX_FRAME_MB` MiB, 1024 by default."""
+    max_message_bytes: int = field(default_factory=lambda: 4 * _max_frame_bytes())
+    """Size of all frames of a message together: 4 times `SHARDFLOW_MAX_FRAME_MB` MiB by default."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_header_bytes", "max_frames", "max_frame_bytes", "max_message_bytes"):
+            value = getattr(self, name)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"WireLimits.{name} must be an int >= 1, got {value!r}")
+        if self.max_message_bytes < self.max_frame_bytes:
+            raise ValueError(
+                f"WireLimits.max_message_bytes ({self.max_message_bytes}) must be at least max_frame_bytes "
+                f"({self.max_frame_bytes})"
+            )
+
+    def problem(self, index: int, size: int, total: int) -> str | None:
+        """What frame `index` (0: the header) of `size` bytes, `total` bytes with those before it, breaks."""
+        if index == 0 and size > self.max_header_bytes:
+            return f"its header frame has {size} bytes, more than the {self.max_header_bytes} allowed"
+        if index >= self.max_frames:
+            return f"it has more than {self.max_frames} frames (a header and {self.max_frames - 1} tensors)"
+        if total > self.max_message_bytes:
+            return (
+                f"its frames hold more than the {self.max_message_bytes} bytes a message may hold "
+                f"(by default 4 times {env.MAX_FRAME_MB} MiB)"
+            )
+        return None
+
+
+class OverLimit(list[zmq.Frame]):
+    """What Receiver.recv returns for a message that broke its WireLimits: the routing frames and, when it was
+    within its limit, the header, so that the sender can be answered; the other frames were dropped."""
+
+    def __init__(self, frames: list[zmq.Frame], problem: str) -> None:
+        super().__init__(frames)
+        self.problem = problem
+
+
+def peek_header(frames: Sequence[Frame]) -> dict[str, Any]:
+    """The header in `frames[0]` when there is one and it is a msgpack map, else {}: enough to answer a message
+    that is dropped for another reason."""
+    try:
+        header = msgpack.unpackb(frames[0], strict_map_key=False) if frames else {}
+    except Exception:  # whatever the bytes are, there is no header to read
+        return {}
+    return header if type(header) is dict else {}
+
+
 class Receiver:
     """Receives whole multipart messages from one socket, waiting up to a timeout.
 
@@ -134,12 +215,20 @@ class Receiver:
     measured about 40 µs less per round trip. The option is only set when the timeout changes.
     """
 
-    def __init__(self, socket: zmq.Socket[Any]) -> None:
+    def __init__(self, socket: zmq.Socket[Any], limits: WireLimits | None = None, *, envelope: int = 0) -> None:
+        """With `limits` (a server's), each message is checked against them and the socket's ZMQ_MAXMSGSIZE is
+        set: make the Receiver before the socket binds, since ZeroMQ copies options into a listener when it binds.
+        `envelope` counts the routing frames before the header (1 on a ROUTER); the limits do not count them."""
         self.socket = socket
+        self.limits = limits
+        self._envelope = envelope
         self._timeout_ms: int | None = None
+        if limits is not None:
+            socket.maxmsgsize = limits.max_frame_bytes
 
     def recv(self, timeout_ms: int) -> list[zmq.Frame] | None:
-        """The next message's frames, not copied, or None after `timeout_ms` (-1: no limit)."""
+        """The next message's frames, not copied, or None after `timeout_ms` (-1: no limit).
+        A message over the limits comes as an OverLimit."""
         if timeout_ms != self._timeout_ms:
             self.socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout_ms = timeout_ms
@@ -147,11 +236,31 @@ class Receiver:
             frame = self.socket.recv(copy=False)
         except zmq.Again:
             return None
+        if self.limits is not None:
+            return self._limited(frame, self.limits)
         frames = [frame]
         while frame.more:
             frame = self.socket.recv(copy=False)
             frames.append(frame)
         return frames
+
+    def _limited(self, frame: zmq.Frame, limits: WireLimits) -> list[zmq.Frame]:
+        frames = [frame]
+        total = 0
+        while True:
+            index = len(frames) - 1 - self._envelope  # 0: the header
+            if index >= 0:
+                size = len(frame)
+                total += size
+                problem = limits.problem(index, size, total)
+                if problem is not None:
+                    while frame.more:  # the rest is in memory already (ZeroMQ delivers whole messages): drop it
+                        frame = self.socket.recv(copy=False)
+                    return OverLimit(frames[: self._envelope + (index > 0)], problem)
+            if not frame.more:
+                return frames
+            frame = self.socket.recv(copy=False)
+            frames.append(frame)
 
 
 def timeout_ms(timeout_s: float) -> int:

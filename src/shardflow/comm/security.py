@@ -1,24 +1,52 @@
-"""CURVE encryption (and, with a cluster secret, authentication) for every address that is not loopback."""
+"""Who may talk to a job's servers: one job secret, keys derived from it, and a ZAP handler that checks them.
+
+Every server of a job (the chief's control service, each PS, the chief's clock) accepts only holders of the
+job's secret. The mechanism depends on the address both ends use, so they always agree:
+
+- loopback (and `SHARDFLOW_ENCRYPT` is not `always`): ZeroMQ PLAIN with a password derived from the secret.
+  Authenticated, not encrypted: only root can read loopback traffic, and encryption measurably costs.
+- any other address: CURVE with server and client keys derived from the secret: authenticated and encrypted.
+- no secret and `SHARDFLOW_INSECURE=1`: nothing (NULL), logged loudly, on any address. Without that opt-out a
+  role refuses to serve or connect off loopback without a secret, and says how to give one.
+
+The secret comes from `SHARDFLOW_CLUSTER_SECRET`, else the file `SHARDFLOW_CLUSTER_SECRET_FILE` names (a
+Kubernetes Secret), else, for loopback only, a per-user secret file made on first use (mode 0600), so roles
+started by hand on one machine need nothing. The local launcher makes a fresh random secret per job.
+"""
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import ipaddress
+import logging
+import os
+import secrets
+import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import zmq
-import zmq.auth.thread
 from zmq.utils import z85
 
 from shardflow import env
 
+log = logging.getLogger(__name__)
 
-@dataclass(frozen=True)
-class CurveKeys:
-    public: bytes
-    secret: bytes
+NULL, PLAIN, CURVE = "null", "plain", "curve"
+ZAP_DOMAIN = b"shardflow"
+_PLAIN_USER = b"shardflow"
+_ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_LOCAL_SECRET = Path.home() / ".shardflow" / "cluster-secret"
+SECRET_FILE = "job.secret"
+"""The file in model_dir where a local job's chief leaves its secret for the user's tools (mode 0600)."""
+
+
+class SecurityError(RuntimeError):
+    """This process cannot authenticate as the job asks: no secret where one is needed, or an unreadable one."""
 
 
 def is_loopback(address: str) -> bool:
@@ -32,64 +60,230 @@ def is_loopback(address: str) -> bool:
         return False
 
 
-def _derived(secret: str, purpose: str) -> CurveKeys:
-    secret_key = z85.encode(hashlib.sha256(f"shardflow {purpose}\0{secret}".encode()).digest())
-    return CurveKeys(zmq.curve_public(secret_key), secret_key)
+@dataclass(frozen=True)
+class Credentials:
+    """The job secret this process holds (None: none was given), and what it derives for each mechanism."""
+
+    secret: str | None
+
+    def mechanism(self, address: str) -> str:
+        """The mechanism for a connection to (or a server advertised at) `address`; both ends compute the same."""
+        if self.secret is None and env.get(env.INSECURE) == "1":
+            return NULL
+        if is_loopback(address) and env.get(env.ENCRYPT) != "always":
+            return PLAIN
+        if self.secret is not None:
+            return CURVE
+        raise SecurityError(
+            f"{address} is not a loopback address and this process has no cluster secret: set "
+            f"{env.CLUSTER_SECRET} (the same value in every process of the job) or {env.CLUSTER_SECRET_FILE} (a file "
+            f"holding it, e.g. a mounted Kubernetes Secret); {env.INSECURE}=1 turns authentication off instead"
+        )
+
+    def plain_password(self) -> bytes:
+        return _derive(self._secret_or_local(), b"plain password").hex().encode()
+
+    def server_keys(self) -> tuple[bytes, bytes]:
+        """(public, secret) CURVE keys of every server of the job, z85-encoded."""
+        return _curve_pair(_derive(self._secret_or_local(), b"curve server"))
+
+    def client_keys(self) -> tuple[bytes, bytes]:
+        """(public, secret) CURVE keys every member of the job connects with, z85-encoded."""
+        return _curve_pair(_derive(self._secret_or_local(), b"curve client"))
+
+    def _secret_or_local(self) -> str:
+        return self.secret if self.secret is not None else local_secret()
 
 
-def _keys(purpose: str, secret: str | None) -> CurveKeys:
-    """Derived from the cluster secret when there is one (so every holder can prove it), else fresh."""
-    secret = secret if secret is not None else env.get(env.CLUSTER_SECRET)
-    if secret:
-        return _derived(secret, purpose)
-    public, secret_key = zmq.curve_keypair()
-    return CurveKeys(public, secret_key)
+def job_credentials(model_dir: Path | None = None) -> Credentials:
+    """This process's credentials from its environment (see the module docstring); a tool acting on a local job
+    in `model_dir` may take the secret its chief left there."""
+    secret = env.get(env.CLUSTER_SECRET)
+    if secret is not None:
+        return Credentials(secret)
+    path = env.get(env.CLUSTER_SECRET_FILE)
+    if path is None and model_dir is not None and (model_dir / SECRET_FILE).exists():
+        path = str(model_dir / SECRET_FILE)
+    if path is None:
+        return Credentials(None)
+    try:
+        secret = Path(path).read_text().strip()
+    except OSError as error:
+        raise SecurityError(f"{env.CLUSTER_SECRET_FILE}={path}: cannot read the cluster secret: {error}") from error
+    if not secret:
+        raise SecurityError(f"{env.CLUSTER_SECRET_FILE}={path}: the file is empty; it must hold the cluster secret")
+    return Credentials(secret)
 
 
-def server_keys(secret: str | None = None) -> CurveKeys:
-    return _keys("server", secret)
+def new_secret() -> str:
+    """A fresh random job secret (256 bits), as the local launcher hands to the roles it starts."""
+    return secrets.token_urlsafe(32)
 
 
-def client_keys(secret: str | None = None) -> CurveKeys:
-    return _keys("client", secret)
+def local_secret() -> str:
+    """This user's secret for jobs on loopback started without one; made on first use, readable by the user only."""
+    try:
+        return _LOCAL_SECRET.read_text().strip()
+    except FileNotFoundError:
+        pass
+    _LOCAL_SECRET.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    write_secret(_LOCAL_SECRET, new_secret(), replace=False)  # another process may have made it first: use that
+    return _LOCAL_SECRET.read_text().strip()
 
 
-def secure_socket(socket: zmq.Socket[Any], keys: CurveKeys, allowed_client: bytes | None) -> None:
-    """Make `socket` a CURVE server; with `allowed_client`, only that client key may connect."""
-    if allowed_client is not None:
-        _authenticator(socket.context).allow(allowed_client)
-    socket.curve_server = True
-    socket.curve_secretkey = keys.secret
+def write_secret(path: Path, secret: str, *, replace: bool = True) -> None:
+    """Write `secret` to `path`, readable by this user only, atomically; with replace=False an existing file stays."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret)
+    try:
+        if replace:
+            os.replace(temporary, path)
+        else:
+            os.link(temporary, path)
+    except FileExistsError:
+        pass
+    finally:
+        temporary.unlink(missing_ok=True)
 
 
-def secure_client(socket: zmq.Socket[Any], server_public: bytes, keys: CurveKeys) -> None:
-    socket.curve_serverkey = server_public
-    socket.curve_publickey = keys.public
-    socket.curve_secretkey = keys.secret
+@functools.lru_cache(maxsize=8)
+def _master_key(secret: str) -> bytes:
+    # scrypt: a secret typed by a person may be short; the derivation makes guessing it slow (~50 ms, once).
+    return hashlib.scrypt(secret.encode(), salt=b"shardflow cluster secret", n=2**14, r=8, p=1, dklen=32)
 
 
-class _AllowedKeys:
-    """ZAP credentials check: a client key is accepted only if a server of this process allowed it."""
+def _derive(secret: str, purpose: bytes) -> bytes:
+    """HKDF-Expand (RFC 5869, one block) of the scrypt master key: independent keys per purpose."""
+    return hmac.new(_master_key(secret), purpose + b"\x01", hashlib.sha256).digest()
 
-    def __init__(self) -> None:
+
+def _curve_pair(seed: bytes) -> tuple[bytes, bytes]:
+    secret_key = z85.encode(seed)
+    return zmq.curve_public(secret_key), secret_key
+
+
+def secure_server_socket(socket: zmq.Socket[Any], advertised: str, credentials: Credentials) -> str:
+    """Make `socket` accept only the job's members at `advertised`; returns the mechanism used."""
+    mechanism = credentials.mechanism(advertised)
+    if mechanism == NULL:
+        _warn_insecure(advertised)
+        return mechanism
+    gatekeeper = _gatekeeper(socket.context)
+    socket.zap_domain = ZAP_DOMAIN
+    if mechanism == PLAIN:
+        gatekeeper.allow_password(credentials.plain_password())
+        socket.plain_server = True
+    else:
+        gatekeeper.allow_key(z85.decode(credentials.client_keys()[0]))
+        socket.curve_server = True
+        socket.curve_secretkey = credentials.server_keys()[1]
+    return mechanism
+
+
+def secure_client_socket(socket: zmq.Socket[Any], address: str, credentials: Credentials) -> str:
+    """Make `socket` prove the job's secret to the server at `address`; returns the mechanism used."""
+    mechanism = credentials.mechanism(address)
+    if mechanism == PLAIN:
+        socket.plain_username = _PLAIN_USER
+        socket.plain_password = credentials.plain_password()
+    elif mechanism == CURVE:
+        public, secret_key = credentials.client_keys()
+        socket.curve_serverkey = credentials.server_keys()[0]
+        socket.curve_publickey = public
+        socket.curve_secretkey = secret_key
+    else:
+        _warn_insecure(address)
+    return mechanism
+
+
+_warned_insecure: set[str] = set()
+
+
+def _warn_insecure(address: str) -> None:
+    if address not in _warned_insecure:
+        _warned_insecure.add(address)
+        log.warning(
+            "!!! %s=1: %s is served WITHOUT authentication or encryption; any process that reaches it can push, "
+            "pull, stop the job or write control keys. Set %s to protect it.",
+            env.INSECURE,
+            address,
+            env.CLUSTER_SECRET,
+        )
+
+
+class _Gatekeeper:
+    """The context's ZAP handler: answers each handshake from the passwords and client keys its servers allow,
+    and logs each refused peer address once (then counts)."""
+
+    def __init__(self, context: zmq.Context[Any]) -> None:
+        self.passwords: set[bytes] = set()
         self.keys: set[bytes] = set()
+        self.refused: dict[str, int] = {}
+        """Refused handshakes by peer address."""
+        self._socket: zmq.Socket[bytes] = context.socket(zmq.REP)
+        self._socket.linger = 0
+        self._socket.bind(_ZAP_ENDPOINT)
+        self._thread = threading.Thread(target=self._serve, name="shardflow-zap", daemon=True)
+        self._thread.start()
 
-    def allow(self, key: bytes) -> None:
+    def allow_password(self, password: bytes) -> None:
+        self.passwords.add(password)
+
+    def allow_key(self, key: bytes) -> None:
         self.keys.add(key)
 
-    def callback(self, domain: str, client_key: bytes) -> bool:
-        return z85.encode(client_key) in self.keys or client_key in self.keys
+    def _serve(self) -> None:
+        while True:
+            try:
+                request = self._socket.recv_multipart()
+            except zmq.ContextTerminated:
+                self._socket.close(linger=0)
+                return
+            request_id = request[1] if len(request) > 1 else b""
+            ok = self._check(request)
+            status = (b"200", b"OK") if ok else (b"400", b"not a member of this job")
+            self._socket.send_multipart([b"1.0", request_id, *status, b"", b""])
+
+    def _check(self, request: list[bytes]) -> bool:
+        # ZAP 1.0: version, request id, domain, address, routing id, mechanism, credentials...
+        if len(request) < 6 or request[0] != b"1.0":
+            return False
+        address, mechanism, credentials = request[3], request[5], request[6:]
+        if mechanism == b"PLAIN" and len(credentials) == 2:
+            ok = any(hmac.compare_digest(credentials[1], p) for p in self.passwords) and credentials[0] == _PLAIN_USER
+        elif mechanism == b"CURVE" and len(credentials) == 1:
+            ok = any(hmac.compare_digest(credentials[0], k) for k in self.keys)
+        else:
+            ok = False
+        if not ok:
+            self._refuse(address.decode(errors="replace"), mechanism.decode(errors="replace"))
+        return ok
+
+    def _refuse(self, address: str, mechanism: str) -> None:
+        count = self.refused.get(address, 0) + 1
+        if count == 1 and len(self.refused) < 10_000:
+            log.warning(
+                "refused a connection from %s: its %s credentials do not hold this job's secret", address, mechanism
+            )
+        if address in self.refused or len(self.refused) < 10_000:
+            self.refused[address] = count
 
 
-_authenticators: dict[int, tuple[zmq.auth.thread.ThreadAuthenticator, _AllowedKeys]] = {}
+_gatekeepers: dict[int, _Gatekeeper] = {}
+_gatekeepers_lock = threading.Lock()
 
 
-def _authenticator(context: zmq.Context[Any]) -> _AllowedKeys:
-    found = _authenticators.get(id(context))
-    if found is None:
-        authenticator = zmq.auth.thread.ThreadAuthenticator(context)
-        authenticator.start()
-        allowed = _AllowedKeys()
-        authenticator.configure_curve_callback(domain="*", credentials_provider=allowed)
-        found = _authenticators[id(context)] = (authenticator, allowed)
-    return found[1]
+def _gatekeeper(context: zmq.Context[Any]) -> _Gatekeeper:
+    with _gatekeepers_lock:
+        found = _gatekeepers.get(id(context))
+        if found is None:
+            found = _gatekeepers[id(context)] = _Gatekeeper(context)
+        return found
+
+
+def refused_peers(context: zmq.Context[Any] | None = None) -> dict[str, int]:
+    """Refused handshakes by peer address, as this process's gatekeeper counted them."""
+    found = _gatekeepers.get(id(context or zmq.Context.instance()))
+    return dict(found.refused) if found is not None else {}

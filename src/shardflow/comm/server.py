@@ -3,32 +3,41 @@
 from __future__ import annotations
 
 import logging
+import math
+import reprlib
 import socket
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import zmq
 
 from shardflow import env
+from shardflow.comm.client import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
 from shardflow.comm.errors import CommError, ProtocolError
-from shardflow.comm.framing import SNDMORE, Receiver, decode, encode, send_frames, timeout_ms
-from shardflow.comm.security import (
-    CurveKeys,
-    client_keys,
-    is_loopback,
-    secure_socket,
-    server_keys,
+from shardflow.comm.framing import (
+    SNDMORE,
+    OverLimit,
+    Receiver,
+    WireLimits,
+    decode,
+    encode,
+    peek_header,
+    send_frames,
+    timeout_ms,
 )
+from shardflow.comm.security import Credentials, is_loopback, job_credentials, secure_server_socket
 
 logger = logging.getLogger(__name__)
 
-# Senders remembered for duplicate detection; the oldest is forgotten beyond this, which only
-# matters once this many client incarnations have talked to one server.
+# Senders remembered for duplicate detection; the least recently heard from is forgotten beyond this,
+# which only matters once this many client incarnations have talked to one server.
 _MAX_SENDERS = 1024
+_MAX_SENDER_CHARS = 256
 _QUEUE_LIMIT = 100_000
 
 
@@ -75,32 +84,40 @@ class Server:
         self,
         bind: str,
         context: zmq.Context[Any] | None = None,
-        curve: CurveKeys | None = None,
-        allowed_client: bytes | None = None,
+        credentials: Credentials | None = None,
+        advertise: str | None = None,
+        limits: WireLimits | None = None,
     ) -> None:
-        """With `curve`, traffic is encrypted (CURVE) and, with `allowed_client`, only that key may connect;
-        `public_key` then says what clients must pass to Client.connect."""
+        """With `credentials`, only holders of the job secret get in (comm/security.py); the mechanism follows
+        `advertise` (the address clients use, default `bind`), so that it matches what clients pick."""
         self._socket: zmq.Socket[bytes] = (context or zmq.Context.instance()).socket(zmq.ROUTER)
-        self.public_key = curve.public if curve is not None else None
-        if curve is not None:
-            secure_socket(self._socket, curve, allowed_client)
+        self.mechanism = "null"
+        if credentials is not None:
+            try:
+                self.mechanism = secure_server_socket(self._socket, advertise or bind, credentials)
+            except Exception:
+                self._socket.close(linger=0)
+                raise
         self._socket.linger = 0
+        self._socket.heartbeat_ivl = HEARTBEAT_IVL_MS
+        self._socket.heartbeat_timeout = HEARTBEAT_TIMEOUT_MS
         self._socket.sndhwm = _QUEUE_LIMIT
         self._socket.rcvhwm = _QUEUE_LIMIT
         # A client that reconnects keeps its routing id; let the new connection take it over.
         self._socket.router_handover = 1
+        self._receiver = Receiver(self._socket, limits or WireLimits(), envelope=1)  # sets MAXMSGSIZE: before bind
         try:
             self._socket.bind(bind)
         except zmq.ZMQError as error:
             self._socket.close(linger=0)
             raise CommError(f"cannot bind {bind!r}: {error}") from error
-        self.address = _connectable(self._socket.last_endpoint.decode())
+        bound = self._socket.last_endpoint.decode()
+        self.address = _advertised(advertise, bound) if advertise else _connectable(bound)
         self.duplicates = 0
         """Requests seen again (client retries) and not delivered."""
         self.malformed = 0
         """Messages that did not follow the wire format, answered with an error or dropped."""
         self._senders: dict[str, _Sender] = {}
-        self._receiver = Receiver(self._socket)
 
     def recv(self, timeout_s: float | None) -> Request | None:
         """The next new request, or None once `timeout_s` passes (None waits forever)."""
@@ -158,6 +175,9 @@ class Server:
 
     def _accept(self, frames: list[zmq.Frame]) -> Request | None:
         identity = frames[0].bytes
+        if isinstance(frames, OverLimit):
+            self._reject(identity, peek_header(frames[1:]), f"over the server's limits: {frames.problem}")
+            return None
         try:
             header, tensors = decode(frames[1:])
         except ProtocolError as error:
@@ -165,15 +185,23 @@ class Server:
             return None
         sender = header.get("s")
         seq = header.get("q")
-        if not (isinstance(sender, str) and type(seq) is int and isinstance(header.get("op"), str)):
-            self._reject(identity, header, "a request header needs 'op' (str), 's' (str) and 'q' (int)")
+        if not (
+            type(sender) is str
+            and len(sender) <= _MAX_SENDER_CHARS
+            and type(seq) is int
+            and type(header.get("op")) is str
+        ):
+            problem = f"a request header needs 'op' (str), 's' (str of at most {_MAX_SENDER_CHARS}) and 'q' (int)"
+            self._reject(identity, header, problem)
             return None
-        state = self._senders.get(sender)
+        state = self._senders.pop(sender, None)
         if state is None:
             if len(self._senders) >= _MAX_SENDERS:
-                del self._senders[next(iter(self._senders))]
+                del self._senders[next(iter(self._senders))]  # the least recently heard from
             self._senders[sender] = _Sender(seq)
-        elif seq > state.highest_seq:
+            return Request(identity, header, tensors)
+        self._senders[sender] = state  # now the most recently heard from
+        if seq > state.highest_seq:
             state.highest_seq = seq
         else:
             self.duplicates += 1
@@ -189,24 +217,81 @@ class Server:
 
     def _reject(self, identity: bytes, header: dict[str, Any], problem: str) -> None:
         self.malformed += 1
-        sender = header.get("s", "an unknown sender")
-        logger.warning("malformed request from %s (routing id %r): %s", sender, identity, problem)
+        sender = header.get("s")
+        peer = reprlib.repr(sender) if type(sender) is str else "an unnamed sender"
+        held_back = _MALFORMED_LOG.allow(sender if type(sender) is str else identity, header.get("op"))
+        if held_back is not None:
+            logger.warning(
+                "malformed request from %s (routing id %r): %s (%d malformed so far; %d other warnings held back)",
+                peer,
+                identity,
+                problem,
+                self.malformed,
+                held_back,
+            )
         reply: dict[str, Any] = {"error": f"malformed request: {problem}"}
         if "q" in header:  # without it the client cannot match the reply, but it does no harm
             reply["q"] = header["q"]
         try:
             self._send(identity, encode(reply))
         except (zmq.ZMQError, TypeError, ValueError):
-            logger.warning("could not answer the malformed request from %s", sender)
+            logger.warning("could not answer the malformed request from %s (routing id %r)", peer, identity)
 
 
-def secure_server(bind: str) -> Server:
-    """A Server that encrypts (CURVE) unless it binds to loopback; with SHARDFLOW_CLUSTER_SECRET set, it also
-    accepts only clients that hold the secret."""
-    if is_loopback(bind) and env.get(env.ENCRYPT) != "always":
-        return Server(bind)
-    allowed = client_keys().public if env.get(env.CLUSTER_SECRET) else None
-    return Server(bind, curve=server_keys(), allowed_client=allowed)
+class LogLimiter:
+    """Rate-limits warnings about what peers send: one line per (peer, what) every `every_s` seconds and at most
+    `max_lines` in all per `every_s`, so that neither one bad peer nor many made-up ones flood the log. The lines
+    held back, whatever their peer, are counted, and the count goes with the next line let through."""
+
+    def __init__(self, every_s: float = 10.0, max_lines: int = 20, max_keys: int = 1024) -> None:
+        self.every_s, self.max_lines, self.max_keys = every_s, max_lines, max_keys
+        self.held_back = 0
+        """Lines held back since the last one let through."""
+        self._last: dict[tuple[str, str], float] = {}
+        self._window_start, self._window_lines = -math.inf, 0
+
+    def allow(self, peer: object, what: object) -> int | None:
+        """None when a line about `peer` and `what` is to be held back; else how many were held back before it."""
+        now = time.monotonic()
+        key = (reprlib.repr(peer), reprlib.repr(what))
+        if now - self._window_start >= self.every_s:
+            self._window_start, self._window_lines = now, 0
+        if now - self._last.get(key, -math.inf) < self.every_s or self._window_lines >= self.max_lines:
+            self.held_back += 1
+            return None
+        self._window_lines += 1
+        self._last.pop(key, None)
+        if len(self._last) >= self.max_keys:
+            del self._last[next(iter(self._last))]  # the longest silent
+        self._last[key] = now
+        held_back, self.held_back = self.held_back, 0
+        return held_back
+
+
+# One per process: its servers share one budget of lines about malformed requests.
+_MALFORMED_LOG = LogLimiter()
+
+
+def secure_server(advertised: str, bind: str | None = None) -> Server:
+    """A Server at `advertised` (a tcp:// endpoint peers connect to; port 0 picks one) that accepts only holders
+    of the job secret. It listens on `advertised` itself when that is loopback, else on `bind` (default: every
+    interface, or SHARDFLOW_BIND_ADDRESS), as TensorFlow's servers do."""
+    if bind is None:
+        bind = advertised if is_loopback(advertised) else _wildcard(advertised)
+    return Server(bind, credentials=job_credentials(), advertise=advertised)
+
+
+def _wildcard(advertised: str) -> str:
+    port = urlsplit(advertised).port
+    host = env.get(env.BIND_ADDRESS) or "*"
+    return f"tcp://{host}:{port if port is not None else 0}"
+
+
+def _advertised(advertise: str, bound: str) -> str:
+    """`advertise` with the port the socket got, when it asked for any port (0)."""
+    if urlsplit(advertise).port != 0:
+        return advertise
+    return f"{advertise.rpartition(':')[0]}:{urlsplit(bound).port}"
 
 
 def _connectable(endpoint: str) -> str:

@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from shardflow.profile.events import build_table, write_table
 from shardflow.profile.merge import merge
 from shardflow.profile.trace import write_trace
 
@@ -60,6 +59,8 @@ def capture_dir(model_dir: str | Path, name: str | None = None) -> Path:
 def write_capture(role_traces: list[dict[str, Any]], directory: str | Path) -> Path:
     """Merges the roles' traces (one dict per role) and writes the merged trace and its events table, both from
     the merged events in memory; returns the directory."""
+    from shardflow.profile.events import write_table  # pyarrow: 0.3-0.4 s of every role's start-up otherwise
+
     directory = Path(directory)
     merged = merge(role_traces)
     write_trace(merged, directory / MERGED)
@@ -69,6 +70,8 @@ def write_capture(role_traces: list[dict[str, Any]], directory: str | Path) -> P
 
 def finalize(directory: str | Path) -> Path:
     """The events table of a capture, rebuilt from its merged trace when missing or older; returns its path."""
+    from shardflow.profile.events import build_table
+
     directory = Path(directory)
     merged, events = directory / MERGED, directory / EVENTS
     if not merged.exists():

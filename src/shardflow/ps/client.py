@@ -67,7 +67,7 @@ class ParameterClient:
     def __init__(
         self,
         client: Client,
-        ps_endpoints: Sequence[tuple[str, bytes | None]],
+        ps_endpoints: Sequence[str],
         placement: Placement,
         model: torch.nn.Module,
         *,
@@ -83,9 +83,8 @@ class ParameterClient:
         self._role = f"worker:{worker_index}"
         self.peers = [f"ps:{k}" for k in range(placement.num_ps)]
         self._index_of = {peer: k for k, peer in enumerate(self.peers)}
-        # A PS that is not on loopback encrypts (CURVE); its key came with its address.
-        for peer, (address, server_key) in zip(self.peers, ps_endpoints, strict=True):
-            client.connect(peer, address, server_key=server_key)
+        for peer, address in zip(self.peers, ps_endpoints, strict=True):
+            client.connect(peer, address)
         named = dict(model.named_parameters())
         missing = [p.name for p in placement.pieces if p.name not in named]
         if missing:
@@ -161,12 +160,13 @@ class ParameterClient:
                     piece = self.layout.tables[ps][index]
                     weight.index_copy_(0, local_rows + piece.row_start, rows_values.to(weight.device))
 
-    def _recv(self, peer: str, seq: int) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """A worker's wait for a reply: within the request deadline, and cut short (by whatever `check_restored`
-        raises) once the PS were restored after one was lost, since a lost PS never answers."""
+    def _recv(self, peer: str, seq: int, timeout_s: float | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        """A wait for a reply: within the request deadline (default timeout_s), and cut short (by whatever
+        `check_restored` raises) once a PS was restarted or the PS restored, since a lost PS never answers."""
+        timeout_s = timeout_s or self.timeout_s
         if self.check_restored is None:
-            return self.client.recv(peer, seq, self.timeout_s)
-        deadline = time.monotonic() + self.timeout_s
+            return self.client.recv(peer, seq, timeout_s)
+        deadline = time.monotonic() + timeout_s
         while True:
             slice_s = min(_RESTORE_CHECK_S, deadline - time.monotonic())
             try:
@@ -174,7 +174,7 @@ class ParameterClient:
             except DeadlineExceeded as expired:
                 self.check_restored()
                 if time.monotonic() >= deadline:
-                    raise DeadlineExceeded(peer, expired.address, expired.what, self.timeout_s) from None
+                    raise DeadlineExceeded(peer, expired.address, expired.what, timeout_s) from None
             except CommError:
                 self.check_restored()  # a PS refuses a push of the training before its restore
                 raise
@@ -234,9 +234,7 @@ class ParameterClient:
             self.client.send(peer, message.header(), frames[k] if frames is not None else ())
             for k, (peer, message) in enumerate(zip(self.peers, messages, strict=True))
         ]
-        return [
-            self.client.recv(peer, seq, timeout_s or self.timeout_s) for peer, seq in zip(self.peers, seqs, strict=True)
-        ]
+        return [self._recv(peer, seq, timeout_s) for peer, seq in zip(self.peers, seqs, strict=True)]
 
     def _broadcast(self, message: protocol.PSRequest) -> list[StepReply]:
         replies = self.exchange([message] * len(self.peers))
@@ -419,11 +417,11 @@ class ParameterClient:
                 self.check_restored()
             raise
 
-    def reconnect(self, ps_endpoints: Sequence[tuple[str, bytes | None]]) -> None:
+    def reconnect(self, ps_endpoints: Sequence[str]) -> None:
         """Connect to every PS again, at these addresses (a restarted PS may serve elsewhere); requests in flight
         are forgotten."""
-        for peer, (address, server_key) in zip(self.peers, ps_endpoints, strict=True):
-            self.client.connect(peer, address, server_key=server_key)
+        for peer, address in zip(self.peers, ps_endpoints, strict=True):
+            self.client.connect(peer, address)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -13,7 +13,6 @@ Where it happens is chosen by what is exact:
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Callable, Iterable, Sequence
 from typing import Protocol
 
@@ -60,12 +59,12 @@ def clip_local_gradients(model: torch.nn.Module, max_norm: float) -> None:
 
 
 class _Store(Protocol):
-    """What a NormExchange needs of the control plane's key-value store (torch.distributed's TCPStore)."""
+    """What a NormExchange needs of the job's control plane (cluster/rendezvous.py ControlPlane)."""
 
     def set(self, key: str, value: str) -> None: ...
-    def get(self, key: str) -> bytes: ...
-    def wait(self, keys: list[str], timeout: datetime.timedelta) -> None: ...
-    def delete_key(self, key: str) -> bool: ...
+    def get(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> str: ...
+    def wait(self, keys: list[str], *, waiting_for: str, timeout_s: float | None = None) -> None: ...
+    def delete(self, key: str) -> bool: ...
 
 
 class StoreNormExchange:
@@ -89,14 +88,9 @@ class StoreNormExchange:
         own = self._key(step, self.index)
         self.store.set(own, repr(squared))
         if self._written is not None:
-            self.store.delete_key(self._written)
+            self.store.delete(self._written)
         self._written = own
         keys = [self._key(step, k) for k in range(self.num_ps)]
-        try:
-            self.store.wait(keys, datetime.timedelta(seconds=self.timeout_s))
-        except RuntimeError as error:
-            raise RuntimeError(
-                f"ps:{self.index} waited {self.timeout_s:.0f}s for the other PS' gradient norms of global step {step} "
-                f"(clip_grad_norm in sync mode): {error}"
-            ) from error
-        return sum(float(self.store.get(key)) for key in keys)
+        what = f"the other PS' gradient norms of global step {step} (clip_grad_norm in sync mode)"
+        self.store.wait(keys, waiting_for=what, timeout_s=self.timeout_s)
+        return sum(float(self.store.get(key, waiting_for=what, timeout_s=self.timeout_s)) for key in keys)

@@ -47,6 +47,13 @@ Requests (sender: request, fields; frames; reply):
 
 Every reply header carries the PS's global step and whether training is over ("stop"). A request that breaks
 these rules is answered with comm's error reply and raises `PSProtocolError` on the PS; it is never handled.
+Before any of this, comm/ checks every message against its wire limits (comm/framing.py `WireLimits`).
+
+A PS holds some requests before it answers them: a sync push until its step's other pushes arrived, an ssp push
+while its worker is too far ahead, a pull until its `min_step`. It holds at most `ApplyConfig.held_limit` pushes
+and as many pulls, each for at most `ApplyConfig.hold_timeout_s`; a request beyond the bound, or a pull for a step after
+`max_steps` or more than `apply.MAX_PULL_AHEAD` steps ahead, is answered at once with an error, and one held past
+its deadline is answered with an error saying what it waited for (ps/apply.py `Updates`).
 The field checks live in ps/fields.py, the reply types in ps/replies.py; both are re-exported here.
 """
 
@@ -528,3 +535,5 @@ def decode_request(
         return message_type.decode(header, frames, limits)
     except Invalid as invalid:
         raise PSProtocolError(op, invalid.field, sender, invalid.problem) from None
+    except Exception as error:  # a check that missed a shape of bad input: still refused, never raised further
+        raise PSProtocolError(op, "header", sender, f"could not be read: {type(error).__name__}: {error}") from None

@@ -11,11 +11,11 @@ from typing import Any
 import torch
 
 from shardflow import faults
-from shardflow.comm.server import Request, Server
+from shardflow.comm.server import LogLimiter, Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import clipping, protocol
-from shardflow.ps.apply import ApplyConfig, Gradients, Updates, all_finite
+from shardflow.ps.apply import ApplyConfig, Gradients, Refused, Updates, all_finite
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
@@ -28,8 +28,6 @@ RESTORED = "the parameter servers were restored from a checkpoint after one was 
 _FENCED = (protocol.Push, protocol.NonFinite, protocol.Done)
 """What a worker sends that changes the update rule's state: refused from a worker that has not rejoined since a
 restore (not `Rejoin` nor `Lost`, which subclass `Done`)."""
-# A flood of bad requests must not flood the log: one line per kind of problem per this many seconds.
-_LOG_EVERY_S = 10.0
 
 
 def _finite(gradients: Gradients) -> bool:
@@ -58,7 +56,16 @@ class ParameterServer:
         self.limits: protocol.Limits | None = None
         """What requests are checked against; None until the chief initialised this PS."""
         self.updates: Updates[Request] = Updates(ApplyConfig(), 0, self._apply, self._answer)
-        self.stats: dict[str, float] = {"apply_s": 0.0, "malformed": 0, "failed": 0, "repeated": 0}
+        self.stats: dict[str, float] = {
+            "apply_s": 0.0,
+            "malformed": 0,
+            "failed": 0,
+            "repeated": 0,
+            "refused": 0,
+            "expired": 0,
+        }
+        """Counters; "refused" and "expired" count requests this PS would not hold and held ones past their
+        deadline (see apply.Updates)."""
         self._snapshot: list[torch.Tensor] | None = None
         # Checkpoint snapshots taken at exact steps, until the chief saved them, with the input positions.
         self.snapshots = Snapshots()
@@ -73,7 +80,8 @@ class ParameterServer:
         self._deferred_pushes: list[tuple[Request, protocol.Push | protocol.NonFinite]] = []
         self._handling_since = 0
         self._shutdown = False
-        self._last_logged: dict[tuple[str, str], float] = {}
+        # A flood of bad requests must not flood the log: see LogLimiter.
+        self._log_limiter = LogLimiter()
         self._handlers: dict[type[protocol.PSRequest], Callable[[Request, Any], None]] = {
             protocol.Init: self._on_init,
             protocol.Pull: self._on_pull,
@@ -100,13 +108,16 @@ class ParameterServer:
         periodic: Callable[[int], None] | None = None,
     ) -> None:
         """Handle requests until a shutdown request arrives or `should_stop()` says the job is over;
-        `periodic(global_step)` runs about every `poll_s` seconds, busy or idle."""
+        `periodic(global_step)` runs about every `poll_s` seconds, busy or idle, as does the answer to held requests
+        past their deadline."""
         next_periodic = time.monotonic() + poll_s
         while not self._shutdown:
             request = self.server.recv(timeout_s=poll_s)
-            if periodic is not None and time.monotonic() >= next_periodic:
+            if time.monotonic() >= next_periodic:
                 next_periodic = time.monotonic() + poll_s
-                periodic(self.step)
+                self._expire_held()
+                if periodic is not None:
+                    periodic(self.step)
             if request is None:
                 if should_stop():
                     return
@@ -121,7 +132,7 @@ class ParameterServer:
             message = protocol.decode_request(request.header, request.tensors, self.limits, request.sender)
         except PSProtocolError as error:
             self.stats["malformed"] += 1
-            self._log("malformed", error.op, f"ps:{self.index} refused a malformed request: {error}")
+            self._log("malformed", request.sender, error.op, f"ps:{self.index} refused a malformed request: {error}")
             self.server.reply_error(request, f"ps:{self.index} refused a malformed request: {error}")
             return
         if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
@@ -131,27 +142,57 @@ class ParameterServer:
             # A request of the training before this PS was restored: its worker has not heard of the restore.
             self.server.reply_error(request, f"{RESTORED} (recovery {self.generation}); rejoin first")
             return
-        if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
-            self._deferred_pushes.append((request, message))
-            return
         try:
-            self._handlers[type(message)](request, message)
+            if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
+                self._defer(request, message)
+            else:
+                self._handlers[type(message)](request, message)
+        except Refused as refused:
+            self._refuse_to_hold(request, message.op, refused)
         except Exception as error:  # answered and counted: one bad request must not end the job
             self.stats["failed"] += 1
-            self._log("failed", message.op, f"ps:{self.index} failed on {message.op!r} from {request.sender}: {error}")
+            line = f"ps:{self.index} failed on {message.op!r} from {request.sender}: {error}"
+            self._log("failed", request.sender, message.op, line)
             self.server.reply_error(request, f"ps:{self.index} failed on {message.op!r}: {error}")
+
+    def _defer(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
+        """Hold a push until the chief saved the snapshots this PS holds (see `_on_release_snapshots`)."""
+        if len(self._deferred_pushes) >= self.config.held_limit:
+            raise Refused(
+                f"{len(self._deferred_pushes)} pushes wait already for the chief to save this PS's snapshots, the "
+                "most a PS holds (ApplyConfig.max_held_requests)"
+            )
+        self._deferred_pushes.append((request, push))
+
+    def _refuse_to_hold(self, request: Request, op: str, refused: Refused) -> None:
+        self.stats["refused"] += 1
+        self._log("refused", request.sender, op, f"ps:{self.index} refused {op!r} from {request.sender}: {refused}")
+        self.server.reply_error(request, f"ps:{self.index} refused {op!r}: {refused}")
+
+    def _expire_held(self) -> None:
+        """Answer the held requests past their deadline with an error saying what each waited for."""
+        for request, waited_for in self.updates.expire():
+            self.stats["expired"] += 1
+            line = f"ps:{self.index} gave up on {request.op!r} from {request.sender}: {waited_for}"
+            self._log("expired", request.sender, request.op, line)
+            self.server.reply_error(request, f"ps:{self.index} gave up on {request.op!r}: {waited_for}")
 
     def _not_rejoined(self, message: protocol.PSRequest) -> bool:
         worker_index: int = getattr(message, "worker_index", -1)
         return worker_index not in self.rejoined
 
-    def _log(self, kind: str, op: object, line: str) -> None:
-        key = (kind, repr(op))
-        now = time.monotonic()
-        if now - self._last_logged.get(key, -_LOG_EVERY_S) >= _LOG_EVERY_S:
-            self._last_logged[key] = now
+    def _log(self, kind: str, peer: str, op: object, line: str) -> None:
+        """Log `line`, the latest `kind` (a key of the stats) of problem with `peer`'s `op`, rate-limited."""
+        held_back = self._log_limiter.allow(peer, (kind, op))
+        if held_back is not None:
             so_far = {**self.updates.stats, **self.stats}[kind]
-            log.warning("%s (%d so far; repeats are not logged for %.0fs)", line, so_far, _LOG_EVERY_S)
+            log.warning("%s (%d so far; %d other warnings held back)", line, so_far, held_back)
+
+    def _stats(self) -> dict[str, float]:
+        """This PS's counters with its update rule's and its server's (duplicates, and wire_malformed: messages
+        that broke the wire format or its limits)."""
+        server = {"duplicates": self.server.duplicates, "wire_malformed": self.server.malformed}
+        return {**self.updates.stats, **self.stats, **server}
 
     # -- state --------------------------------------------------------------------------------
 
@@ -368,6 +409,7 @@ class ParameterServer:
         self.updates.refuse(request, worker_index)
         self._log(
             "nonfinite",
+            f"worker:{worker_index}",
             found_in,
             f"ps:{self.index} refused a step of worker:{worker_index} on the parameters of global step {base_step}: "
             f"its {found_in} held NaN or inf",
@@ -402,7 +444,7 @@ class ParameterServer:
             stop=self.finished,
             initialized=self.limits is not None,
             snapshots=tuple(sorted(self.snapshots.held)),
-            stats={**self.updates.stats, **self.stats},
+            stats=self._stats(),
         )
         self.server.reply(request, reply.header())
 
@@ -421,7 +463,7 @@ class ParameterServer:
             scalars=tuple(state.scalars),
             iterators=state.iterators,
             worker_steps=state.worker_steps,
-            stats={**self.updates.stats, **self.stats, "duplicates": self.server.duplicates},
+            stats=self._stats(),
         )
         self.server.reply(request, reply.header(), state.tensors())
 
@@ -444,9 +486,12 @@ class ParameterServer:
     def _handle_deferred(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
         try:
             self._handlers[type(push)](request, push)
+        except Refused as refused:
+            self._refuse_to_hold(request, push.op, refused)
         except Exception as error:  # as in handle(): answered and counted
             self.stats["failed"] += 1
-            self._log("failed", push.op, f"ps:{self.index} failed on a deferred push from {request.sender}: {error}")
+            line = f"ps:{self.index} failed on a deferred push from {request.sender}: {error}"
+            self._log("failed", request.sender, push.op, line)
             self.server.reply_error(request, f"ps:{self.index} failed on {push.op!r}: {error}")
 
     def _on_stop(self, request: Request, _: protocol.Stop) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
+from shardflow.comm.security import SECRET_FILE, is_loopback, job_credentials, write_secret
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.checkpointing import ModelState, fetch_state, init_servers
 from shardflow.ps.client import ParameterClient
@@ -70,7 +71,13 @@ def run_chief(
     addresses = [
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(role.num_ps)
     ]
-    client = ParameterClient(Client("chief"), addresses, placement, model, timeout_s=strategy.request_timeout_s)
+    client = ParameterClient(
+        Client("chief", credentials=job_credentials()),
+        addresses,
+        placement,
+        model,
+        timeout_s=strategy.request_timeout_s,
+    )
     on_connect(client)
     apply = ApplyConfig(
         mode=strategy.mode,
@@ -79,6 +86,7 @@ def run_chief(
         max_staleness=strategy.max_staleness,
         max_steps=job.train_spec.max_steps,
         snapshot_every_n_steps=_snapshot_every(job, role),
+        hold_timeout_s=strategy.request_timeout_s,
     )
     init_servers(client, job.optimizer, apply, restored, timeout_s=strategy.startup_timeout_s)
     profiler = ChiefProfiler(control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
@@ -156,4 +164,9 @@ def _write_job_file(job: JobConfig, role: RoleContext) -> Path:
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps({"control": role.control.address, "pid": os.getpid()}))
     os.replace(tmp, path)
+    secret = job_credentials().secret
+    if secret is not None and is_loopback(f"tcp://{role.control.address}"):
+        # A local job's secret is made by its launcher; a tool of the same user reads it here (mode 0600). A real
+        # cluster's secret is never written into model_dir, which may be shared storage.
+        write_secret(job.model_dir / SECRET_FILE, secret)
     return path

@@ -13,7 +13,7 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.cluster.rendezvous import ControlPlane
-from shardflow.comm.errors import DeadlineExceeded
+from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.profile import spans
 from shardflow.profile.capture import check_capture_name, check_steps
 from shardflow.ps.checkpointing import ModelState, fetch_state
@@ -35,6 +35,10 @@ log = logging.getLogger(__name__)
 _POLL_S = 0.05
 _PS_POLL_S = 0.25
 _SLOW_POLL_S = 1.0
+
+
+class PSRestarted(CommError):
+    """A PS was restarted while the chief waited for its answer, which will never come."""
 
 
 class ChiefLoop:
@@ -79,6 +83,8 @@ class ChiefLoop:
             learning_rate=job.optimizer.learning_rate,
         )
         self.heartbeats = Heartbeats(self.control, job.strategy, client)
+        # A PS restarted while the chief waits for it never answers: the wait ends, and _watch_servers restores.
+        client.check_restored = self._check_ps_restarts
         self._refused_request: str | None = None
         self.generation = 0
         """How many times every PS was restored after one was lost (train/recovery.py)."""
@@ -153,6 +159,11 @@ class ChiefLoop:
                 self.global_step = self.last_snapshot_step = state.step
                 self.requested_snapshot = None
 
+    def _check_ps_restarts(self) -> None:
+        for k in range(self.role.num_ps):
+            if self.heartbeats.restarted(f"ps:{k}"):
+                raise PSRestarted(f"ps:{k} was restarted while the chief waited for it")
+
     def _watch_workers(self) -> bool:
         """Read progress reports and heartbeats; fail on a reported failure or a worker lost for good; True once
         every worker's last report (of the current recovery generation) says it is done."""
@@ -182,9 +193,13 @@ class ChiefLoop:
             # Short, so a PS that does not answer delays the chief's watch of the others by little.
             strategy = self.job.strategy
             replies = self.client.status(timeout_s=min(strategy.request_timeout_s, strategy.heartbeat_timeout_s / 4))
+            self._checkpoint_and_evaluate(replies)
         except DeadlineExceeded as error:
             log.info("status poll unanswered: %s", error)
-            return
+        except PSRestarted as restarted:
+            log.warning("%s; every PS is restored next", restarted)
+
+    def _checkpoint_and_evaluate(self, replies: list[StatusReply]) -> None:
         self.global_step = replies[0].step
         self._ps_stats = [r.stats for r in replies]
         by_time = self.job.save_checkpoints_secs is not None and not self.job.save_checkpoints_steps
@@ -302,6 +317,14 @@ class Heartbeats:
         self._beats: dict[str, tuple[str, float]] = {}
         self.lost: dict[str, float] = {}
         """Lost workers, with when they went silent."""
+
+    def restarted(self, name: str) -> bool:
+        """Whether `name`'s beats come from another process than at the last check(); changes nothing."""
+        last = self._beats.get(name)
+        key = control_keys.heartbeat(name)
+        if last is None or not self.control.is_set(key):
+            return False
+        return self.control.get(key, waiting_for=name).partition(":")[0] != last[0].partition(":")[0]
 
     def check(self, name: str) -> bool:
         """Whether `name` was restarted since the last check (its beats come from a new process); raises once it

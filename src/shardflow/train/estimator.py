@@ -20,9 +20,10 @@ import torch
 from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
-from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.comm.errors import CommError
+from shardflow.comm.security import new_secret
 from shardflow.profile.capture import check_steps
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.optimizers import SGD, OptimizerLike, as_optimizer_spec
@@ -184,7 +185,7 @@ def train_and_evaluate(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpe
     """Run this process's role. Returns the result in the chief; other roles exit the process when the job is done."""
     job = est.job(train_spec, eval_spec)
     finished = _already_finished(job)
-    found = cluster_from_env(num_ps=job.strategy.num_ps)
+    found = cluster_from_env(num_ps=job.strategy.num_ps, num_workers=job.strategy.num_workers)
     if finished is not None:
         if found is None or found[1].type == "chief":
             return finished
@@ -253,7 +254,7 @@ def _run_chief(
     task: TaskSpec,
     failures: Sequence[RoleExit] = (),
     preemption: Preemption | None = None,
-    keep_alive: list[object] | None = None,
+    keep_alive: list[ControlPlane] | None = None,
 ) -> TrainResult:
     """Raises Preempted, after the final checkpoint, when SIGTERM (or a role's preemption) ended training early.
     `keep_alive` holds the control plane past the return, while the roles read that the job is over."""
@@ -283,11 +284,24 @@ def _run_chief(
     finally:
         # Tell every role the job is over so none waits for a chief that is gone.
         role.control.set(control_keys.SHUTDOWN, "1")
+        if keep_alive is None:  # this process ends soon: serve the control plane until the roles have read it
+            _await_goodbyes(role)
+            role.control.close()
         for handler in log_handlers:
             logging.getLogger("shardflow").removeHandler(handler)
             handler.close()
         if own_preemption:
             preemption.uninstall()
+
+
+def _await_goodbyes(role: RoleContext, timeout_s: float = 10.0) -> None:
+    """Wait (briefly) until every other role has said it saw the end of the job, or is gone."""
+    others = [control_keys.goodbye(task.name) for task in role.spec.tasks() if task != role.task]
+    try:
+        role.control.wait(others, waiting_for="every role to see the end of the job", timeout_s=timeout_s)
+    except ControlPlaneError:
+        missing = [key for key in others if not role.control.is_set(key)]
+        log.info("the chief ends without goodbyes from %s (gone already, or still finishing)", ", ".join(missing))
 
 
 def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> NoReturn:
@@ -306,9 +320,13 @@ def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: Tas
         elif task.type == "evaluator":
             run_evaluator(job, role)
     except Exception as error:
-        if task.type == "worker":
-            role.control.set(control_keys.failed(task.name), f"{type(error).__name__}: {error}")
+        if task.type == "worker" and not isinstance(error, ControlPlaneError):  # else the chief cannot hear it
+            with contextlib.suppress(ControlPlaneError):
+                role.control.set(control_keys.failed(task.name), f"{type(error).__name__}: {error}")
         raise
+    with contextlib.suppress(ControlPlaneError):
+        role.control.set(control_keys.goodbye(task.name), "1")
+    role.control.close()
     sys.stdout.flush()
     raise SystemExit(0)
 
@@ -392,6 +410,9 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
     strategy = job.strategy
     spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps, evaluator=strategy.evaluator)
     chief = TaskSpec("chief", 0)
+    if not any(env.get(name) for name in (env.CLUSTER_SECRET, env.CLUSTER_SECRET_FILE, env.INSECURE)):
+        # This process is the chief: it and the roles it starts share one fresh secret (the launcher's rule).
+        os.environ[env.CLUSTER_SECRET] = new_secret()
     launcher = LocalLauncher(
         spec,
         _embedded_command(),
@@ -401,7 +422,7 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
         max_restarts=strategy.max_restarts,
         restart_backoff_s=strategy.restart_backoff_s,
     )
-    keep_alive: list[object] = []  # the chief's control plane, until every role has exited
+    keep_alive: list[ControlPlane] = []  # the chief's control plane, until every role has exited
     # The launcher appends roles that fail for good (out of restarts, or not restartable); the chief's loop reads
     # it on every poll.
     failures: list[RoleExit] = []
@@ -435,4 +456,6 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
                 raise RoleFailedError(f"{leftover.describe()} after training finished")
     finally:
         preemption.uninstall()
+        for control in keep_alive:
+            control.close()
     return result

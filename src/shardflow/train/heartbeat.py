@@ -32,10 +32,11 @@ class Heartbeat:
         while not self._stopped.wait(self._interval_s):
             try:
                 self._beat(count)
-            except (RuntimeError, OSError):  # the chief is gone; the role's own requests will say so
+            except (RuntimeError, OSError, ValueError):  # the chief is gone, or stop() closed the connection
                 return
             count += 1
 
     def stop(self) -> None:
         self._stopped.set()
         self._thread.join(timeout=2 * self._interval_s)
+        self._control.close()

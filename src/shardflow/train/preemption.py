@@ -98,9 +98,12 @@ def tell_chief(role: RoleContext) -> Callable[[Preemption], None]:
         try:
             # A connection of its own: the main thread keeps using role.control meanwhile.
             control = ControlPlane(address, is_chief=False, timeout_s=min(5.0, preemption.grace_s))
-            over = control.is_set(control_keys.SHUTDOWN)
-            if not over:
-                control.set(control_keys.preempted(name), preemption.reason)
+            try:
+                over = control.is_set(control_keys.SHUTDOWN)
+                if not over:
+                    control.set(control_keys.preempted(name), preemption.reason)
+            finally:
+                control.close()
         except (ControlPlaneError, RuntimeError) as error:
             exit_now(f"{name}: {preemption.reason}, and the chief's control plane at {address} is gone ({error})")
             return

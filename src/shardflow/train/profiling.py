@@ -17,6 +17,7 @@ import orjson
 from shardflow.cluster import control_keys
 from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.comm.client import Client
+from shardflow.comm.security import job_credentials
 from shardflow.comm.server import secure_server
 from shardflow.profile import ClockEstimate, estimate_offset, set_recorder
 from shardflow.profile.capture import check_capture_name, check_steps, write_capture
@@ -111,9 +112,9 @@ class RoleProfiler:
         self.control.set(control_keys.capture_part(name, self.role), gzip.compress(orjson.dumps(trace), 1))
 
     def _clock_offset(self) -> ClockEstimate:
-        address, key = self.control.endpoint(control_keys.CHIEF_CLOCK, waiting_for="the chief's clock service")
-        with Client(f"{self.role}-clock") as client:
-            client.connect("chief", address, server_key=key)
+        address = self.control.endpoint(control_keys.CHIEF_CLOCK, waiting_for="the chief's clock service")
+        with Client(f"{self.role}-clock", credentials=job_credentials()) as client:
+            client.connect("chief", address)
 
             def ping() -> tuple[int, int, int]:
                 t0 = time.time_ns()
@@ -133,7 +134,7 @@ class ChiefProfiler(RoleProfiler):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve_clock, name="chief-clock", daemon=True)
         self._thread.start()
-        control.publish_endpoint(control_keys.CHIEF_CLOCK, self._server.address, self._server.public_key)
+        control.publish_endpoint(control_keys.CHIEF_CLOCK, self._server.address)
         self.pending: list[dict[str, Any]] = []
         self._own_traces: dict[str, dict[str, Any]] = {}
         """The chief's own part of each capture it cut, by capture name, until it is merged."""
@@ -210,15 +211,20 @@ def request_capture(
     if not job_file.exists():
         raise FileNotFoundError(f"no running job in {model_dir}: {job_file} is written by the chief while it trains")
     job = json.loads(job_file.read_text())
-    control = ControlPlane(job["control"], is_chief=False, timeout_s=10.0)
-    with Client("profile-capture") as client:
-        address, key = control.endpoint(control_keys.ps_endpoint(0), waiting_for="ps:0's address")
-        client.connect("ps:0", address, server_key=key)
-        first = read_global_step(client, "ps:0", timeout_s=10.0) + 1
-    first, last = check_steps((first, first + num_steps), what=f"--steps {num_steps}: the capture's global steps")
-    name = f"on-demand-{first}-{last}"
-    control.set(control_keys.CAPTURE_REQUEST, json.dumps({"name": name, "first": first, "last": last, "ops": ops}))
-    done = control.get(
-        control_keys.capture_done(name), waiting_for="the chief to merge the capture", timeout_s=timeout_s
-    )
+    credentials = job_credentials(Path(model_dir))
+    control = ControlPlane(job["control"], is_chief=False, timeout_s=10.0, credentials=credentials)
+    try:
+        with Client("profile-capture", credentials=credentials) as client:
+            address = control.endpoint(control_keys.ps_endpoint(0), waiting_for="ps:0's address")
+            client.connect("ps:0", address)
+            first = read_global_step(client, "ps:0", timeout_s=10.0) + 1
+        first, last = check_steps((first, first + num_steps), what=f"--steps {num_steps}: the capture's global steps")
+        name = f"on-demand-{first}-{last}"
+        request = {"name": name, "first": first, "last": last, "ops": ops}
+        control.set(control_keys.CAPTURE_REQUEST, json.dumps(request))
+        done = control.get(
+            control_keys.capture_done(name), waiting_for="the chief to merge the capture", timeout_s=timeout_s
+        )
+    finally:
+        control.close()
     return Path(done)

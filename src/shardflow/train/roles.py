@@ -13,7 +13,7 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
-from shardflow.comm.security import is_loopback
+from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
 from shardflow.comm.server import secure_server
 from shardflow.ps.clipping import StoreNormExchange
 from shardflow.ps.server import ParameterServer
@@ -43,18 +43,21 @@ class RoleContext:
         return self.spec.num("ps")
 
 
-def _bind_address(address: str, chief_address: str) -> str:
+_SECURITY = {
+    PLAIN: "authenticated, plaintext on loopback",
+    CURVE: "authenticated and CURVE-encrypted",
+    NULL: "NOT authenticated",
+}
+
+
+def advertised_address(address: str, chief_address: str) -> str:
+    """The tcp:// endpoint peers reach this role at: its address in the cluster spec, or, where torchrun gives
+    none, loopback on one machine and this host's address across machines (any free port)."""
     if address != DYNAMIC:
         return f"tcp://{address}"
-    # torchrun gives no per-rank address: on one machine stay on loopback, else listen on every interface.
-    return "tcp://127.0.0.1:0" if is_loopback(f"tcp://{chief_address}") else "tcp://0.0.0.0:0"
-
-
-def _connect_address(bound: str) -> str:
-    # A PS bound to every interface publishes an address the other machines can reach.
-    if "://0.0.0.0:" in bound:
-        return bound.replace("0.0.0.0", socket.gethostbyname(socket.gethostname()))
-    return bound
+    if is_loopback(f"tcp://{chief_address}"):
+        return "tcp://127.0.0.1:0"
+    return f"tcp://{socket.gethostbyname(socket.gethostname())}:0"
 
 
 def run_ps(role: RoleContext) -> None:
@@ -63,18 +66,17 @@ def run_ps(role: RoleContext) -> None:
     # sparse tensors from them; opting out of torch's own check explicitly also silences its warning.
     torch.sparse.check_sparse_tensor_invariants.disable()
     chief = role.spec.address(TaskSpec("chief", 0))
-    server = secure_server(_bind_address(role.spec.address(role.task), chief))
+    server = secure_server(advertised_address(role.spec.address(role.task), chief))
     try:
-        address = _connect_address(server.address)
-        role.control.publish_endpoint(control_keys.ps_endpoint(role.task.index), address, server.public_key)
-        encryption = "CURVE-encrypted" if server.public_key is not None else "plaintext on loopback"
-        print(f"{role.task.name} serving at {address} ({encryption})", flush=True)
+        address = server.address
+        role.control.publish_endpoint(control_keys.ps_endpoint(role.task.index), address)
+        print(f"{role.task.name} serving at {address} ({_SECURITY[server.mechanism]})", flush=True)
         # After its address is published: a chief that sees a restarted PS beat finds where it serves.
         heartbeat = Heartbeat(role.task.name, role.control)
         ps = ParameterServer(server, role.task.index)
         if role.num_ps > 1:  # used only by sync mode with clip_grad_norm
             control = role.control
-            ps.norm_exchange = StoreNormExchange(control.store, role.task.index, role.num_ps, control.timeout_s)
+            ps.norm_exchange = StoreNormExchange(control, role.task.index, role.num_ps, control.timeout_s)
         profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True)
         profiler.check_requests()  # a capture requested up front (profile_steps) is known before the first step
 

@@ -14,6 +14,7 @@ import torch
 
 from shardflow.cluster import control_keys
 from shardflow.comm.client import Client
+from shardflow.comm.security import job_credentials
 from shardflow.data.torch_edge import to_torch
 from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
@@ -50,7 +51,7 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)
     ]
     client = ParameterClient(
-        Client(role.task.name),
+        Client(role.task.name, credentials=job_credentials()),
         addresses,
         placement,
         model,

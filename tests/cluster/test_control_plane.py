@@ -1,0 +1,168 @@
+"""The chief's control service: keys, counters, waits with deadlines, only for holders of the job secret,
+malformed requests answered, and roles that ride out a restart of the chief."""
+
+import contextlib
+import socket
+import threading
+import time
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from shardflow.cluster import control
+from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
+from shardflow.comm.client import Client
+from shardflow.comm.errors import CommError
+from shardflow.comm.security import Credentials, job_credentials, secure_client_socket
+
+
+def _free_address() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.fixture
+def plane(monkeypatch):
+    monkeypatch.setenv("SHARDFLOW_CLUSTER_SECRET", "control-test")
+    address = _free_address()
+    chief = ControlPlane(address, is_chief=True, timeout_s=5)
+    role = ControlPlane(address, is_chief=False, timeout_s=5)
+    yield chief, role
+    role.close()
+    chief.close()
+
+
+def test_keys_counters_and_deletes(plane):
+    chief, role = plane
+    role.set("ps/0/address", "tcp://127.0.0.1:1234")
+    assert chief.endpoint("ps/0", waiting_for="ps:0") == "tcp://127.0.0.1:1234"
+    role.set("blob", bytes(range(256)) * 10)
+    assert chief.get_bytes("blob", waiting_for="blob") == bytes(range(256)) * 10
+    role.set("empty", b"")
+    assert chief.get_bytes("empty", waiting_for="empty") == b""
+    assert [role.add("n", 2), chief.add("n", 5), role.add("n", -1)] == [2, 7, 6]
+    assert role.is_set("n") and role.delete("n") and not role.is_set("n") and not role.delete("n")
+
+
+def test_a_wait_is_answered_when_the_key_is_set_and_expires_naming_what_it_waited_for(plane):
+    chief, role = plane
+    threading.Timer(0.3, chief.set, args=("ready", "1")).start()
+    start = time.monotonic()
+    role.wait(["ready"], waiting_for="the chief to be ready", timeout_s=5)
+    assert time.monotonic() - start < 2
+    start = time.monotonic()
+    with pytest.raises(ControlPlaneError, match=r"waited 1s for ps:3 to start \(key 'never'"):
+        role.get("never", waiting_for="ps:3 to start", timeout_s=1.0)
+    assert 0.9 < time.monotonic() - start < 4
+
+
+def test_counters_are_atomic_across_threads(plane):
+    chief, role = plane
+
+    def count() -> None:
+        for _ in range(100):
+            role.add("hits", 1)
+
+    threads = [threading.Thread(target=count) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert chief.add("hits", 0) == 400
+
+
+@pytest.mark.parametrize(
+    ("header", "frames", "problem"),
+    [
+        ({"op": "drop_table", "k": "x"}, [], "unknown op"),
+        ({"op": "set", "k": "x"}, [], "expected 1 frames"),
+        ({"op": "set", "k": 7}, [torch.zeros(1, dtype=torch.uint8)], "a key must be printable text"),
+        ({"op": "set", "k": "a\nb"}, [torch.zeros(1, dtype=torch.uint8)], "a key must be printable text"),
+        ({"op": "set", "k": "x" * 600}, [torch.zeros(1, dtype=torch.uint8)], "a key must be printable text"),
+        ({"op": "set", "k": "x"}, [torch.zeros(2, dtype=torch.float32)], "one uint8 frame"),
+        ({"op": "get", "k": "x", "extra": 1}, [], "is not a field"),
+        ({"op": "add", "k": "x", "n": "1"}, [], "n must be an int"),
+        ({"op": "add", "k": "x", "n": True}, [], "n must be an int"),
+        ({"op": "wait", "ks": ["x"], "w": 1e9}, [], "w must be seconds"),
+        ({"op": "wait", "ks": [], "w": 1}, [], "ks must be a list"),
+        ({"op": "check", "ks": "x"}, [], "ks must be a list"),
+        ({"op": "check"}, [], "'ks' is missing"),
+    ],
+)
+def test_a_malformed_request_gets_an_error_reply_and_the_service_goes_on(plane, header, frames, problem):
+    chief, role = plane
+    with Client("prober", credentials=job_credentials()) as client:
+        client.connect("chief", f"tcp://{chief.address}")
+        with pytest.raises(CommError, match=problem):
+            client.request("chief", header, frames, timeout_s=5)
+    assert chief.service is not None and chief.service.stats["malformed"] == 1
+    role.set("still", "serving")
+    assert chief.get("still", waiting_for="still") == "serving"
+
+
+def test_a_counter_over_a_value_that_is_not_a_number_is_refused(plane):
+    _, role = plane
+    role.set("text", "hello")
+    with pytest.raises(ControlPlaneError, match=r"'text' holds .*not a counter"):
+        role.add("text", 1)
+
+
+def test_garbage_frames_from_a_member_are_answered_and_counted(plane):
+    chief, _ = plane
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
+    sock.linger = 0
+    sock.rcvtimeo = 5000
+    secure_client_socket(sock, f"tcp://{chief.address}", job_credentials())
+    sock.connect(f"tcp://{chief.address}")
+    for message in ([b"\xc1not msgpack"], [msgpack.packb([1, 2])], [msgpack.packb({"op": "get", "k": "x"})]):
+        sock.send_multipart(message)
+        reply = msgpack.unpackb(sock.recv_multipart()[0])
+        assert "malformed" in reply["error"]
+    sock.close()
+    assert chief.service is not None and chief.service.server.malformed == 3
+
+
+def test_without_the_secret_nothing_can_be_read_or_written(plane):
+    chief, _ = plane
+    chief.set("placement", "secret placement")
+    with pytest.raises(ControlPlaneError, match="job's secret"):
+        ControlPlane(chief.address, is_chief=False, timeout_s=2, credentials=Credentials("a guess"))
+    assert chief.get("placement", waiting_for="placement") == "secret placement"
+
+
+def test_a_role_rides_out_a_restart_of_the_chief(plane):
+    chief, role = plane
+    role.set("before", "1")
+    address = chief.address
+    chief.close()
+    restarted: list[ControlPlane] = []
+    threading.Timer(1.0, lambda: restarted.append(ControlPlane(address, is_chief=True, timeout_s=5))).start()
+    # Sent while the chief is gone: answered by the restarted one, which knows nothing of the old keys.
+    role.set("after", "2")
+    assert restarted and restarted[0].get("after", waiting_for="after") == "2"
+    assert not restarted[0].is_set("before")
+    restarted[0].close()
+
+
+def test_held_waits_are_bounded(plane, monkeypatch):
+    chief, role = plane
+    monkeypatch.setattr(control, "MAX_HELD", 2)
+    waiters = [threading.Thread(target=_wait_quietly, args=(chief.address,)) for _ in range(2)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.5)
+    with pytest.raises(ControlPlaneError, match="2 waits are held already"):
+        role.wait(["never"], waiting_for="never", timeout_s=1)
+    for waiter in waiters:
+        waiter.join()
+    assert chief.service is not None and chief.service.stats["expired"] >= 2
+
+
+def _wait_quietly(address: str) -> None:
+    plane = ControlPlane(address, is_chief=False, timeout_s=5)
+    with contextlib.suppress(ControlPlaneError):
+        plane.wait(["never"], waiting_for="never", timeout_s=1.5)
+    plane.close()
