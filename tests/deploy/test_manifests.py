@@ -178,11 +178,11 @@ def test_jobset_restarts_a_failed_ps_or_worker_alone_and_succeeds_with_the_chief
     assert names == ["chief", "ps", "worker"]
     rules = spec["failurePolicy"]["rules"]
     assert all(re.fullmatch(JOBSET_RULE_NAME, rule["name"]) for rule in rules), "JobSet's webhook refuses the name"
-    # JobSet runs the first rule that matches a failed Job: a PS or worker Job is recreated alone; a lost chief
-    # stops the others, so its failure restarts every Job.
+    # JobSet runs the first rule that matches a failed Job: any role's Job is recreated alone (a restarted chief
+    # resumes from the live PS, a restarted PS makes every PS reload the latest checkpoint).
     first = {name: next(rule for rule in rules if name in rule.get("targetReplicatedJobs", names)) for name in names}
     assert {name: rule["action"] for name, rule in first.items()} == {
-        "chief": "RestartJobSet",
+        "chief": "RestartJob",
         "ps": "RestartJob",
         "worker": "RestartJob",
     }

@@ -74,6 +74,8 @@ class StatusReply:
     """The steps of the snapshots the chief has not released yet, oldest first."""
     stats: dict[str, float]
     """Counters: updates applied, pushes dropped (stale, after max steps), requests malformed or failed, ..."""
+    generation: int = 0
+    """How many times this PS was restored after a PS was lost (protocol `Init`): a restarted chief goes on with it."""
 
     def header(self) -> dict[str, Any]:
         return {
@@ -82,18 +84,20 @@ class StatusReply:
             "initialized": self.initialized,
             "snapshots": list(self.snapshots),
             "stats": self.stats,
+            "generation": self.generation,
         }
 
     @classmethod
     def decode(cls, header: dict[Any, Any], sender: str) -> Self:
         try:
-            check_keys(header, ("step", "stop", "initialized", "snapshots", "stats"))
+            check_keys(header, ("step", "stop", "initialized", "snapshots", "stats", "generation"))
             return cls(
                 step=int_field(header, "step"),
                 stop=bool_field(header, "stop"),
                 initialized=bool_field(header, "initialized"),
                 snapshots=ints_field(header, "snapshots"),
                 stats=stats_field(header),
+                generation=int_field(header, "generation"),
             )
         except Invalid as invalid:
             raise PSProtocolError("status", invalid.field, sender, invalid.problem) from None

@@ -445,6 +445,7 @@ class ParameterServer:
             initialized=self.limits is not None,
             snapshots=tuple(sorted(self.snapshots.held)),
             stats=self._stats(),
+            generation=self.generation,
         )
         self.server.reply(request, reply.header())
 

@@ -31,6 +31,11 @@ from shardflow.train.specs import TrainResult
 log = logging.getLogger(__name__)
 
 
+def _last_checkpoint_step(job: JobConfig) -> int:
+    path = checkpoint.latest(job.model_dir)
+    return int(json.loads((path / "manifest.json").read_text())["global_step"]) if path is not None else 0
+
+
 def _resumed_at(restored: ModelState | None, worker: str) -> int:
     """The worker's own step count when this run started: it goes on counting from the checkpoint's, and a
     run's result counts the steps of that run."""
@@ -65,8 +70,6 @@ def run_chief(
     # The chief is the only role that saves, and none of its saves has started yet.
     checkpoint.clean(job.model_dir)
     model = job.build_model()
-    restored = restore_latest(job, model, role)
-    start_step = restored.step if restored else 0
     placement = place(model.named_parameters(), role.num_ps, strategy.partitioner, sparse_variables(model))
     addresses = [
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(role.num_ps)
@@ -79,6 +82,29 @@ def run_chief(
         timeout_s=strategy.request_timeout_s,
     )
     on_connect(client)
+    replies = client.status(timeout_s=strategy.startup_timeout_s)
+    generation = max(reply.generation for reply in replies)
+    live = all(reply.initialized for reply in replies)
+    restored: ModelState | None
+    if live:
+        # This chief was restarted and every PS kept its state: go on from it, exactly where training stands.
+        restored = fetch_state(client)
+        model.load_state_dict(restored.params, strict=False)
+        log.warning(
+            "the chief was restarted: resumed from the live parameter servers at global step %d (recovery %d)",
+            restored.step,
+            generation,
+        )
+    else:
+        restored = restore_latest(job, model, role)
+        if any(reply.initialized for reply in replies):
+            # A restarted chief, and a PS restarted too: every PS goes back to the latest checkpoint.
+            generation += 1
+    if generation:
+        # Workers started from now on (and those that missed a restore) learn the current recovery generation.
+        step = restored.step if restored else 0
+        control.set(control_keys.RECOVERY, json.dumps({"generation": generation, "step": step, "lost": "chief"}))
+    start_step = restored.step if restored else 0
     apply = ApplyConfig(
         mode=strategy.mode,
         num_workers=role.num_workers,
@@ -88,7 +114,10 @@ def run_chief(
         snapshot_every_n_steps=_snapshot_every(job, role),
         hold_timeout_s=strategy.request_timeout_s,
     )
-    init_servers(client, job.optimizer, apply, restored, timeout_s=strategy.startup_timeout_s)
+    if not live:
+        init_servers(
+            client, job.optimizer, apply, restored, timeout_s=strategy.startup_timeout_s, generation=generation
+        )
     profiler = ChiefProfiler(control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
     if job.profile_steps is not None:
         profiler.request(*job.profile_steps, ops=job.profile_ops)
@@ -102,8 +131,15 @@ def run_chief(
         "optimizer": job.optimizer.to_json(),
     }
     initial = restored or ModelState(step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()})
-    recovery = Recovery(job, role, client, model, apply, initial)
+    recovery = Recovery(job, role, client, model, apply, initial, generation)
     loop = ChiefLoop(job, role, client, model, profiler, manifest, start_step, failures, recovery)
+    loop.generation = generation
+    if live:
+        # Snapshots the PS took for the chief that died are checkpointed now, oldest first; without any, one is
+        # asked for at once: what a PS lost from now on is restored to.
+        loop.last_snapshot_step = _last_checkpoint_step(job)
+        if not any(reply.snapshots for reply in replies):
+            loop.request_snapshot(start_step)
     control.set(control_keys.READY, "1")
     try:
         training_started = time.monotonic()

@@ -206,7 +206,7 @@ class ChiefLoop:
         if self._save_snapshots(replies):
             pass
         elif by_time and time.monotonic() - self.last_checkpoint_time >= (self.job.save_checkpoints_secs or 0):
-            self._request_snapshot(max(r.step for r in replies))
+            self.request_snapshot(max(r.step for r in replies))
         self._evaluate_if_due()
 
     def _save_snapshots(self, replies: list[StatusReply]) -> bool:
@@ -228,7 +228,7 @@ class ChiefLoop:
             self.client.release_snapshots(ready[-1])
         return bool(ready)
 
-    def _request_snapshot(self, highest_step: int) -> None:
+    def request_snapshot(self, highest_step: int) -> None:
         # Ahead of every PS, so each snapshots exactly this step (async PS may be a few updates apart).
         target = highest_step + (1 if self.job.strategy.mode == "sync" else len(self.workers) + 1)
         self.client.snapshot_at(target)

@@ -341,10 +341,13 @@ def _run_worker_until_the_end(est: Estimator, job: JobConfig, role: RoleContext)
         except PSRestored as restored:
             log.warning("%s", restored)
             continue
+        progress = control_keys.progress(role.task.name)
         try:
             while not role.control.is_set(control_keys.SHUTDOWN):
                 if recovery_generation(role) > generation:
                     break
+                if role.last_report is not None and not role.control.is_set(progress):
+                    role.control.set(progress, role.last_report)  # a restarted chief learns this worker is done
                 time.sleep(0.2)
             else:
                 return

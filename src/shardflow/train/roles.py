@@ -33,6 +33,8 @@ class RoleContext:
     spec: ClusterSpec
     task: TaskSpec
     control: ControlPlane
+    last_report: str | None = None
+    """A worker's last progress report: sent again to a restarted chief, whose control service starts empty."""
 
     @property
     def num_workers(self) -> int:
@@ -43,6 +45,7 @@ class RoleContext:
         return self.spec.num("ps")
 
 
+_REPUBLISH_S = 1.0
 _SECURITY = {
     PLAIN: "authenticated, plaintext on loopback",
     CURVE: "authenticated and CURVE-encrypted",
@@ -80,9 +83,17 @@ def run_ps(role: RoleContext) -> None:
         profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True)
         profiler.check_requests()  # a capture requested up front (profile_steps) is known before the first step
 
+        endpoint = control_keys.ps_endpoint(role.task.index)
+        republish_at = [time.monotonic() + _REPUBLISH_S]
+
         def periodic(step: int) -> None:
             profiler.check_requests()
             profiler.at_step(step)
+            if time.monotonic() >= republish_at[0]:
+                # A restarted chief's control service starts empty: it finds this PS again here.
+                republish_at[0] = time.monotonic() + _REPUBLISH_S
+                if not role.control.is_set(control_keys.endpoint_address(endpoint)):
+                    role.control.publish_endpoint(endpoint, address)
 
         def job_over() -> bool:
             try:

@@ -304,4 +304,5 @@ class Report:
             "summary_losses": {str(k): v for k, v in self.summary_losses.items()},
             "summary_interval": self.summary_interval,
         }
-        self.role.control.set(control_keys.progress(self.role.task.name), json.dumps(progress))
+        self.role.last_report = json.dumps(progress)
+        self.role.control.set(control_keys.progress(self.role.task.name), self.role.last_report)
