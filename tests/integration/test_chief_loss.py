@@ -49,7 +49,8 @@ def test_a_chief_killed_mid_checkpoint_and_restarted_resumes_from_the_live_ps_ex
         first_out, _ = procs["chief", 0].communicate(timeout=120)
         assert procs["chief", 0].returncode == -signal.SIGKILL, first_out
         # The checkpoint being saved is not there; the one before is intact.
-        assert checkpoint.latest(model_dir) is not None and checkpoint.latest(model_dir).name.endswith("16")
+        intact = checkpoint.latest(model_dir)
+        assert intact is not None and intact.name.endswith("16"), intact
         procs["chief", 0] = start("chief", 0)
         outputs = {name: p.communicate(timeout=150)[0] for name, p in procs.items()}
     finally:
