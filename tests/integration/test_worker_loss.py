@@ -186,8 +186,9 @@ def test_a_silent_worker_is_named_lost_within_the_heartbeat_deadline_and_rejoins
 
 
 def test_a_worker_that_never_comes_back_fails_the_job_naming_it(tmp_path):
+    # Sync: its shard cannot go to another worker (async with epochs hands it over: test_handover.py).
     proc, paused_at = _start_and_pause(
-        tmp_path, num_records=16 * NUM_RECORDS, heartbeat_timeout_s=2.0, worker_rejoin_timeout_s=3.0
+        tmp_path, mode="sync", num_records=16 * NUM_RECORDS, heartbeat_timeout_s=2.0, worker_rejoin_timeout_s=3.0
     )
     try:
         out, _ = proc.communicate(timeout=60)

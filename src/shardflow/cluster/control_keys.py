@@ -23,6 +23,9 @@ While training:
   "checkpoint"}; a worker whose generation is older drops what it was doing and rejoins.
 - `progress/<role>`: each worker, about once a second -> chief. JSON progress report; its last one says
   `"done": true`.
+- `handover/<role>`: chief -> that worker. JSON list of workers lost for good (not back within
+  worker_rejoin_timeout_s) whose remaining shards it reads once its own is done, as each of them (their worker
+  index and step count): every record is still applied once (async mode with epochs; see chief_loop.py).
 - `failed/<role>`: a worker that raised -> chief. The error, as `Type: message`.
 - `preempted/<role>`: a worker, PS or evaluator sent SIGTERM -> chief. Why (e.g. `SIGTERM`); the chief then ends
   the whole job at the current step, checkpointed, within the strategy's termination_grace_s.
@@ -65,6 +68,10 @@ def endpoint_address(endpoint: str) -> str:
 
 def goodbye(role: str) -> str:
     return f"goodbye/{role}"
+
+
+def handover(role: str) -> str:
+    return f"handover/{role}"
 
 
 def heartbeat(role: str) -> str:

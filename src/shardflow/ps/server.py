@@ -120,6 +120,8 @@ class ParameterServer:
                     periodic(self.step)
             if request is None:
                 if should_stop():
+                    if self.limits is not None:  # the job is over: what waits here is answered, with stop
+                        self.updates.stop()
                     return
                 continue
             self.handle(request)

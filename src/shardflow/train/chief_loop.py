@@ -83,6 +83,8 @@ class ChiefLoop:
             learning_rate=job.optimizer.learning_rate,
         )
         self.heartbeats = Heartbeats(self.control, job.strategy, client)
+        self.handed_over: dict[str, str] = {}
+        """Workers lost for good whose remaining shards another worker reads (see _hand_over), to whom."""
         # A PS restarted while the chief waits for it never answers: the wait ends, and _watch_servers restores.
         client.check_restored = self._check_ps_restarts
         self._refused_request: str | None = None
@@ -182,8 +184,40 @@ class ChiefLoop:
             if report.get("done") and report.get("generation", 0) == self.generation:
                 continue
             all_done = False
-            self.heartbeats.check(name)
+            if name in self.handed_over:
+                continue  # its adopter beats for it
+            try:
+                self.heartbeats.check(name)
+            except RoleFailedError:
+                if not self._can_hand_over():
+                    raise
+                self._hand_over(name)
         return all_done
+
+    def _can_hand_over(self) -> bool:
+        """A lost worker's shard can go to another in async mode with a known number of epochs: the adopter reads
+        it as that worker (its index and step count), so the PS apply each of its steps once, whoever sends it."""
+        return self.job.strategy.mode == "async" and self.job.train_spec.epochs is not None
+
+    def _hand_over(self, lost: str) -> None:
+        adopters = [
+            w for w in self.workers if w != lost and w not in self.heartbeats.lost and w not in self.handed_over
+        ]
+        if not adopters:
+            raise RoleFailedError(f"{lost} was lost for good and no worker is left to read its shard")
+        # The one furthest along finishes its own shard first.
+        adopter = max(adopters, key=lambda w: self.progress.get(w, {}).get("local_step", 0))
+        self.handed_over[lost] = adopter
+        self.heartbeats.lost.pop(lost, None)
+        mine = [name for name, to in self.handed_over.items() if to == adopter]
+        self.control.set(control_keys.handover(adopter), json.dumps(mine))
+        log.warning(
+            "%s did not come back within worker_rejoin_timeout_s=%gs: %s reads the rest of its shard once its own is "
+            "done (every record is still applied once)",
+            lost,
+            self.job.strategy.worker_rejoin_timeout_s,
+            adopter,
+        )
 
     # -- checkpoints and evaluation ---------------------------------------------------------------
 

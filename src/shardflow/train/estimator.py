@@ -35,7 +35,7 @@ from shardflow.train.preemption import Preemption, tell_chief
 from shardflow.train.roles import RoleContext, run_evaluator, run_ps
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
-from shardflow.train.worker import PSRestored, recovery_generation, run_worker
+from shardflow.train.worker import JobOver, PSRestored, recovery_generation, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -332,22 +332,44 @@ def _run_other_role(est: Estimator, job: JobConfig, spec: ClusterSpec, task: Tas
 
 
 def _run_worker_until_the_end(est: Estimator, job: JobConfig, role: RoleContext) -> None:
-    """Train; then stay until the chief says the job is over. Whenever the PS are restored after one was lost,
-    even once this worker has finished its input, it starts again from where the PS now say it stands."""
+    """Train; then stay until the chief says the job is over, reading the shards of workers lost for good that the
+    chief hands over. Whenever the PS are restored after one was lost, even once this worker has finished its
+    input, it starts again from where the PS now say it stands."""
+    adopted: list[RoleContext] = []
+    finished: set[str] = set()
+    """Of this worker and those it adopted, the ones done with the current recovery generation."""
     while True:
         generation = recovery_generation(role)
         try:
-            run_worker(job, role, on_connect=est._set_live)
+            for each in (role, *adopted):
+                if each.task.name not in finished:
+                    run_worker(job, each, on_connect=est._set_live)
+                    finished.add(each.task.name)
         except PSRestored as restored:
             log.warning("%s", restored)
+            finished.clear()  # every one of them goes on from where the restored PS say it stands
             continue
+        except JobOver as over:
+            log.warning("%s", over)
+            return
         progress = control_keys.progress(role.task.name)
+        handover = control_keys.handover(role.task.name)
         try:
             while not role.control.is_set(control_keys.SHUTDOWN):
                 if recovery_generation(role) > generation:
+                    finished.clear()
                     break
                 if role.last_report is not None and not role.control.is_set(progress):
                     role.control.set(progress, role.last_report)  # a restarted chief learns this worker is done
+                if role.control.is_set(handover):
+                    names = json.loads(role.control.get(handover, waiting_for="the handed-over workers"))
+                    new = [name for name in names if name not in {each.task.name for each in adopted}]
+                    if new:
+                        for name in new:
+                            log.warning("%s reads the rest of %s's shard, as %s", role.task.name, name, name)
+                            task = TaskSpec("worker", int(name.rpartition(":")[2]))
+                            adopted.append(dataclasses.replace(role, task=task, last_report=None))
+                        break
                 time.sleep(0.2)
             else:
                 return

@@ -75,9 +75,16 @@ def recovery_generation(role: RoleContext) -> int:
     return int(json.loads(role.control.get(control_keys.RECOVERY, waiting_for="the recovery"))["generation"])
 
 
+class JobOver(Exception):
+    """The chief ended the job (done, failed or preempted) while this worker waited for a PS."""
+
+
 def _check_restored(role: RoleContext, generation: int) -> None:
+    """Between slices of a wait for a PS: has the chief restored the PS, or ended the job?"""
     if recovery_generation(role) > generation:
         raise PSRestored(f"{role.task.name}: the parameter servers were restored; rejoining")
+    if role.control.is_set(control_keys.SHUTDOWN):
+        raise JobOver(f"{role.task.name}: the chief ended the job while this worker waited for a parameter server")
 
 
 def _restored_position(role: RoleContext) -> dict[str, Any] | None:
