@@ -23,14 +23,21 @@ def _data(num_batches: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _one_process(
-    steps: int, batches_per_step: int, batch: int, change_gradients: Callable[[torch.nn.Module], Any]
+    steps: int,
+    batches_per_step: int,
+    batch: int,
+    change_gradients: Callable[[torch.nn.Module], Any],
+    warm_up: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """jobs/features.py's model trained in one process with SGD(lr=0.1), each step on the next
-    `batches_per_step` batches concatenated, its gradient changed by `change_gradients` before the step."""
+    `batches_per_step` batches concatenated, its gradient changed by `change_gradients` before the step; with
+    `warm_up`, LambdaLR raises the learning rate linearly over that many steps."""
     x, y = _data(steps * batches_per_step, batch)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    factor = (lambda step: min(1.0, (step + 1) / warm_up)) if warm_up else (lambda step: 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=factor)
     rows = batches_per_step * batch
     for step in range(steps):
         optimizer.zero_grad()
@@ -40,11 +47,13 @@ def _one_process(
         loss.backward()
         change_gradients(model)
         optimizer.step()
+        scheduler.step()
     return dict(model.state_dict())
 
 
 def test_sync_accumulating_two_batches_and_clipping_the_global_norm_on_two_ps_equals_one_process(run_job):
-    # One job for both, as jobs are slow to start: tests/ps/test_clipping.py pins the clipping alone.
+    # One job for the three (with a LambdaLR warm-up, a function of the step), as jobs are slow to start:
+    # tests/ps/test_clipping.py pins the clipping alone, tests/ps/test_schedules.py the schedules.
     steps = 4
     proc, result = run_job(
         "features.py",
@@ -54,12 +63,19 @@ def test_sync_accumulating_two_batches_and_clipping_the_global_norm_on_two_ps_eq
         num_batches=4 * steps,
         gradient_accumulation_steps=2,
         clip_grad_norm=0.3,
+        lr_warm_up_steps=3,
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
+
     # Step s: worker 0 reads batches 4s and 4s + 2, worker 1 batches 4s + 1 and 4s + 3.
-    expected = _one_process(steps, 4, 8, lambda model: torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3))
-    unclipped = _one_process(steps, 4, 8, lambda model: None)
+    def clip(model: torch.nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.3)
+
+    expected = _one_process(steps, 4, 8, clip, warm_up=3)
+    unclipped = _one_process(steps, 4, 8, lambda model: None, warm_up=3)
+    without_warm_up = _one_process(steps, 4, 8, clip)
+    assert not torch.allclose(expected["0.weight"], without_warm_up["0.weight"], atol=1e-3)  # so did the warm-up
     assert not torch.allclose(expected["0.weight"], unclipped["0.weight"], atol=1e-3)  # the clipping mattered
     for name, value in expected.items():
         torch.testing.assert_close(torch.tensor(result["params"][name]), value, rtol=0, atol=1e-5)

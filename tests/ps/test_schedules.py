@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from shardflow.comm.errors import CommError
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.checkpointing import fetch_state, init_servers
 from shardflow.ps.optimizers import SGD, Adam
@@ -63,8 +64,8 @@ def test_a_scheduler_class_alone_takes_torch_defaults():
 @pytest.mark.parametrize(
     ("schedule", "message"),
     [
-        (functools.partial(lr_scheduler.LambdaLR, lr_lambda=lambda step: 0.9**step), "function of the step"),
-        (lambda step: 0.1, "function of the step.*Supported: .*StepLR"),
+        (functools.partial(lr_scheduler.LambdaLR, lr_lambda=[lambda step: 0.9**step]), "one lr_lambda function"),
+        (functools.partial(lr_scheduler.MultiplicativeLR, lr_lambda=lambda step: 0.9), "cannot replay"),
         (lr_scheduler.ReduceLROnPlateau, "Supported: .*CosineAnnealingLR"),
         (functools.partial(lr_scheduler.StepLR), "StepLR needs step_size"),
         (functools.partial(lr_scheduler.OneCycleLR, max_lr=0.1, total_steps=10), "cycle_momentum=False"),
@@ -134,3 +135,49 @@ def test_row_sparse_tables_follow_the_schedule_too(cluster):
         scheduler.step()
     worker.fetch_rows("weight", ids)
     torch.testing.assert_close(model.weight.detach()[ids], reference.weight.detach()[ids])
+
+
+def test_a_function_of_the_step_and_lambda_lr_give_torch_s_learning_rates():
+    warm_up = functools.partial(lr_scheduler.LambdaLR, lr_lambda=lambda step: min(1.0, (step + 1) / 5))
+    expected = []
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.2)
+    scheduler = warm_up(optimizer)
+    for _ in range(12):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    spec = as_schedule(warm_up)
+    assert spec.from_workers and spec.to_json() == {"name": "LambdaLR", "kwargs": {}}
+    assert [spec.lr(step, 0.2) for step in range(12)] == pytest.approx(expected)
+    absolute = as_schedule(lambda step: 0.3 * 0.5 ** (step // 4))
+    assert absolute.from_workers and [absolute.lr(s, 99.0) for s in (0, 4, 9)] == [0.3, 0.15, 0.075]
+    # What the PS get has no function: they take each update's learning rate from its push.
+    on_the_ps = ScheduleSpec.from_json(spec.to_json())
+    with pytest.raises(RuntimeError, match="comes with each push"):
+        on_the_ps.lr(3, 0.2)
+
+
+def test_with_a_function_schedule_the_ps_apply_the_learning_rate_each_push_carries(start_cluster):
+    cluster = start_cluster(2)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    placement = place(model.named_parameters(), 2)
+    spec = SGD(lr=0.5)
+    spec = type(spec)(spec.name, spec.kwargs, schedule=as_schedule(lambda step: 0.1 * (step + 1)))
+    init_servers(cluster.client(model, placement), spec, ApplyConfig(num_workers=1))
+    worker = cluster.client(model, placement)
+    for step in range(3):
+        before = {k: v.detach().clone() for k, v in worker.named.items()}
+        worker.push_lr = spec.learning_rate(step)
+        worker.begin_push(step)
+        for param in worker.named.values():
+            param.grad = torch.ones_like(param)
+        assert worker.wait_push(worker.end_push()).step == step + 1
+        for name, param in worker.named.items():
+            torch.testing.assert_close(param.detach(), before[name] - 0.1 * (step + 1), rtol=0, atol=1e-6)
+    # A push without its learning rate is refused, naming why.
+    worker.push_lr = None
+    worker.begin_push(3)
+    for param in worker.named.values():
+        param.grad = torch.ones_like(param)
+    with pytest.raises(CommError, match="must carry its lr"):
+        worker.wait_push(worker.end_push())

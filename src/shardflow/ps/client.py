@@ -111,6 +111,8 @@ class ParameterClient:
         """The recovery generation this client joined in (see protocol `Init`)."""
         self.check_restored: Callable[[], None] | None = None
         """Raises if the PS were restored since this client joined (set by the worker; see `_recv`)."""
+        self.push_lr: float | None = None
+        """The learning rate the next pushes carry, with a schedule that is a function of the step."""
 
     # -- moving tensors ---------------------------------------------------------------------------
 
@@ -379,6 +381,7 @@ class ParameterClient:
                 base_step=self._ps_steps[ps],
                 frame_counts=tuple(counts),
                 input_state=input_state,
+                lr=self.push_lr,
             )
             sending = time.perf_counter_ns()  # the arrow starts before send(): the PS may apply it before that returns
             seq = requests[peer] = self.client.send(peer, push.header(), frames)

@@ -59,6 +59,7 @@ The field checks live in ps/fields.py, the reply types in ps/replies.py; both ar
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Self
@@ -280,6 +281,9 @@ class Push:
     input_state: dict[str, Any] | None = None
     """The worker's input position after the batch of this gradient: where it resumes when restarted, and (on
     ps:0) what checkpoints keep."""
+    lr: float | None = None
+    """The learning rate of this update, with a schedule that is a function of the step (ps/schedules.py): the
+    worker evaluates it at `base_step`; the PS cannot run the user's function."""
 
     def header(self) -> dict[str, Any]:
         header = {
@@ -291,15 +295,20 @@ class Push:
         }
         if self.input_state is not None:
             header["input_state"] = self.input_state
+        if self.lr is not None:
+            header["lr"] = self.lr
         return header
 
     @classmethod
     def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
         # The hot path: a handful of checks per push, and one per dense frame.
-        check_keys(header, ("worker_index", "local_step", "base_step", "frame_counts"), ("input_state",))
+        check_keys(header, ("worker_index", "local_step", "base_step", "frame_counts"), ("input_state", "lr"))
         input_state = header.get("input_state")
         if input_state is not None:
             input_state = map_field(header, "input_state")
+        lr = header.get("lr")
+        if lr is not None and (type(lr) is not float or not math.isfinite(lr) or lr < 0):
+            raise Invalid("lr", f"must be a finite float >= 0, got {short(lr)}")
         if limits is None:  # not initialised: the PS refuses the push, whatever it holds
             return cls(
                 worker_index=int_field(header, "worker_index"),
@@ -307,6 +316,7 @@ class Push:
                 base_step=int_field(header, "base_step"),
                 frame_counts=ints_field(header, "frame_counts"),
                 input_state=input_state,
+                lr=lr,
             )
         counts = ints_field(header, "frame_counts")
         buffers = limits.buffers
@@ -336,6 +346,7 @@ class Push:
             base_step=int_field(header, "base_step"),
             frame_counts=counts,
             input_state=input_state,
+            lr=lr,
         )
 
 

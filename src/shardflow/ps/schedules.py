@@ -1,6 +1,11 @@
 """Learning-rate schedules the PS apply by global step: a `torch.optim.lr_scheduler` class name and its arguments,
 evaluated in closed form, so every PS sets the same learning rate before the update of each global step and a
-restored job goes on at its step without replaying the ones before it."""
+restored job goes on at its step without replaying the ones before it.
+
+A schedule may also be a function of the step: a plain function (the learning rate itself) or `LambdaLR` with its
+`lr_lambda` (a factor of the optimizer's lr). The PS cannot run the user's code (nothing is unpickled), so each
+worker, which runs the same script, evaluates it at the global step its gradient was computed on and sends the
+learning rate with its push; in sync mode that is the step the update makes, exactly as in one process."""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -95,6 +100,8 @@ _SCHEDULES: dict[str, tuple[_Form, tuple[str, ...]]] = {
     "OneCycleLR": (_one_cycle, ("max_lr",)),
 }
 _SUPPORTED = ", ".join(_SCHEDULES)
+_FUNCTIONS = ("function", "LambdaLR")
+"""A function of the step giving the learning rate, or (LambdaLR) a factor of the optimizer's."""
 
 
 @dataclass(frozen=True)
@@ -103,8 +110,19 @@ class ScheduleSpec:
 
     name: str
     kwargs: dict[str, Any] = field(default_factory=dict)
+    fn: Callable[[int], float] | None = field(default=None, compare=False, repr=False)
+    """A function schedule's function, in the processes that run the user's script (never sent)."""
+
+    @property
+    def from_workers(self) -> bool:
+        """Whether the learning rate of each update comes with its push (a function of the step)."""
+        return self.name in _FUNCTIONS
 
     def __post_init__(self) -> None:
+        if self.name in _FUNCTIONS:
+            if self.kwargs:
+                raise ValueError(f"a {self.name} schedule takes no arguments besides its function")
+            return
         if self.name not in _SCHEDULES:
             raise ValueError(f"unsupported learning-rate schedule {self.name!r}; choose one of {_SUPPORTED}")
         for key, value in self.kwargs.items():
@@ -128,6 +146,11 @@ class ScheduleSpec:
     def lr(self, global_step: int, base_lr: float) -> float:
         """The learning rate of the update that makes global step `global_step + 1`, as torch's scheduler gives
         after `global_step` calls of `scheduler.step()` in one process."""
+        if self.name in _FUNCTIONS:
+            if self.fn is None:
+                raise RuntimeError(f"a {self.name} schedule is evaluated by the workers; its lr comes with each push")
+            value = float(self.fn(global_step))
+            return value if self.name == "function" else base_lr * value
         return _SCHEDULES[self.name][0](global_step, base_lr, self.kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -140,8 +163,9 @@ class ScheduleSpec:
         return cls(d["name"], dict(d["kwargs"]))
 
 
-ScheduleLike = ScheduleSpec | Callable[..., torch.optim.lr_scheduler.LRScheduler]
-"""What Estimator takes as its lr_schedule: a spec, a torch.optim.lr_scheduler class, or functools.partial of one."""
+ScheduleLike = ScheduleSpec | Callable[..., torch.optim.lr_scheduler.LRScheduler] | Callable[[int], float]
+"""What Estimator takes as its lr_schedule: a spec, a torch.optim.lr_scheduler class or functools.partial of one
+(LambdaLR with lr_lambda too), or a function of the global step giving the learning rate."""
 
 
 def as_schedule(schedule: ScheduleLike) -> ScheduleSpec:
@@ -159,19 +183,24 @@ def as_schedule(schedule: ScheduleLike) -> ScheduleSpec:
         cls, kwargs = schedule.func, dict(schedule.keywords)
     if isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler) and cls.__name__ in _SCHEDULES:
         return ScheduleSpec(cls.__name__, {k: list(v) if isinstance(v, tuple) else v for k, v in kwargs.items()})
+    if cls is torch.optim.lr_scheduler.LambdaLR and set(kwargs) == {"lr_lambda"} and callable(kwargs["lr_lambda"]):
+        return ScheduleSpec("LambdaLR", fn=kwargs["lr_lambda"])
+    if callable(schedule) and not isinstance(schedule, (type, functools.partial, torch.optim.lr_scheduler.LRScheduler)):
+        return ScheduleSpec("function", fn=cast(Callable[[int], float], schedule))
     if isinstance(schedule, torch.optim.lr_scheduler.LRScheduler):
         why = "a scheduler bound to an optimizer cannot be sent to the PS; pass its class with its arguments"
-    elif cls in (torch.optim.lr_scheduler.LambdaLR, torch.optim.lr_scheduler.MultiplicativeLR) or callable(cls):
+    elif cls is torch.optim.lr_scheduler.LambdaLR:
+        why = "LambdaLR takes one lr_lambda function, by keyword: functools.partial(LambdaLR, lr_lambda=f)"
+    elif cls is torch.optim.lr_scheduler.MultiplicativeLR:
         why = (
-            "a function of the step cannot be sent to the parameter servers, which set the learning rate of every "
-            "update; use one of the closed-form schedulers (LinearLR for warm-up, OneCycleLR for warm-up then decay, "
-            "CosineAnnealingLR, StepLR, ...)"
+            "MultiplicativeLR multiplies every factor since the start, which a restored job cannot replay; pass "
+            "the learning rate as a function of the step instead"
         )
     else:
         why = "it is not a learning-rate scheduler"
     raise ValueError(
         f"unsupported lr_schedule {_name(schedule)}: {why}. Supported: torch.optim.lr_scheduler.{{{_SUPPORTED}}}, "
-        "as the class or functools.partial(cls, **kwargs)"
+        "as the class or functools.partial(cls, **kwargs); LambdaLR with lr_lambda; or a function of the step"
     )
 
 

@@ -257,7 +257,7 @@ class ParameterServer:
         # Every table gets a gradient, empty if no row of it was looked up: as a whole table does in one process,
         # so step counts (Adam's bias correction) stay those of single-process training.
         sparse = [row_gradient(t, g, count) for t, g in zip(self.tables, row_grads, strict=True)]
-        self._clip_and_schedule(dense + sparse)
+        self._clip_and_schedule(dense + sparse, pushes)
         # A PS that holds no variables still counts steps, so every PS agrees on the global step.
         if self.optimizer is not None:
             for param, grad in zip(self.params, dense, strict=True):
@@ -283,7 +283,7 @@ class ParameterServer:
             # Held until the chief has saved it; see state.MAX_SNAPSHOTS for what happens when it falls behind.
             self.snapshots.held[new_step] = capture(new_step, self._parts(), self.iterators, self.worker_steps)
 
-    def _clip_and_schedule(self, grads: list[torch.Tensor]) -> None:
+    def _clip_and_schedule(self, grads: list[torch.Tensor], pushes: list[Request]) -> None:
         """Clip this step's gradient (by value, then in sync mode by the global norm agreed with the other PS; see
         ps/clipping.py) and set the learning rate of this global step's update."""
         spec = self.optimizer_spec
@@ -298,7 +298,10 @@ class ParameterServer:
         if spec.schedule is not None:
             for optimizer in (self.optimizer, self.table_optimizer):
                 if optimizer is not None:
-                    lr = spec.lr(self.step, optimizer.defaults["lr"])
+                    if spec.schedule.from_workers:  # a function of the step: its value came with the push(es)
+                        lr = float(pushes[0].header["lr"])
+                    else:
+                        lr = spec.lr(self.step, optimizer.defaults["lr"])
                     for group in optimizer.param_groups:
                         group["lr"] = lr
 
@@ -382,6 +385,11 @@ class ParameterServer:
 
     def _on_push(self, request: Request, push: protocol.Push) -> None:
         started = self._handling_since
+        schedule = self.optimizer_spec.schedule if self.optimizer_spec is not None else None
+        if schedule is not None and schedule.from_workers and push.lr is None:
+            problem = "its learning-rate schedule is a function of the step, so every push must carry its lr"
+            self.server.reply_error(request, f"ps:{self.index} refused a push of worker:{push.worker_index}: {problem}")
+            return
         if self._repeated(request, push.worker_index, push.local_step):
             return
         # A push dropped (after max_steps, or stale in sync) is not had: its batch is read again after a restore.

@@ -151,6 +151,7 @@ def run_worker(
     # in sync mode the PS clip the mean of the replicas' (ps/clipping.py).
     clip_on_worker = job.optimizer.clip_grad_norm if mode != "sync" else None
     changes_gradients = clip_on_worker is not None or job.strategy.gradient_accumulation_steps > 1
+    lr_from_worker = job.optimizer.schedule is not None and job.optimizer.schedule.from_workers
     try:
         while not stop:
             step_started = time.perf_counter_ns()
@@ -160,6 +161,8 @@ def run_worker(
             if batch is None:
                 break
             model.zero_grad(set_to_none=True)
+            if lr_from_worker:  # a function of the step: the PS cannot run it, so the push says
+                params.push_lr = job.optimizer.learning_rate(step)
             params.begin_push(step, push_early=not changes_gradients)
             loss = _forward_backward(job, model, params, position, batch, step, report, recorder)
             # A NaN or inf loss is not backpropagated: every PS is told, and refuses the step alike.

@@ -46,6 +46,9 @@ est = sf.Estimator(
     config["model_dir"],
     lr_schedule=functools.partial(getattr(torch.optim.lr_scheduler, schedule["name"]), **schedule["kwargs"])
     if schedule
+    # A function of the step (the workers evaluate it; the PS apply what each push carries).
+    else functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=lambda step: min(1.0, (step + 1) / warm_up))
+    if (warm_up := config.get("lr_warm_up_steps"))
     else None,
     clip_grad_norm=config.get("clip_grad_norm"),
     clip_grad_value=config.get("clip_grad_value"),
