@@ -38,7 +38,18 @@ KEY_PREFIXES = (
     "ps/",
 )
 RECORDER_METHODS = {"end", "span", "flow"}
-CONTROL_METHODS = {"set", "get", "get_bytes", "is_set", "add", "delete", "wait", "endpoint", "publish_endpoint"}
+CONTROL_METHODS = {
+    "set",
+    "get",
+    "get_bytes",
+    "get_if_set",
+    "is_set",
+    "add",
+    "delete",
+    "wait",
+    "endpoint",
+    "publish_endpoint",
+}
 
 
 def _sources(*excluded: Path) -> list[tuple[Path, ast.Module]]:

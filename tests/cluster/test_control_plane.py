@@ -43,6 +43,7 @@ def test_keys_counters_and_deletes(plane):
     assert chief.get_bytes("blob", waiting_for="blob") == bytes(range(256)) * 10
     role.set("empty", b"")
     assert chief.get_bytes("empty", waiting_for="empty") == b""
+    assert chief.get_if_set("empty") == b"" and chief.get_if_set("never set") is None
     assert [role.add("n", 2), chief.add("n", 5), role.add("n", -1)] == [2, 7, 6]
     assert role.is_set("n") and role.delete("n") and not role.is_set("n") and not role.delete("n")
 

@@ -74,11 +74,14 @@ class ControlPlane:
         return self.get_bytes(key, waiting_for=waiting_for, timeout_s=timeout_s).decode()
 
     def get_bytes(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> bytes:
-        self.wait([key], waiting_for=waiting_for, timeout_s=timeout_s)
+        while (value := self.get_if_set(key)) is None:  # one round trip when the key is there already
+            self.wait([key], waiting_for=waiting_for, timeout_s=timeout_s)
+        return value
+
+    def get_if_set(self, key: str) -> bytes | None:
+        """The value of `key` now, or None; never waits for it."""
         header, frames = self._request(control.request("get", k=key), what=key)
-        if not header["found"]:  # deleted between the wait and the get
-            return self.get_bytes(key, waiting_for=waiting_for, timeout_s=timeout_s)
-        return frames[0].numpy().tobytes()
+        return frames[0].numpy().tobytes() if header["found"] else None
 
     def wait(self, keys: list[str], *, waiting_for: str, timeout_s: float | None = None) -> None:
         """Until every key is set; the service holds each wait up to MAX_WAIT_S, then it is asked again."""

@@ -174,12 +174,13 @@ class ChiefLoop:
         self._watch_servers()
         all_done = True
         for name in self.workers:
-            failed = control_keys.failed(name)
-            if self.control.is_set(failed):
-                raise RoleFailedError(f"{name} failed: {self.control.get(failed, waiting_for=name)}")
-            progress = control_keys.progress(name)
-            if self.control.is_set(progress):
-                self.progress[name] = json.loads(self.control.get(progress, waiting_for=name))
+            # One round trip per key (this runs 20 times a second).
+            failure = self.control.get_if_set(control_keys.failed(name))
+            if failure is not None:
+                raise RoleFailedError(f"{name} failed: {failure.decode()}")
+            progress = self.control.get_if_set(control_keys.progress(name))
+            if progress is not None:
+                self.progress[name] = json.loads(progress)
             report = self.progress.get(name, {})
             if report.get("done") and report.get("generation", 0) == self.generation:
                 continue
@@ -355,17 +356,17 @@ class Heartbeats:
     def restarted(self, name: str) -> bool:
         """Whether `name`'s beats come from another process than at the last check(); changes nothing."""
         last = self._beats.get(name)
-        key = control_keys.heartbeat(name)
-        if last is None or not self.control.is_set(key):
+        if last is None:
             return False
-        return self.control.get(key, waiting_for=name).partition(":")[0] != last[0].partition(":")[0]
+        beat = self.control.get_if_set(control_keys.heartbeat(name))
+        return beat is not None and beat.decode().partition(":")[0] != last[0].partition(":")[0]
 
     def check(self, name: str) -> bool:
         """Whether `name` was restarted since the last check (its beats come from a new process); raises once it
         was lost for longer than worker_rejoin_timeout_s."""
         now = time.monotonic()
-        key = control_keys.heartbeat(name)
-        beat = self.control.get(key, waiting_for=name) if self.control.is_set(key) else None
+        found = self.control.get_if_set(control_keys.heartbeat(name))
+        beat = found.decode() if found is not None else None
         last = self._beats.get(name)
         if beat is not None and (last is None or beat != last[0]):
             self._beats[name] = (beat, now)
