@@ -179,11 +179,17 @@ def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
     if config.cores:
         print("  (local run: a worker's link time adds to its compute, a PS's to its apply, as both are CPU work)")
     print()
-    print(f"predicted step time  {format_duration(p.step_s):>10}  (compute, then push + pull and apply)")
-    print(f"  with overlap       {format_duration(p.overlap_step_s):>10}  (the slowest part)")
-    print(
-        f"global steps/s       {p.global_steps_per_s(p.step_s):10.4g}  ({p.global_steps_per_s(p.overlap_step_s):.4g} "
-        f"with overlap; {'every worker update is one' if config.mode == 'async' else 'one per round of all workers'})"
+    per_round = "every worker update is one" if config.mode == "async" else "one per round of all workers"
+    print_table(
+        None,
+        ["predicted", "value", ""],
+        [
+            ("step time", format_duration(p.step_s), "compute, then push + pull and apply"),
+            ("step time with overlap", format_duration(p.overlap_step_s), "the slowest part"),
+            ("global steps/s", f"{p.global_steps_per_s(p.step_s):.4g}", per_round),
+            ("global steps/s with overlap", f"{p.global_steps_per_s(p.overlap_step_s):.4g}", ""),
+        ],
+        right={"value"},
     )
     why = {
         "compute": "forward and backward take longer than moving the model; with overlap, communication hides",
