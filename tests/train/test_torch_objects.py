@@ -119,7 +119,8 @@ def test_the_spec_with_schedule_and_clipping_round_trips_through_init():
     [
         {"name": "SGD", "kwargs": {}, "clip_grad_norm": -1.0},
         {"name": "SGD", "kwargs": {}, "clip_grad_value": "big"},
-        {"name": "SGD", "kwargs": {}, "schedule": {"name": "LambdaLR", "kwargs": {}}},
+        {"name": "SGD", "kwargs": {}, "schedule": {"name": "LambdaLR", "kwargs": {"lr_lambda": 2}}},
+        {"name": "SGD", "kwargs": {}, "schedule": {"name": "MultiplicativeLR", "kwargs": {}}},
         {"name": "SGD", "kwargs": {}, "schedule": {"name": "StepLR", "kwargs": {"step_size": 2}, "extra": 1}},
         {"name": "SGD", "kwargs": {}, "momentum_schedule": None},
     ],

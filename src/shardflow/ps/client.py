@@ -21,6 +21,7 @@ from shardflow.ps.layout import ShardLayout
 from shardflow.ps.placement import Placement
 from shardflow.ps.protocol import RejoinReply, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, coalesced, lookup_modules, rows_between
+from shardflow.ps.staging import HostStaging
 
 # How often a wait longer than this checks whether the PS were restored meanwhile.
 _RESTORE_CHECK_S = 0.5
@@ -61,8 +62,17 @@ class Rejoined:
     """The lowest recovery generation among the PS (see protocol `Init`)."""
 
 
+def _device_of(named: dict[str, torch.nn.Parameter]) -> torch.device:
+    """The one device the model's parameters are on (the CPU for none)."""
+    devices = {param.device for param in named.values()}
+    if len(devices) > 1:
+        raise ValueError(f"the model's parameters are on several devices ({sorted(map(str, devices))}); move it to one")
+    return devices.pop() if devices else torch.device("cpu")
+
+
 class ParameterClient:
-    """Talks to every PS for one model replica: pushes its gradients and loads the parameters they send back."""
+    """Talks to every PS for one model replica: pushes its gradients and loads the parameters they send back,
+    staged through host memory when the model is on a GPU (see ps/staging.py)."""
 
     def __init__(
         self,
@@ -90,11 +100,11 @@ class ParameterClient:
         if missing:
             raise ValueError(f"the placement names variables the model lacks: {missing[:5]}")
         self.named = named
+        self.staging = HostStaging(_device_of(named))
         self.layout = ShardLayout(placement)
         self._row_grads: dict[str, RowGrad] = {}
-        # This step's frames and frame counts per PS, built once its pieces are complete, and whether all are finite.
+        # This step's frames (on the host) and frame counts per PS, built once its pieces are complete.
         self._prepared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
-        self._finite = True
         self._pushed: Pushed | None = None
         self.model = model
         self._hooks: list[Any] = []
@@ -122,7 +132,8 @@ class ParameterClient:
         frames: list[torch.Tensor] = []
         for piece in self.layout.tables[ps]:
             if piece.name not in self._row_grads:
-                self._row_grads[piece.name] = coalesced(piece.name, self.named[piece.name])
+                rows, values = coalesced(piece.name, self.named[piece.name])
+                self._row_grads[piece.name] = rows.cpu(), values  # the rows are cut on the host
             rows, values = self._row_grads[piece.name]
             ((begin, end),) = rows_between(rows, [piece.row_start], piece.row_end)
             frames += [rows[begin:end] - piece.row_start, values[begin:end]]
@@ -158,9 +169,10 @@ class ParameterClient:
                 if recorder is not None:
                     recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(v.nbytes for v in values))
                 tables, frames = requests[ps]
-                for index, local_rows, rows_values in zip(tables, frames, values, strict=True):
+                moved = zip(tables, self.staging.to_device(frames), self.staging.to_device(values), strict=True)
+                for index, local_rows, rows_values in moved:
                     piece = self.layout.tables[ps][index]
-                    weight.index_copy_(0, local_rows + piece.row_start, rows_values.to(weight.device))
+                    weight.index_copy_(0, local_rows + piece.row_start, rows_values)
 
     def _recv(self, peer: str, seq: int, timeout_s: float | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """A wait for a reply: within the request deadline (default timeout_s), and cut short (by whatever
@@ -182,16 +194,17 @@ class ParameterClient:
                 raise
 
     def _load(self, replies: dict[int, Sequence[torch.Tensor]]) -> None:
-        """Point each parameter at its slice of the received buffers, without a copy; a partitioned one is
-        assembled from its pieces. The worker never writes parameters in place, so read-only frames serve."""
+        """Point each parameter at its slice of the received buffers, without a copy on the CPU (on a GPU, of
+        their copies on it); a partitioned one is assembled from its pieces. The worker never writes parameters
+        in place, so read-only frames serve."""
         assembled: dict[str, torch.Tensor] = {}
         for ps, buffers in replies.items():
-            for dtype, flat in zip(self.layout.dtypes[ps], buffers, strict=True):
+            for dtype, flat in zip(self.layout.dtypes[ps], self.staging.to_device(buffers), strict=True):
                 for piece in self.layout.pieces[ps][dtype]:
                     values = flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
                     if piece.partitioned:
                         if piece.name not in assembled:
-                            assembled[piece.name] = torch.empty(piece.shape, dtype=flat.dtype)
+                            assembled[piece.name] = torch.empty(piece.shape, dtype=flat.dtype, device=flat.device)
                         assembled[piece.name][piece.row_start : piece.row_end] = values
                     else:
                         self.named[piece.name].data = values
@@ -301,13 +314,14 @@ class ParameterClient:
         self._base_step = self._step = base_step
         self._row_grads = {}
         self._prepared = {}
-        self._finite = True
         self._pushed = None
         if not self._hooks:
             self._install_hooks()
         self._remaining = [len(self.placement.on_ps(k)) for k in range(self.placement.num_ps)]
 
     def _install_hooks(self) -> None:
+        # On a GPU these hooks run on autograd's device thread, and may send: the main thread waits in backward()
+        # meanwhile, so no two threads use a socket at once.
         pieces_of: dict[str, list[int]] = {}
         for piece in self.placement.pieces:
             pieces_of.setdefault(piece.name, []).append(piece.ps)
@@ -336,13 +350,12 @@ class ParameterClient:
                 self._hooks.append(module.register_forward_pre_hook(before_lookup, with_kwargs=True))
 
     def _prepare(self, ps: int) -> None:
-        """Build `ps`'s frames once its pieces are complete, and check that they are finite."""
+        """Build `ps`'s frames once its pieces are complete; from a GPU, start their copies to the host."""
         if ps in self._prepared:
             return
         frames, counts = self.layout.dense_frames(ps, self.named, use_grads=True)
         frames += self._row_grad_frames(ps)
-        self._prepared[ps] = frames, counts
-        self._finite = self._finite and all_finite(frames)
+        self._prepared[ps] = self.staging.to_host(frames), counts
 
     def _send(self, nonfinite: str | None = None) -> None:
         """Send this step to every PS: the pushes, or `NonFinite` to each if the loss or any gradient held NaN or
@@ -355,7 +368,8 @@ class ParameterClient:
         if nonfinite is None:
             for ps in range(len(self.peers)):
                 self._prepare(ps)
-            if not self._finite:
+            self.staging.wait_host()
+            if not all(all_finite(frames) for frames, _ in self._prepared.values()):
                 nonfinite = "gradients"
         recorder = get_recorder()
         requests: dict[str, int] = {}

@@ -16,14 +16,15 @@ def check_mixed_precision(mixed_precision: str | None) -> None:
         return
     if mixed_precision == "fp16":
         raise ValueError(
-            "ParameterServerStrategy.mixed_precision='fp16' needs the model on a CUDA device with a GradScaler, and "
-            "shardflow workers compute on the CPU: use mixed_precision='bf16', which needs no loss scaling"
+            "ParameterServerStrategy.mixed_precision='fp16' needs a GradScaler, which shardflow workers do not run: "
+            "use mixed_precision='bf16', which needs no loss scaling"
         )
     raise ValueError(f"ParameterServerStrategy.mixed_precision must be None or one of {MIXED_PRECISIONS}")
 
 
-def autocast(mixed_precision: str | None) -> contextlib.AbstractContextManager[object]:
-    """The context the forward (the loss function) runs in: autocast to bfloat16 on the CPU, or nothing."""
+def autocast(mixed_precision: str | None, device_type: str = "cpu") -> contextlib.AbstractContextManager[object]:
+    """The context the forward (the loss function) runs in: autocast to bfloat16 on the worker's device type
+    ("cpu", "cuda"), or nothing."""
     if mixed_precision is None:
         return contextlib.nullcontext()
-    return torch.autocast("cpu", dtype=torch.bfloat16)
+    return torch.autocast(device_type, dtype=torch.bfloat16)

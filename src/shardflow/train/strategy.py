@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from shardflow.ps.apply import UpdateRule
 from shardflow.ps.placement import Partitioner
 from shardflow.train.precision import check_mixed_precision
@@ -57,6 +59,10 @@ class ParameterServerStrategy(UpdateRule):
     mixed_precision: str | None = None
     """"bf16": the workers' forward runs under torch.autocast in bfloat16; parameters on the PS, gradients and
     pushes stay float32. None: float32 throughout."""
+    device: str | torch.device | None = None
+    """Where each worker's model computes: "cpu", "cuda", "cuda:N" or a torch.device; None: "cuda" where the
+    worker's process sees one, else "cpu". The PS keep the variables in host memory, and the chief evaluates on
+    the CPU."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -84,8 +90,43 @@ class ParameterServerStrategy(UpdateRule):
         if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
             raise ValueError(f"ParameterServerStrategy.gradient_accumulation_steps must be an int >= 1, got {steps!r}")
         check_mixed_precision(self.mixed_precision)
+        _parse_device(self.device)
         if self.termination_grace_s <= 0:
             raise ValueError(
                 f"ParameterServerStrategy.termination_grace_s must be positive, got {self.termination_grace_s}; "
                 "keep it below the cluster manager's grace period (Kubernetes: terminationGracePeriodSeconds)"
             )
+
+    def worker_device(self) -> torch.device:
+        """The device a worker computes on, resolved in the worker's own process: the chief's and the PS's
+        machines may have no GPU. Raises ValueError, naming `device`, for a GPU this process cannot use."""
+        device = _parse_device(self.device)
+        if device is None:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"ParameterServerStrategy.device={self.device!r}, but this process sees no CUDA device "
+                    "(torch.cuda.is_available() is False): use device='cpu', or None for the GPU where there is one"
+                )
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(
+                    f"ParameterServerStrategy.device={self.device!r}, but this process sees "
+                    f"{torch.cuda.device_count()} CUDA device(s), numbered from 0"
+                )
+        return device
+
+
+def _parse_device(device: str | torch.device | None) -> torch.device | None:
+    """The device `device` names, checked to be one a worker can compute on; None stays None."""
+    if device is None:
+        return None
+    try:
+        parsed = torch.device(device) if isinstance(device, str | torch.device) else None
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"ParameterServerStrategy.device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}"
+        )
+    return parsed

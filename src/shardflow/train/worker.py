@@ -132,7 +132,8 @@ def run_worker(
     profiler = RoleProfiler(role.task.name, control)
     recorder = profiler.recorder
     control.get(control_keys.READY, waiting_for="the chief to initialise the parameter servers")
-    model = job.build_model()
+    device = job.strategy.worker_device()
+    model = job.build_model().to(device)
     params = connect_parameters(job, role, model)
     on_connect(params)
     mode = job.strategy.mode
@@ -218,8 +219,8 @@ def _forward_backward(
     while True:
         params.input_state = position.get_state()
         t = time.perf_counter_ns()
-        with autocast(job.strategy.mixed_precision):
-            loss = job.loss_fn(model, to_torch(batch))
+        with autocast(job.strategy.mixed_precision, params.staging.device.type):
+            loss = job.loss_fn(model, batch_to_device(to_torch(batch), params.staging.device))
         recorder.end(spans.FORWARD, step, t)
         if not bool(torch.isfinite(loss.detach()).all()):
             return None
@@ -239,6 +240,22 @@ def _forward_backward(
                         param.grad.mul_(num_batches / len(losses))
             break
     return sum(losses) / len(losses)
+
+
+def batch_to_device(batch: Any, device: torch.device) -> Any:
+    """`batch` with its tensors on `device`, inside dicts, tuples (named ones too) and lists; other values as they
+    are. On the CPU the tensors themselves: no copy."""
+    if isinstance(batch, torch.Tensor):
+        # Overlaps the host only from pinned memory (as_torch(pin_memory=True)); the step's kernels queue after it.
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {key: batch_to_device(value, device) for key, value in batch.items()}
+    if isinstance(batch, tuple):
+        items = [batch_to_device(value, device) for value in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else tuple(items)
+    if isinstance(batch, list):
+        return [batch_to_device(value, device) for value in batch]
+    return batch
 
 
 def _check_finite(name: str, max_nonfinite_updates: int, pushed: Pushed, reply: StepReply) -> None:

@@ -57,6 +57,7 @@ def main(config: dict[str, Any]) -> None:
         num_ps=config.get("num_ps", 2),
         num_workers=config.get("num_workers", 2),
         mode=config.get("mode", "sync"),
+        device=config.get("device"),
         # Small slices, so the id table is cut across every PS (differently on 2 and on 3 PS).
         partitioner=sf.Partitioner(min_slice_bytes=4 << 10),
     )
