@@ -18,6 +18,8 @@ Set by users:
 - `SHARDFLOW_MAX_FRAME_MB`: the largest message part a server accepts (ZMQ_MAXMSGSIZE; default 1024).
 - `SHARDFLOW_RECORDER`: `on` (the default), `off`, or `alternate:N` (record in every other block of N global
   steps, so one run measures what the always-on recorder costs).
+- `SHARDFLOW_ZYGOTE`: `on` (the default) forks a local cluster's Python roles from one process that imported torch
+  and shardflow once; `off` starts each role as a fresh Python.
 
 Set by shardflow's own tools for the processes they start:
 
@@ -51,6 +53,7 @@ MODEL_DIR = "SHARDFLOW_MODEL_DIR"
 PROFILE_STEPS = "SHARDFLOW_PROFILE_STEPS"
 RESULT_JSON = "SHARDFLOW_RESULT_JSON"
 FAULT = "SHARDFLOW_FAULT"
+ZYGOTE = "SHARDFLOW_ZYGOTE"
 
 ALL = (
     CLUSTER,
@@ -69,6 +72,7 @@ ALL = (
     PROFILE_STEPS,
     RESULT_JSON,
     FAULT,
+    ZYGOTE,
 )
 
 

@@ -1,7 +1,6 @@
 """`shardflow launch` as users run it: a real launcher process, its roles, what is left after."""
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -12,6 +11,7 @@ import psutil
 import pytest
 
 from shardflow.cli.main import main
+from shardflow.cluster.zygote import role_of
 
 # Every role starts a grandchild (in the role's process group), then sleeps: none ends by itself.
 SLEEPER = """\
@@ -49,21 +49,17 @@ def wait_for_roles(launcher, processes, num_roles):
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         assert launcher.poll() is None, "the launcher exited before its roles were up"
-        with contextlib.suppress(psutil.Error, KeyError):
-            children = psutil.Process(launcher.pid).children()
-            grandchildren = [child.children() for child in children]
-            if len(children) == num_roles and all(grandchildren):
-                processes.extend(children)
+        with contextlib.suppress(psutil.Error):
+            descendants = psutil.Process(launcher.pid).children(recursive=True)
+            roles = {name: process for process in descendants if (name := role_of(process)) is not None}
+            grandchildren = [role.children() for role in roles.values()]
+            if len(roles) == num_roles and all(grandchildren):
+                processes.extend(descendants)
                 for group in grandchildren:
                     processes.extend(group)
-                return {role_name(child): child for child in children}
+                return roles
         time.sleep(0.1)
     raise AssertionError(f"{num_roles} roles did not come up within 30 s")
-
-
-def role_name(process):
-    task = json.loads(process.environ()["SHARDFLOW_CLUSTER"])["task"]
-    return f"{task['type']}:{task['index']}"
 
 
 def assert_all_gone(processes, timeout_s=5.0):

@@ -12,6 +12,8 @@ from typing import Any
 import psutil
 import pytest
 
+from shardflow.cluster.zygote import role_of
+
 JOBS = Path(__file__).parent / "jobs"
 
 
@@ -78,16 +80,15 @@ class BackgroundJob:
         self.seen: set[int] = {self.proc.pid}
 
     def roles(self) -> dict[str, psutil.Process]:
-        """Role name -> process, read from each child's SHARDFLOW_CLUSTER."""
+        """Role name -> process, for every role process under the job."""
         found = {}
         for child in psutil.Process(self.proc.pid).children(recursive=True):
             try:
-                task = json.loads(child.environ().get("SHARDFLOW_CLUSTER", "{}")).get("task")
-            except (psutil.Error, ValueError):
+                name = role_of(child)
+            except psutil.Error:
                 continue
             self.seen.add(child.pid)
-            if task:
-                name = task["type"] if task["type"] in ("chief", "evaluator") else f"{task['type']}:{task['index']}"
+            if name is not None:
                 found[name] = child
         return found
 

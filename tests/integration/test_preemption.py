@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from shardflow.cluster.launcher import PREEMPTED_EXIT_CODE
+from shardflow.cluster.zygote import role_of
 
 JOBS = Path(__file__).parent / "jobs"
 GRACE_S = 10.0
@@ -154,7 +155,7 @@ def test_sigterm_to_shardflow_launch_preempts_the_job_and_the_next_launch_resume
 
     launcher = launch(log)
     wait_for_steps(log, launcher, 30)
-    roles = psutil.Process(launcher.pid).children()
+    roles = [process for process in psutil.Process(launcher.pid).children(recursive=True) if role_of(process)]
     tracked.extend(roles)
     assert len(roles) == 4
     sent = time.monotonic()

@@ -22,6 +22,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardflow.cluster.zygote import role_of
+
 from .test_cluster_environments import _free_ports
 
 JOBS = Path(__file__).parent / "jobs"
@@ -121,11 +123,10 @@ def _kill_if_running(proc: subprocess.Popen[str]) -> None:
 def _role(proc: subprocess.Popen[str], name: str) -> psutil.Process:
     for child in psutil.Process(proc.pid).children(recursive=True):
         try:
-            task = json.loads(child.environ().get("SHARDFLOW_CLUSTER", "{}")).get("task", {})
-        except (psutil.Error, ValueError):
+            if role_of(child) == name:
+                return child
+        except psutil.Error:
             continue
-        if f"{task.get('type')}:{task.get('index')}" == name:
-            return child
     pytest.fail(f"no process of {name} under the launcher")
 
 

@@ -1,9 +1,11 @@
-"""Runs one local process per task of a ClusterSpec, prefixes their output, stops them together."""
+"""Runs one local process per task of a ClusterSpec, prefixes their output, stops them together.
+
+A role that runs a Python script is forked from a zygote that imported torch and shardflow once (cluster/zygote.py);
+any other command, or all with `SHARDFLOW_ZYGOTE=off`, starts as a fresh process."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
@@ -14,19 +16,34 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import IO, Any, TextIO
+from typing import IO, Any, Protocol, TextIO
 
 from shardflow import env
+from shardflow.cluster import zygote
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
+from shardflow.cluster.zygote import Zygote, ZygoteError
 from shardflow.comm.security import new_secret
 
-_PR_SET_PDEATHSIG = 1
 RESTARTABLE = ("worker", "ps", "evaluator")
 """The roles a launcher restarts; not the chief, whose control plane every role hangs on. A worker resumes where
 the PS say it stopped; a restarted PS gets every PS restored from the latest checkpoint (train/recovery.py)."""
 MAX_BACKOFF_S = 30.0
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 """How a preempted job's chief exits, checkpointed or not: the status SIGTERM gives (143)."""
+
+
+class RoleProcess(Protocol):
+    """What the launcher needs of a role's process: a `subprocess.Popen` or a `zygote.ForkedProcess`."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def stdout(self) -> IO[bytes] | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def send_signal(self, sig: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -82,7 +99,9 @@ class LocalLauncher:
         self._output = output if output is not None else sys.stdout
         self._write_lock = threading.Lock()
         self._state = threading.Condition()
-        self._processes: dict[TaskSpec, subprocess.Popen[bytes]] = {}
+        self._processes: dict[TaskSpec, RoleProcess] = {}
+        self._zygote: Zygote | None = None
+        self._forking = False  # whether new processes come from the zygote; off for good after it failed once
         self._exits: list[RoleExit] = []
         self._first_failure: RoleExit | None = None
         self._readers: list[threading.Thread] = []
@@ -107,6 +126,7 @@ class LocalLauncher:
             raise RuntimeError("LocalLauncher.start() was already called")
         self._started = True
         try:
+            self._start_zygote()
             for task in self._tasks:
                 self._processes[task] = self._spawn(task)
         except BaseException:
@@ -119,7 +139,22 @@ class LocalLauncher:
             # parent-death signal fires when the thread that forked it ends.
             self._start_thread(self._restart_when_due)
 
-    def _spawn(self, task: TaskSpec) -> subprocess.Popen[bytes]:
+    def _start_zygote(self) -> None:
+        if not (zygote.wanted() and zygote.can_fork(self._command)):
+            return
+        try:
+            self._zygote = Zygote.start(self._job_env(), self._say)
+            self._forking = True
+        except ZygoteError as error:
+            self._say(f"{error}; every role starts as a fresh process instead")
+
+    def _spawn(self, task: TaskSpec) -> RoleProcess:
+        if self._zygote is not None and self._forking:
+            try:
+                return self._zygote.spawn(self._command, self._child_env(task), zygote.process_name(task.name))
+            except ZygoteError as error:
+                self._forking = False
+                self._say(f"{error}; roles start as fresh processes from now on")
         return subprocess.Popen(
             self._command,
             env=self._child_env(task),
@@ -127,7 +162,7 @@ class LocalLauncher:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            preexec_fn=_die_with_parent(),
+            preexec_fn=zygote.die_with_parent(),
         )
 
     def _restart_when_due(self) -> None:
@@ -200,6 +235,8 @@ class LocalLauncher:
         with self._state:
             self._state.wait_for(lambda: len(self._exits) == len(self._processes))
             self._stopped = True
+        if self._zygote is not None:
+            self._zygote.close()
         deadline = time.monotonic() + 1.0
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
@@ -230,6 +267,11 @@ class LocalLauncher:
         self.stop()
 
     def _child_env(self, task: TaskSpec) -> dict[str, str]:
+        return {**self._job_env(), env.CLUSTER: self._spec.to_json(task)}
+
+    def _job_env(self) -> dict[str, str]:
+        """Every role's environment but its task: also the zygote's, so that what reads the environment at import
+        time sees what it would in a fresh role."""
         child = {**os.environ, **self._env}
         # One secret per job, made here unless the job has one: no other process can talk to its roles.
         given = (child.get(name, "").strip() for name in (env.CLUSTER_SECRET, env.CLUSTER_SECRET_FILE, env.INSECURE))
@@ -237,7 +279,6 @@ class LocalLauncher:
             child[env.CLUSTER_SECRET] = self._secret
         # Without TF_CONFIG no reader of the environment can take it for this task's role.
         child.pop("TF_CONFIG", None)
-        child[env.CLUSTER] = self._spec.to_json(task)
         child["PYTHONUNBUFFERED"] = "1"
         return child
 
@@ -246,14 +287,14 @@ class LocalLauncher:
         thread.start()
         return thread
 
-    def _follow_processes(self, processes: Mapping[TaskSpec, subprocess.Popen[bytes]]) -> None:
+    def _follow_processes(self, processes: Mapping[TaskSpec, RoleProcess]) -> None:
         # At start, threads start only after every fork: preexec_fn runs between fork and exec.
         for task, process in processes.items():
             self._start_thread(self._wait_for, task, process)
             assert process.stdout is not None
             self._readers.append(self._start_thread(self._copy_output, task, process.stdout))
 
-    def _wait_for(self, task: TaskSpec, process: subprocess.Popen[bytes]) -> None:
+    def _wait_for(self, task: TaskSpec, process: RoleProcess) -> None:
         returncode = process.wait()
         with self._state:
             role_exit = RoleExit(task, process.pid, returncode)
@@ -415,20 +456,3 @@ def _restore_handlers(previous: _Handlers) -> None:
     for signum, handler in previous.items():
         # None means it was set outside Python and cannot be put back.
         signal.signal(signum, signal.SIG_DFL if handler is None else handler)
-
-
-def _die_with_parent() -> Callable[[], None] | None:
-    """A preexec_fn that has Linux SIGKILL the child when the launcher dies; None elsewhere."""
-    if not sys.platform.startswith("linux"):
-        return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    parent = os.getpid()
-    sigkill = int(signal.SIGKILL)
-
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill)
-        # The launcher may have died before prctl ran; then no signal would ever come.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec

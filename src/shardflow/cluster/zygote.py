@@ -1,0 +1,288 @@
+"""A fork server ("zygote") for a local cluster's roles: one process imports torch, numpy and shardflow once, then
+forks a process per role that runs the user's script as `__main__`. A fresh Python per role pays ~2 s of imports,
+and a local cluster starts all its roles at once on the same cores.
+
+The conversation, over a UNIX stream socketpair between the launcher and its zygote (JSON; nothing is pickled):
+
+- launcher → zygote, once per role: a 4-byte big-endian length, then the request `{"id", "argv", "env", "cwd",
+  "name"}`; the write end of the role's output pipe rides on its first byte (SCM_RIGHTS).
+- zygote → launcher, one object a line: `{"ready": true}` once its imports are done; `{"spawned": id, "pid": pid}`
+  or `{"refused": id, "reason": text}` per request; `{"exited": pid, "status": wait status}` when a role ends.
+- The zygote exits when the launcher hangs up; its roles die with it (each has the zygote's death as its
+  parent-death signal), as the zygote dies with the launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import zipfile
+from collections.abc import Callable, Mapping, Sequence
+from typing import IO, TYPE_CHECKING, Any
+
+from shardflow import env
+from shardflow.cluster.spec import TaskSpec
+
+if TYPE_CHECKING:
+    import psutil
+
+PRELOAD = ("numpy", "numpy.random", "torch", "shardflow.train.estimator")
+"""What the zygote imports once. Named, not imported here: cluster/ does not depend on train/, the roles do. None
+may touch CUDA on import (not even torch.cuda.is_available()): a process forked after that cannot use the GPU."""
+READY_TIMEOUT_S = 60.0
+SPAWN_TIMEOUT_S = 30.0
+ZYGOTE_NAME = "sf:zygote"
+_NAME_PREFIX = "sf:"
+# `python -c` puts the working directory first on sys.path: nothing is imported from there; each role puts its
+# script's directory there, as `python script.py` does.
+_ENTRY = "import sys; del sys.path[0]; from shardflow.cluster.zygote_process import main; main()"
+REQUEST_HEADER = struct.Struct("!I")
+"""The length of the JSON request that follows."""
+_PR_SET_PDEATHSIG = 1
+
+
+class ZygoteError(Exception):
+    """The zygote could not start a role: it did not come up, refused, or is gone."""
+
+
+def wanted() -> bool:
+    """Whether `SHARDFLOW_ZYGOTE` (on by default) lets roles be forked from a zygote."""
+    setting = env.get(env.ZYGOTE) or "on"
+    if setting not in ("on", "off"):
+        raise ValueError(f"{env.ZYGOTE}={setting!r}: use on (the default) or off (a fresh Python per role)")
+    return setting == "on"
+
+
+def can_fork(command: Sequence[str]) -> bool:
+    """Whether the zygote runs `command` as `python` would: this interpreter, no options, a script file or `-m`."""
+    if not sys.platform.startswith("linux") or len(command) < 2 or command[0] != sys.executable:
+        return False
+    if command[1] == "-m":
+        return len(command) > 2 and bool(command[2])
+    script = command[1]
+    return not script.startswith("-") and os.path.isfile(script) and not zipfile.is_zipfile(script)
+
+
+def process_name(task_name: str) -> str:
+    """The name a forked role's process carries (at most 15 bytes are kept), e.g. `sf:worker:1`."""
+    return _NAME_PREFIX + task_name
+
+
+def role_of(process: psutil.Process) -> str | None:
+    """The task name (`worker:1`) of a local cluster's role process, or None: for tools and tests that look at
+    process trees. A forked role's environment in /proc is the zygote's, so its name says which role it is; what
+    a role forks or starts inherits its name or environment, and is no role."""
+    parent = process.parent()
+    if parent is None:
+        return None
+    name: str = process.name()
+    parent_name: str = parent.name()
+    if parent_name == ZYGOTE_NAME and name.startswith(_NAME_PREFIX):
+        return name[len(_NAME_PREFIX) :]
+    if name.startswith(_NAME_PREFIX) or parent_name.startswith(_NAME_PREFIX):
+        return None
+    cluster = process.environ().get(env.CLUSTER)
+    if cluster is None or parent.environ().get(env.CLUSTER) == cluster:
+        return None
+    task = json.loads(cluster)["task"]
+    return TaskSpec(task["type"], task["index"]).name
+
+
+def die_with_parent() -> Callable[[], None] | None:
+    """A function for a fresh child that has Linux SIGKILL it when the process that made it dies; None elsewhere.
+
+    Linux sends the signal when the *thread* that forked the child ends."""
+    if not sys.platform.startswith("linux"):
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+    sigkill = int(signal.SIGKILL)
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, sigkill)
+        # The parent may have died before prctl ran; then no signal would ever come.
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+class ForkedProcess:
+    """A role forked by the zygote, with the part of `subprocess.Popen` the launcher uses."""
+
+    def __init__(self, pid: int, stdout: IO[bytes]) -> None:
+        self.pid = pid
+        self.stdout = stdout
+        self.returncode: int | None = None
+        self._exited = threading.Event()
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if not self._exited.wait(timeout):
+            raise subprocess.TimeoutExpired(f"role process {self.pid}", timeout or 0.0)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def _set_exited(self, returncode: int) -> None:
+        self.returncode = returncode
+        self._exited.set()
+
+
+class Zygote:
+    """The launcher's end: starts the zygote, asks it for role processes and follows their exits."""
+
+    def __init__(self, process: subprocess.Popen[bytes], control: socket.socket, say: Callable[[str], None]) -> None:
+        self.pid = process.pid
+        self._process = process
+        self._control = control
+        self._say = say
+        self._send_lock = threading.Lock()  # apart from _state: a send may block until the zygote reads
+        self._state = threading.Condition()
+        self._ready = False
+        self._gone = False
+        self._closing = False
+        self._next_id = 0
+        self._pending: dict[int, IO[bytes]] = {}  # request id -> the output pipe's read end
+        self._replies: dict[int, ForkedProcess | str] = {}  # the process, or why the zygote refused
+        self._roles: dict[int, ForkedProcess] = {}  # pid -> process, until it exits
+        self._reader = threading.Thread(target=self._read_reports, daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def start(cls, environment: Mapping[str, str], say: Callable[[str], None]) -> Zygote:
+        """Starts a zygote with `environment` and waits until its imports are done. Call it from a thread that
+        outlives the zygote (the parent-death signal)."""
+        ours, theirs = socket.socketpair()
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-c", _ENTRY, str(theirs.fileno())],
+                env=dict(environment),
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        except OSError as error:
+            ours.close()
+            raise ZygoteError(f"the zygote did not start: {error}") from error
+        finally:
+            theirs.close()
+        zygote = cls(process, ours, say)
+        with zygote._state:
+            zygote._state.wait_for(lambda: zygote._ready or zygote._gone, READY_TIMEOUT_S)
+            ready, gone = zygote._ready and not zygote._gone, zygote._gone
+        if not ready:
+            zygote.close()  # reaps it
+            why = f"exited with code {process.returncode}" if gone else f"took over {READY_TIMEOUT_S:g} s"
+            raise ZygoteError(f"the zygote (pid {zygote.pid}) {why} before its imports were done (see its stderr)")
+        return zygote
+
+    def spawn(self, argv: Sequence[str], environment: Mapping[str, str], name: str) -> ForkedProcess:
+        """Forks a process that runs `argv` (see can_fork) with `environment` in this working directory."""
+        request: dict[str, Any] = {"argv": list(argv), "env": dict(environment), "cwd": os.getcwd(), "name": name}
+        read_end, write_end = os.pipe()
+        stdout = open(read_end, "rb")  # noqa: SIM115 (the launcher reads it to the end and closes it)
+        with self._state:
+            request_id = request["id"] = self._next_id
+            self._next_id += 1
+            self._pending[request_id] = stdout
+        try:
+            if not self._gone:
+                self._send(json.dumps(request).encode(), write_end)
+        finally:
+            os.close(write_end)
+        with self._state:
+            self._state.wait_for(lambda: request_id in self._replies or self._gone, SPAWN_TIMEOUT_S)
+            reply = self._replies.pop(request_id, None)
+            if reply is None:
+                self._pending.pop(request_id, None)  # a late reply kills the process it reports
+        if reply is None:
+            stdout.close()
+            why = "is gone" if self._gone else f"did not answer within {SPAWN_TIMEOUT_S:g} s"
+            raise ZygoteError(f"the zygote (pid {self.pid}) {why}, asked to start {name}")
+        if isinstance(reply, str):
+            raise ZygoteError(f"the zygote (pid {self.pid}) could not start {name}: {reply}")
+        return reply
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Hangs up; the zygote exits, and with it any role still running."""
+        with self._state:
+            self._closing = True
+        with contextlib.suppress(OSError):
+            self._control.shutdown(socket.SHUT_WR)
+        try:
+            self._process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+        self._reader.join(timeout_s)
+        self._control.close()
+
+    def _send(self, payload: bytes, fd: int) -> None:
+        data = REQUEST_HEADER.pack(len(payload)) + payload
+        # A failed send means the zygote is gone; the reader then hears it hang up.
+        with self._send_lock, contextlib.suppress(OSError):
+            sent = socket.send_fds(self._control, [data], [fd])
+            self._control.sendall(data[sent:])
+
+    def _read_reports(self) -> None:
+        with self._control.makefile("rb") as reports:
+            for line in reports:
+                self._on_report(json.loads(line))
+        self._on_hang_up()
+
+    def _on_report(self, report: dict[str, Any]) -> None:
+        with self._state:
+            if "exited" in report:
+                process = self._roles.pop(report["exited"], None)
+                if process is not None:
+                    process._set_exited(os.waitstatus_to_exitcode(report["status"]))
+            elif "spawned" in report:
+                stdout = self._pending.pop(report["spawned"], None)
+                if stdout is None:  # its request gave up waiting
+                    os.kill(report["pid"], signal.SIGKILL)
+                    return
+                process = self._roles[report["pid"]] = ForkedProcess(report["pid"], stdout)
+                self._replies[report["spawned"]] = process
+            elif "refused" in report and report["refused"] in self._pending:
+                self._pending.pop(report["refused"]).close()
+                self._replies[report["refused"]] = report["reason"]
+            self._ready = self._ready or "ready" in report
+            self._state.notify_all()
+
+    def _on_hang_up(self) -> None:
+        """The zygote exited: its roles were sent SIGKILL (parent-death signal); so are their process groups."""
+        with self._state:
+            self._gone = True
+            lost = list(self._roles.values())
+            self._roles.clear()
+            closing = self._closing
+            self._state.notify_all()
+        for process in lost:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process._set_exited(-signal.SIGKILL)
+        if not closing and self._ready:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._process.wait(5.0)
+            self._say(
+                f"the zygote (pid {self.pid}) exited with code {self._process.returncode}; its roles died with it"
+            )
