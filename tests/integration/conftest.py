@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -130,3 +132,47 @@ def start_job(tmp_path: Path):
     yield start
     for job in jobs:
         job.close()
+
+
+class TFConfigJob:
+    """A job started the way a cluster manager starts one: a process per role, each with its own TF_CONFIG on
+    127.0.0.1, and the test as the supervisor that may start a role again."""
+
+    def __init__(self, job: str, config: Path, env: dict[str, str], num_ps: int = 2, num_workers: int = 2) -> None:
+        with contextlib.ExitStack() as stack:
+            sockets = [stack.enter_context(socket.socket()) for _ in range(1 + num_ps + num_workers)]
+            for s in sockets:
+                s.bind(("127.0.0.1", 0))
+            ports = [s.getsockname()[1] for s in sockets]
+        addresses = [f"127.0.0.1:{port}" for port in ports]
+        self.cluster = {"chief": addresses[:1], "ps": addresses[1 : 1 + num_ps], "worker": addresses[1 + num_ps :]}
+        self.command = [sys.executable, str(JOBS / job), str(config)]
+        self.env = env
+        tasks = [("chief", 0), *(("ps", k) for k in range(num_ps)), *(("worker", k) for k in range(num_workers))]
+        self.procs: dict[tuple[str, int], subprocess.Popen[str]] = {}
+        for task in tasks:
+            self.start(*task)
+
+    def start(self, task_type: str, index: int) -> subprocess.Popen[str]:
+        """Start (or start again) one role's process."""
+        tf_config = {"cluster": self.cluster, "task": {"type": task_type, "index": index}}
+        env = {**self.env, "TF_CONFIG": json.dumps(tf_config)}
+        process = subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.procs[task_type, index] = process
+        return process
+
+    def finish(self, timeout_s: float = 150) -> dict[tuple[str, int], str]:
+        """Every role's output once all exited; kills what is left on the way out."""
+        try:
+            return {task: process.communicate(timeout=timeout_s)[0] for task, process in self.procs.items()}
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        for process in self.procs.values():
+            process.kill()
+
+    def describe(self, outputs: dict[tuple[str, int], str]) -> str:
+        """Each role's exit code and the end of its output, for a failed assertion."""
+        parts = (f"--- {task} exited {self.procs[task].returncode}:\n{out[-3000:]}" for task, out in outputs.items())
+        return "\n".join(parts)
