@@ -16,11 +16,13 @@ example:
 
 Every role runs `python train.py --lr 0.1`; the environment variable SHARDFLOW_CLUSTER tells
 each process its role. Output lines are prefixed with the role, e.g. "[worker:0] ...".
-A worker or evaluator that dies is restarted (--max-restarts times, after a back-off that doubles
-from --restart-backoff seconds); a restarted worker resumes its input after the last step every PS
-applied, so no record is applied twice or lost. If a role fails for good (a PS or the chief dies,
-a role raises, or the restarts run out), the others are stopped and the exit code is 1; Ctrl-C
-stops all roles (130).
+A worker, PS or evaluator that dies is restarted (--max-restarts times, after a back-off that
+doubles from --restart-backoff seconds); a restarted worker resumes its input after the last step
+every PS applied, and a restarted PS makes every PS reload the latest checkpoint, so no record is
+applied twice or lost. If a role fails for good (the chief dies, a role raises, or the restarts
+run out), the others are stopped and the exit code is 1; Ctrl-C stops all roles (130).
+The roles share a fresh secret made for this job (unless SHARDFLOW_CLUSTER_SECRET is set): no
+other process can push to, pull from, stop, or write a control key of the job.
 SIGTERM, as a cluster manager sends on preemption, goes to the chief: it checkpoints at the current
 step and ends the job, every role exits, and the exit code is 143; launching again resumes there.
 """
@@ -51,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count(minimum=0),
         default=3,
         metavar="N",
-        help="how many times each worker or evaluator that dies is restarted (3)",
+        help="how many times each worker, PS or evaluator that dies is restarted (3)",
     )
     parser.add_argument(
         "--restart-backoff",
