@@ -97,7 +97,8 @@ def tell_chief(role: RoleContext) -> Callable[[Preemption], None]:
         name, address = role.task.name, role.control.address
         try:
             # A connection of its own: the main thread keeps using role.control meanwhile.
-            control = ControlPlane(address, is_chief=False, timeout_s=min(5.0, preemption.grace_s))
+            # The chief answers in milliseconds; a dead one must not hold the role past the launcher's grace.
+            control = ControlPlane(address, is_chief=False, timeout_s=min(2.0, preemption.grace_s))
             try:
                 over = control.is_set(control_keys.SHUTDOWN)
                 if not over:
