@@ -116,5 +116,6 @@ def test_a_stranger_without_the_secret_can_do_nothing_and_the_job_ends_exact(sta
     assert all(torch.isfinite(value).all() for value in seen.values())
     assert torch.equal(seen["seen"], torch.ones(NUM_RECORDS)), "every record applied exactly once"
     assert "refused a connection from 127.0.0.1" in out
+    assert not (model_dir / "job.secret").exists(), "the job is over: its secret is removed with it"
     time.sleep(0.5)
     assert [pid for pid in job.leftovers() if psutil.pid_exists(pid)] == []

@@ -168,6 +168,7 @@ def run_chief(
         captures = profiler.completed
     finally:
         job_file.unlink(missing_ok=True)
+        (job.model_dir / SECRET_FILE).unlink(missing_ok=True)  # the job is over: so is its secret
         loop.summaries.close()
         profiler.close()
         client.close()
