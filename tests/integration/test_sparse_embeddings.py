@@ -44,15 +44,7 @@ def test_sync_two_workers_with_sparse_embeddings_equals_single_process_and_pulls
     assert result["global_step"] == steps
 
     # One process, the same model and torch.optim.Adagrad, on the two workers' batches concatenated.
-    ids, tags, targets = job.make_data(2 * steps, batch)
-    torch.manual_seed(0)
-    model = job.Model()
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    for step in range(steps):
-        rows = slice(2 * step * batch, (2 * step + 2) * batch)
-        optimizer.zero_grad()
-        job.loss_fn(model, (ids[rows], tags[rows], targets[rows])).backward()
-        optimizer.step()
+    model = job.one_process(steps, batch)
     trained, manifest = final_state(tmp_path / "model")
     for name, expected in model.state_dict().items():
         torch.testing.assert_close(trained[name], expected, atol=1e-5, rtol=0, msg=name)

@@ -147,15 +147,7 @@ def test_a_job_on_device_cpu_trains_dense_and_row_sparse_variables_like_one_proc
     assert result["global_step"] == steps
 
     # One process, the same model and torch.optim.Adagrad (the job's default), on both workers' batches at once.
-    ids, tags, targets = embedding_job.make_data(2 * steps, batch)
-    torch.manual_seed(0)
-    model = embedding_job.Model()
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
-    for step in range(steps):
-        rows = slice(2 * step * batch, (2 * step + 2) * batch)
-        optimizer.zero_grad()
-        embedding_job.loss_fn(model, (ids[rows], tags[rows], targets[rows])).backward()
-        optimizer.step()
+    model = embedding_job.one_process(steps, batch)
     latest = checkpoint.latest(tmp_path / "model")
     assert latest is not None
     trained = checkpoint.load_state(latest)[0].params

@@ -43,6 +43,21 @@ def loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, ...]) -> torch.Te
     return torch.nn.functional.mse_loss(model(ids, tags), targets)
 
 
+def one_process(steps: int, batch: int) -> torch.nn.Module:
+    """The reference: the same model and torch.optim.Adagrad (lr 0.1) in one process, each step on two workers'
+    batches concatenated, as a sync job with 2 workers takes them."""
+    ids, tags, targets = make_data(2 * steps, batch)
+    torch.manual_seed(0)
+    model = Model()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1)
+    for step in range(steps):
+        rows = slice(2 * step * batch, (2 * step + 2) * batch)
+        optimizer.zero_grad()
+        loss_fn(model, (ids[rows], tags[rows], targets[rows])).backward()
+        optimizer.step()
+    return model
+
+
 def main(config: dict[str, Any]) -> None:
     num_batches, batch = config.get("num_batches", 40), config.get("batch", 8)
     ids, tags, targets = make_data(num_batches, batch)
