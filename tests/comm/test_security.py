@@ -26,6 +26,7 @@ from shardflow.comm.server import Server, secure_server
         ("tcp://10.0.0.7:5555", False),
         ("tcp://ps-0.cluster.local:5555", False),
         ("tcp://0.0.0.0:5555", False),
+        ("ipc:///run/sf-x/ps-0", True),
     ],
 )
 def test_only_loopback_addresses_go_unencrypted(address, loopback):
@@ -57,6 +58,42 @@ def test_a_round_trip_with_the_job_secret(monkeypatch, encrypt):
     thread.join()
     server.close()
     assert header["ok"] and torch.equal(tensors[0], torch.arange(5.0))
+
+
+@pytest.mark.parametrize("encrypt", [None, "always"])
+def test_a_server_also_listens_on_a_unix_socket_with_the_same_authentication(monkeypatch, tmp_path, encrypt):
+    if encrypt:
+        monkeypatch.setenv("SHARDFLOW_ENCRYPT", encrypt)
+    job = Credentials("s3cret")
+    local = f"ipc://{tmp_path}/ps-0"
+    server = Server("tcp://127.0.0.1:0", credentials=job, local=local)
+    assert server.local_address == local and server.address.startswith("tcp://127.0.0.1:")
+    thread = _echo_once(server)
+    with Client("intruder", credentials=Credentials("guess")) as client:
+        client.connect("ps:0", local)
+        with pytest.raises(CommError, match="ps:0"):
+            client.request("ps:0", {"op": "echo"}, timeout_s=1.0)
+    with Client("worker:0", credentials=job) as client:
+        client.connect("ps:0", local)
+        header, tensors = client.request("ps:0", {"op": "echo"}, [torch.arange(5.0)], timeout_s=5)
+    thread.join()
+    server.close()
+    assert header["ok"] and torch.equal(tensors[0], torch.arange(5.0))
+
+
+def test_a_unix_socket_that_cannot_be_made_leaves_tcp_alone(tmp_path, caplog):
+    too_long = f"ipc://{tmp_path}/{'x' * 200}"
+    with caplog.at_level(logging.WARNING, logger="shardflow.comm.server"):
+        server = Server("tcp://127.0.0.1:0", credentials=Credentials("s3cret"), local=too_long)
+    assert server.local_address is None and server.address.startswith("tcp://127.0.0.1:")
+    assert f"cannot listen on {too_long}" in caplog.text and server.address in caplog.text
+    thread = _echo_once(server)
+    with Client("worker:0", credentials=Credentials("s3cret")) as client:
+        client.connect("ps:0", server.address)
+        header, _ = client.request("ps:0", {"op": "echo"}, timeout_s=5)
+    thread.join()
+    server.close()
+    assert header["ok"]
 
 
 def test_a_client_without_the_secret_is_refused_and_its_address_logged_once(caplog):

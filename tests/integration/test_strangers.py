@@ -65,14 +65,20 @@ def test_a_stranger_without_the_secret_can_do_nothing_and_the_job_ends_exact(sta
     job.wait_for_file(model_dir / "job.json")
     chief = json.loads((model_dir / "job.json").read_text())["control"]
     logs = model_dir / "logs"
-    ps_addresses = []
+    ps_addresses, local_addresses = [], []
     for k in range(2):
         job.wait_for_file(logs / f"ps_{k}.log")
         deadline = time.monotonic() + 30
-        while not (found := re.search(r"serving at (tcp://\S+)", (logs / f"ps_{k}.log").read_text())):
+        serving = r"serving at (tcp://\S+) .*, and at (ipc://\S+) for this machine's roles"
+        while not (found := re.search(serving, (logs / f"ps_{k}.log").read_text())):
             assert time.monotonic() < deadline, "ps never said where it serves"
             time.sleep(0.1)
         ps_addresses.append(found[1])
+        local_addresses.append(found[2])
+    # The roles reach each PS over a UNIX socket in the launcher's runtime directory, which only this user enters.
+    runtime_dir = Path(local_addresses[0].removeprefix("ipc://")).parent
+    assert runtime_dir.stat().st_mode & 0o777 == 0o700
+    assert all(Path(address.removeprefix("ipc://")).is_socket() for address in local_addresses)
 
     # Every socket the job listens on is on loopback: the control service, the chief's clock, each PS.
     roles = job.roles()
@@ -90,7 +96,7 @@ def test_a_stranger_without_the_secret_can_do_nothing_and_the_job_ends_exact(sta
     member_or_none: tuple[Credentials | None, ...] = (job_credentials(), None)
     for maybe in member_or_none:
         with Client("stranger", credentials=maybe) as client:
-            for k, address in enumerate(ps_addresses):
+            for k, address in enumerate(ps_addresses + local_addresses):
                 client.connect(f"ps:{k}", address)
                 for header, frames in (
                     (protocol.Stop().header(), []),
@@ -117,5 +123,6 @@ def test_a_stranger_without_the_secret_can_do_nothing_and_the_job_ends_exact(sta
     assert torch.equal(seen["seen"], torch.ones(NUM_RECORDS)), "every record applied exactly once"
     assert "refused a connection from 127.0.0.1" in out
     assert not (model_dir / "job.secret").exists(), "the job is over: its secret is removed with it"
+    assert not runtime_dir.exists(), "the job is over: its sockets' directory is removed with it"
     time.sleep(0.5)
     assert [pid for pid in job.leftovers() if psutil.pid_exists(pid)] == []

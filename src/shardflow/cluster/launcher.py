@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -93,6 +95,7 @@ class LocalLauncher:
         self._command = list(command)
         self._env = dict(env or {})
         self._secret = new_secret()
+        self._runtime_dir: str | None = None
         self._prefix_output = prefix_output
         # Each role's output is also kept, unprefixed, in log_dir/<role>.log.
         self._log_dir = Path(log_dir) if log_dir is not None else None
@@ -125,6 +128,9 @@ class LocalLauncher:
         if self._started:
             raise RuntimeError("LocalLauncher.start() was already called")
         self._started = True
+        # The roles' UNIX sockets (a PS serves this machine's roles there as well as over TCP); private to this user
+        # (mkdtemp makes it 0700), removed when the launcher stops.
+        self._runtime_dir = tempfile.mkdtemp(prefix="sf-")
         try:
             self._start_zygote()
             for task in self._tasks:
@@ -237,6 +243,8 @@ class LocalLauncher:
             self._stopped = True
         if self._zygote is not None:
             self._zygote.close()
+        if self._runtime_dir is not None:
+            shutil.rmtree(self._runtime_dir, ignore_errors=True)
         deadline = time.monotonic() + 1.0
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
@@ -280,6 +288,8 @@ class LocalLauncher:
         # Without TF_CONFIG no reader of the environment can take it for this task's role.
         child.pop("TF_CONFIG", None)
         child["PYTHONUNBUFFERED"] = "1"
+        if self._runtime_dir is not None:
+            child[env.RUNTIME_DIR] = self._runtime_dir
         return child
 
     def _start_thread(self, target: Callable[..., None], *args: object) -> threading.Thread:

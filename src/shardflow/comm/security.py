@@ -50,7 +50,9 @@ class SecurityError(RuntimeError):
 
 
 def is_loopback(address: str) -> bool:
-    """Whether a ZeroMQ tcp:// endpoint stays on this machine (127.0.0.0/8, ::1, localhost)."""
+    """Whether a ZeroMQ endpoint stays on this machine: tcp:// to 127.0.0.0/8, ::1 or localhost, or ipc://."""
+    if address.startswith("ipc://"):
+        return True
     host = urlsplit(address).hostname or ""
     if host == "localhost":
         return True

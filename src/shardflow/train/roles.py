@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
 
 import torch
 
+from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
@@ -63,17 +65,31 @@ def advertised_address(address: str, chief_address: str) -> str:
     return f"tcp://{socket.gethostbyname(socket.gethostname())}:0"
 
 
+def _local_endpoint(role: RoleContext, advertised: str) -> str | None:
+    """The ipc:// endpoint a PS of a local cluster serves its roles at as well (in the launcher's private runtime
+    directory; a restarted PS takes its predecessor's), or None: a PS advertised off loopback may have peers on
+    other machines, and then every peer uses TCP."""
+    runtime_dir = env.get(env.RUNTIME_DIR)
+    if runtime_dir is None or not is_loopback(advertised):
+        return None
+    return f"ipc://{os.path.join(runtime_dir, role.task.name.replace(':', '-'))}"
+
+
 def run_ps(role: RoleContext) -> None:
     torch.set_num_threads(1)
     # Row numbers from the network are range-checked by the PS itself (ps/sparse.py) before torch.optim builds
     # sparse tensors from them; opting out of torch's own check explicitly also silences its warning.
     torch.sparse.check_sparse_tensor_invariants.disable()
     chief = role.spec.address(TaskSpec("chief", 0))
-    server = secure_server(advertised_address(role.spec.address(role.task), chief))
+    advertised = advertised_address(role.spec.address(role.task), chief)
+    server = secure_server(advertised, local=_local_endpoint(role, advertised))
     try:
-        address = server.address
+        # A local cluster's roles all run here: they reach the PS over its UNIX socket. Other processes (tools,
+        # what the cluster spec names) over TCP.
+        address = server.local_address or server.address
         role.control.publish_endpoint(control_keys.ps_endpoint(role.task.index), address)
-        print(f"{role.task.name} serving at {address} ({_SECURITY[server.mechanism]})", flush=True)
+        also = f", and at {server.local_address} for this machine's roles" if server.local_address else ""
+        print(f"{role.task.name} serving at {server.address} ({_SECURITY[server.mechanism]}){also}", flush=True)
         # After its address is published: a chief that sees a restarted PS beat finds where it serves.
         heartbeat = Heartbeat(role.task.name, role.control)
         ps = ParameterServer(server, role.task.index)
