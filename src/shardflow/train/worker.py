@@ -222,12 +222,13 @@ def _forward_backward(
         with autocast(job.strategy.mixed_precision, params.staging.device.type):
             loss = job.loss_fn(model, batch_to_device(to_torch(batch), params.staging.device))
         recorder.end(spans.FORWARD, step, t)
-        if not bool(torch.isfinite(loss.detach()).all()):
+        value = float(loss.detach())  # one read back (a device sync), which the report needs anyway
+        if not math.isfinite(value):
             return None
         t = time.perf_counter_ns()
         (loss / num_batches if num_batches > 1 else loss).backward()
         recorder.end(spans.BACKWARD, step, t)
-        losses.append(float(loss.detach()))
+        losses.append(value)
         if len(losses) == num_batches:
             break
         waited = time.perf_counter_ns()
