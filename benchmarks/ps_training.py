@@ -4,7 +4,7 @@
   (target >= 3x steps/s; also reports TF's own iteration count against the steps it ran);
 - 1 worker + 1 PS vs a single-process PyTorch loop (target >= 0.7x).
 
-Usage: python benchmarks/ps_training.py [--steps N] [--repeats R] [--no-tf]
+Usage: python benchmarks/ps_training.py [--steps N] [--repeats R] [--no-tf | --features | --auth | --local-sockets]
 """
 
 from __future__ import annotations
@@ -115,6 +115,37 @@ def auth_side_by_side(steps: int, repeats: int) -> None:
     print("RESULT " + json.dumps({"auth_on_steps_per_s": on, "auth_off_steps_per_s": off, "ratio": ratio}))
 
 
+def local_sockets_side_by_side(steps: int, repeats: int) -> None:
+    """2 workers + 1 PS with the PS reached over its UNIX socket (the default) against loopback TCP
+    (SHARDFLOW_LOCAL_SOCKETS=off), alternating; CPU seconds of the whole job per 1,000 global steps beside."""
+    runs: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
+    for _ in range(repeats):
+        for setting in ("off", "on"):
+            before = os.times()
+            result = shardflow_job(2, 1, steps, env={"SHARDFLOW_LOCAL_SOCKETS": setting})
+            after = os.times()
+            cpu_s = (after.children_user - before.children_user) + (after.children_system - before.children_system)
+            runs[setting].append((result["steps_per_s"], 1000 * cpu_s / result["global_step"]))
+    for setting, label in (("off", "loopback TCP"), ("on", "UNIX socket (default)")):
+        rates = ", ".join(f"{rate:.0f}" for rate, _ in runs[setting])
+        cpu = ", ".join(f"{c:.2f}" for _, c in runs[setting])
+        print(f"2w+1PS {label}: steps/s {rates}; CPU s per 1000 steps {cpu}")
+    ratio = statistics.median(r for r, _ in runs["on"]) / statistics.median(r for r, _ in runs["off"])
+    print(f"UNIX socket vs loopback TCP (medians): {ratio:.2f}x")
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "tcp_steps_per_s": [r for r, _ in runs["off"]],
+                "unix_steps_per_s": [r for r, _ in runs["on"]],
+                "tcp_cpu_s_per_1000_steps": [c for _, c in runs["off"]],
+                "unix_cpu_s_per_1000_steps": [c for _, c in runs["on"]],
+                "ratio": ratio,
+            }
+        )
+    )
+
+
 def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["steps_per_s"])
 
@@ -128,6 +159,9 @@ def main() -> None:
         "--features", action="store_true", help="only: clip_grad_norm + bf16 against plain, alternating"
     )
     parser.add_argument("--auth", action="store_true", help="only: authentication on against off, alternating")
+    parser.add_argument(
+        "--local-sockets", action="store_true", help="only: the PS over a UNIX socket against loopback TCP, alternating"
+    )
     args = parser.parse_args()
     r = args.repeats
     if args.features:
@@ -135,6 +169,9 @@ def main() -> None:
         return
     if args.auth:
         auth_side_by_side(args.steps, r)
+        return
+    if args.local_sockets:
+        local_sockets_side_by_side(args.steps, r)
         return
 
     # The local loop at its best: torch's default threads (one per core) and one thread, whichever is faster.

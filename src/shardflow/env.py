@@ -20,6 +20,8 @@ Set by users:
   steps, so one run measures what the always-on recorder costs).
 - `SHARDFLOW_ZYGOTE`: `on` (the default) forks a local cluster's Python roles from one process that imported torch
   and shardflow once; `off` starts each role as a fresh Python.
+- `SHARDFLOW_LOCAL_SOCKETS`: `on` (the default) has a local cluster's roles reach each PS over a UNIX socket; `off`
+  over loopback TCP, as roles on other machines would (to watch the traffic with a packet capture, or compare).
 
 Set by shardflow's own tools for the processes they start:
 
@@ -57,6 +59,7 @@ RESULT_JSON = "SHARDFLOW_RESULT_JSON"
 FAULT = "SHARDFLOW_FAULT"
 ZYGOTE = "SHARDFLOW_ZYGOTE"
 RUNTIME_DIR = "SHARDFLOW_RUNTIME_DIR"
+LOCAL_SOCKETS = "SHARDFLOW_LOCAL_SOCKETS"
 
 ALL = (
     CLUSTER,
@@ -77,6 +80,7 @@ ALL = (
     FAULT,
     ZYGOTE,
     RUNTIME_DIR,
+    LOCAL_SOCKETS,
 )
 
 

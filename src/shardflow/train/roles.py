@@ -65,14 +65,17 @@ def advertised_address(address: str, chief_address: str) -> str:
     return f"tcp://{socket.gethostbyname(socket.gethostname())}:0"
 
 
-def _local_endpoint(role: RoleContext, advertised: str) -> str | None:
+def local_endpoint(task: TaskSpec, advertised: str) -> str | None:
     """The ipc:// endpoint a PS of a local cluster serves its roles at as well (in the launcher's private runtime
     directory; a restarted PS takes its predecessor's), or None: a PS advertised off loopback may have peers on
     other machines, and then every peer uses TCP."""
+    setting = env.get(env.LOCAL_SOCKETS) or "on"
+    if setting not in ("on", "off"):
+        raise ValueError(f"{env.LOCAL_SOCKETS}={setting!r}: use on (the default) or off (loopback TCP)")
     runtime_dir = env.get(env.RUNTIME_DIR)
-    if runtime_dir is None or not is_loopback(advertised):
+    if runtime_dir is None or setting == "off" or not is_loopback(advertised):
         return None
-    return f"ipc://{os.path.join(runtime_dir, role.task.name.replace(':', '-'))}"
+    return f"ipc://{os.path.join(runtime_dir, task.name.replace(':', '-'))}"
 
 
 def run_ps(role: RoleContext) -> None:
@@ -82,7 +85,7 @@ def run_ps(role: RoleContext) -> None:
     torch.sparse.check_sparse_tensor_invariants.disable()
     chief = role.spec.address(TaskSpec("chief", 0))
     advertised = advertised_address(role.spec.address(role.task), chief)
-    server = secure_server(advertised, local=_local_endpoint(role, advertised))
+    server = secure_server(advertised, local=local_endpoint(role.task, advertised))
     try:
         # A local cluster's roles all run here: they reach the PS over its UNIX socket. Other processes (tools,
         # what the cluster spec names) over TCP.
