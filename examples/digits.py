@@ -30,14 +30,17 @@ def parse_args() -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse_args()
 
+# shardflow first: the local cluster's zygote then imports torch for the roles on another core while this process
+# imports the rest.
+import shardflow as sf
+from shardflow import data
+
+# isort: split
 import numpy as np
 import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from summary import print_summary
-
-import shardflow as sf
-from shardflow import data
 
 BATCH_SIZE = 32
 TARGET_ACCURACY = 0.95

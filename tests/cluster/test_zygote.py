@@ -6,6 +6,7 @@ import io
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -212,6 +213,66 @@ def test_an_uncaught_error_exits_1_with_the_scripts_own_traceback(role_command):
         '[worker:0]     raise ValueError("boom in " + name)',
         "[worker:0] ValueError: boom in worker:0",
     ]
+
+
+# Exits with the code in argv[1] while a thread it started is still running.
+EXIT_SCRIPT = """\
+import atexit, json, sys, threading, time
+atexit.register(print, "exit handler ran", flush=True)
+def finish():
+    time.sleep(0.3)
+    print("thread finished", flush=True)
+threading.Thread(target=finish).start()
+sys.exit(json.loads(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize(("code", "returncode"), [(None, 0), (3, 3), ("bad input", 1)])
+def test_a_forked_role_ends_as_python_would_after_its_threads_and_exit_handlers(tmp_path, code, returncode):
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    output = io.StringIO()
+    spec = ClusterSpec.local(num_workers=1, num_ps=0)
+    command = [sys.executable, str(script), json.dumps(code)]
+    with LocalLauncher(spec, command, skip=[TaskSpec("chief", 0)], output=output) as launcher:
+        launcher.start()
+        failure = launcher.wait(timeout_s=60)
+
+    expected = None if returncode == 0 else RoleExit(TaskSpec("worker", 0), launcher.pids["worker:0"], returncode)
+    assert failure == expected
+    message = [f"[worker:0] {code}"] if isinstance(code, str) else []
+    assert output.getvalue().splitlines() == [
+        *message,
+        "[worker:0] thread finished",
+        "[worker:0] exit handler ran",
+    ]
+
+
+# Leaves cyclic garbage with a finalizer, and a handler that runs after the exit's collection.
+FINALIZING_SCRIPT = """\
+import atexit, gc
+from shardflow.cluster.zygote import exit_without_final_collection
+gc.disable()
+class Cycle:
+    def __del__(self):
+        print("garbage finalized", flush=True)
+cycle = Cycle()
+cycle.itself = cycle
+del cycle
+atexit.register(lambda: print("frozen", gc.get_freeze_count() > 0, flush=True))
+exit_without_final_collection()
+exit_without_final_collection()
+"""
+
+
+def test_a_process_that_exits_without_the_final_collection_still_finalizes_its_garbage_once(tmp_path):
+    script = tmp_path / "finalizing.py"
+    script.write_text(FINALIZING_SCRIPT)
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+
+    assert (done.returncode, done.stderr) == (0, "")
+    assert done.stdout.splitlines() == ["garbage finalized", "frozen True"]
 
 
 def test_stop_ends_each_forked_roles_process_group_with_what_it_started(role_command):

@@ -80,10 +80,12 @@ class LocalLauncher:
         max_restarts: int = 0,
         restart_backoff_s: float = 1.0,
         restartable: Collection[str] = RESTARTABLE,
+        preload: Sequence[str] = (),
     ) -> None:
         """`max_restarts`: how many times a process of a task whose type is in `restartable` is started again
         after it dies (any exit but 0, while the launcher is not stopping), `restart_backoff_s` after its first
-        death, doubling each time up to MAX_BACKOFF_S; a death beyond that is the task's failure."""
+        death, doubling each time up to MAX_BACKOFF_S; a death beyond that is the task's failure. `preload`: modules
+        the zygote imports for every forked role (see zygote.installed_modules)."""
         if not command or isinstance(command, str):
             raise ValueError(
                 f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
@@ -104,6 +106,7 @@ class LocalLauncher:
         self._state = threading.Condition()
         self._processes: dict[TaskSpec, RoleProcess] = {}
         self._zygote: Zygote | None = None
+        self._preload = list(preload)
         self._forking = False  # whether new processes come from the zygote; off for good after it failed once
         self._exits: list[RoleExit] = []
         self._first_failure: RoleExit | None = None
@@ -153,6 +156,9 @@ class LocalLauncher:
             self._forking = True
         except ZygoteError as error:
             self._say(f"{error}; every role starts as a fresh process instead")
+            return
+        if self._preload:
+            self._zygote.preload(self._preload, self._job_env())
 
     def _spawn(self, task: TaskSpec) -> RoleProcess:
         if self._zygote is not None and self._forking:

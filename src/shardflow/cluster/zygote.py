@@ -4,18 +4,25 @@ and a local cluster starts all its roles at once on the same cores.
 
 The conversation, over a UNIX stream socketpair between the launcher and its zygote (JSON; nothing is pickled):
 
-- launcher → zygote, once per role: a 4-byte big-endian length, then the request `{"id", "argv", "env", "cwd",
-  "name"}`; the write end of the role's output pipe rides on its first byte (SCM_RIGHTS).
+- launcher → zygote: a 4-byte big-endian length, then a request. Once per role `{"id", "argv", "env", "cwd",
+  "name"}`, the write end of the role's output pipe riding on its first byte (SCM_RIGHTS); at most once, before
+  the first role, `{"preload": [module, ...], "env": {...}}`: what the launcher's process imported, for the roles
+  to share, and the environment to import it with.
 - zygote → launcher, one object a line: `{"ready": true}` once its imports are done; `{"spawned": id, "pid": pid}`
-  or `{"refused": id, "reason": text}` per request; `{"exited": pid, "status": wait status}` when a role ends.
+  or `{"refused": id, "reason": text}` per role; `{"exited": pid, "status": wait status}` when a role ends.
 - The zygote exits when the launcher hangs up; its roles die with it (each has the zygote's death as its
   parent-death signal), as the zygote dies with the launcher.
+
+A script that imports shardflow before torch has its zygote start then (shardflow/__init__.py), importing on another
+core while the script imports; the launcher adopts it.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
+import gc
 import json
 import os
 import signal
@@ -23,27 +30,34 @@ import socket
 import struct
 import subprocess
 import sys
+import sysconfig
 import threading
 import zipfile
 from collections.abc import Callable, Mapping, Sequence
 from typing import IO, TYPE_CHECKING, Any
 
+import shardflow
 from shardflow import env
 from shardflow.cluster.spec import TaskSpec
 
 if TYPE_CHECKING:
     import psutil
 
-PRELOAD = ("numpy", "numpy.random", "torch", "shardflow.train.estimator")
+PRELOAD = ("numpy", "numpy.random", "torch", "shardflow.train.estimator", "torch._dynamo")
 """What the zygote imports once. Named, not imported here: cluster/ does not depend on train/, the roles do. None
-may touch CUDA on import (not even torch.cuda.is_available()): a process forked after that cannot use the GPU."""
+may touch CUDA on import (not even torch.cuda.is_available()): a process forked after that cannot use the GPU.
+torch.optim imports torch._dynamo on a PS's first update: ~1.2 s of CPU, which the PS would spend while the chief
+waits for it to be initialised."""
 READY_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 30.0
 ZYGOTE_NAME = "sf:zygote"
 _NAME_PREFIX = "sf:"
-# `python -c` puts the working directory first on sys.path: nothing is imported from there; each role puts its
-# script's directory there, as `python script.py` does.
-_ENTRY = "import sys; del sys.path[0]; from shardflow.cluster.zygote_process import main; main()"
+JOB_VARIABLES = (env.CLUSTER_SECRET, env.LOCAL_THREADS, env.RUNTIME_DIR)
+"""What a launcher adds to its roles' environment for the job: read when a role runs, never on import."""
+LOADING_VARIABLES = ("PYTHON", "LD_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_")
+"""The beginnings of the variables that Python, torch, numpy and their libraries read as they load. A zygote that
+started before one of them changed (shardflow/__init__.py) is not adopted; others change as modules load (e.g.
+scikit-learn sets KMP_DUPLICATE_LIB_OK), and the zygote's preloads see their new values."""
 REQUEST_HEADER = struct.Struct("!I")
 """The length of the JSON request that follows."""
 _PR_SET_PDEATHSIG = 1
@@ -69,6 +83,20 @@ def can_fork(command: Sequence[str]) -> bool:
         return len(command) > 2 and bool(command[2])
     script = command[1]
     return not script.startswith("-") and os.path.isfile(script) and not zipfile.is_zipfile(script)
+
+
+def installed_modules() -> list[str]:
+    """The modules this process imported from the standard library, installed packages or shardflow: what a role
+    running the same script imports too, so the zygote can import them once for all.
+    Never `__main__` nor the user's own modules (beside the script, or on PYTHONPATH): only the role runs those."""
+    paths = sysconfig.get_paths()
+    roots = tuple({os.path.join(paths[key], "") for key in ("stdlib", "purelib", "platlib")})
+    names = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if name.startswith("shardflow.") or (isinstance(file, str) and file.startswith(roots)):
+            names.append(name)
+    return names
 
 
 def process_name(task_name: str) -> str:
@@ -104,15 +132,56 @@ def die_with_parent() -> Callable[[], None] | None:
         return None
     prctl = ctypes.CDLL(None, use_errno=True).prctl
     parent = os.getpid()
-    sigkill = int(signal.SIGKILL)
+    return lambda: _die_with(parent, prctl)
 
-    def preexec() -> None:
-        prctl(_PR_SET_PDEATHSIG, sigkill)
-        # The parent may have died before prctl ran; then no signal would ever come.
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
 
-    return preexec
+def die_with(parent: int) -> None:
+    """Has Linux SIGKILL this process when the thread of `parent` that started it ends; at once if it has."""
+    if sys.platform.startswith("linux"):
+        _die_with(parent, ctypes.CDLL(None, use_errno=True).prctl)
+
+
+def _die_with(parent: int, prctl: Callable[[int, int], int]) -> None:
+    prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL))
+    # The parent may have died before prctl ran; then no signal would ever come.
+    if os.getppid() != parent:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def exit_without_final_collection() -> None:
+    """Has this process, when it exits, collect its garbage once and then freeze what is left, so that Python's
+    shutdown does not collect it again while it tears the modules down. With torch and scikit-learn imported, those
+    shutdown collections take 1.5-3 s of a process's exit; one collection and a freeze, ~0.3 s. As Python's own
+    documentation allows, objects still alive at exit then may not have `__del__` called; refcounting still tears
+    them down, and everything that is garbage when the process exits is collected, finalizers and all."""
+    atexit.unregister(collect_then_freeze)  # once, however often it is asked for
+    atexit.register(collect_then_freeze)
+
+
+def collect_then_freeze() -> None:
+    gc.collect()
+    gc.freeze()
+
+
+def _adopt_early_zygote(environment: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], socket.socket] | None:
+    """The zygote shardflow started on import, if there is one and the LOADING_VARIABLES of its environment are the
+    job's; another is stopped: torch, as it loaded there, read values the job has changed since."""
+    early, shardflow._early_zygote = shardflow._early_zygote, None
+    if early is None:
+        return None
+    starter, process, ours, early_environment = early
+    if starter != os.getpid():
+        return None  # this process is a fork of the one that started it, and shares its end of the conversation
+
+    def read_on_loading(variables: Mapping[str, str]) -> dict[str, str]:
+        return {name: value for name, value in variables.items() if name.startswith(LOADING_VARIABLES)}
+
+    if read_on_loading(early_environment) == read_on_loading(environment):
+        return process, ours
+    ours.close()  # it exits when hung up on; its imports may still take a while
+    process.kill()
+    process.wait()
+    return None
 
 
 class ForkedProcess:
@@ -167,24 +236,17 @@ class Zygote:
 
     @classmethod
     def start(cls, environment: Mapping[str, str], say: Callable[[str], None]) -> Zygote:
-        """Starts a zygote with `environment` and waits until its imports are done. Call it from a thread that
-        outlives the zygote (the parent-death signal)."""
-        ours, theirs = socket.socketpair()
-        try:
-            process = subprocess.Popen(
-                [sys.executable, "-c", _ENTRY, str(theirs.fileno())],
-                env=dict(environment),
-                pass_fds=[theirs.fileno()],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                start_new_session=True,
-                preexec_fn=die_with_parent(),
-            )
-        except OSError as error:
-            ours.close()
-            raise ZygoteError(f"the zygote did not start: {error}") from error
-        finally:
-            theirs.close()
+        """Starts a zygote with `environment`, or adopts the one this process started when it imported shardflow,
+        and waits until its imports are done. Call it from a thread that outlives the zygote (the parent-death
+        signal)."""
+        adopted = _adopt_early_zygote(environment)
+        if adopted is not None:
+            process, ours = adopted
+        else:
+            try:
+                process, ours = shardflow._start_zygote_process(environment)
+            except OSError as error:
+                raise ZygoteError(f"the zygote did not start: {error}") from error
         zygote = cls(process, ours, say)
         with zygote._state:
             zygote._state.wait_for(lambda: zygote._ready or zygote._gone, READY_TIMEOUT_S)
@@ -194,6 +256,14 @@ class Zygote:
             why = f"exited with code {process.returncode}" if gone else f"took over {READY_TIMEOUT_S:g} s"
             raise ZygoteError(f"the zygote (pid {zygote.pid}) {why} before its imports were done (see its stderr)")
         return zygote
+
+    def preload(self, modules: Sequence[str], environment: Mapping[str, str]) -> None:
+        """Has the zygote import `modules` (see installed_modules) with the job's `environment` before it forks the
+        next role. One that fails to import is left for the role to import; one that makes forking unsafe (it
+        started a thread or initialised CUDA) has the zygote refuse every role from then on, so the launcher starts
+        them as fresh processes."""
+        modules_environment = {name: value for name, value in environment.items() if name not in JOB_VARIABLES}
+        self._send(json.dumps({"preload": list(modules), "env": modules_environment}).encode())
 
     def spawn(self, argv: Sequence[str], environment: Mapping[str, str], name: str) -> ForkedProcess:
         """Forks a process that runs `argv` (see can_fork) with `environment` in this working directory."""
@@ -236,11 +306,11 @@ class Zygote:
         self._reader.join(timeout_s)
         self._control.close()
 
-    def _send(self, payload: bytes, fd: int) -> None:
+    def _send(self, payload: bytes, fd: int | None = None) -> None:
         data = REQUEST_HEADER.pack(len(payload)) + payload
         # A failed send means the zygote is gone; the reader then hears it hang up.
         with self._send_lock, contextlib.suppress(OSError):
-            sent = socket.send_fds(self._control, [data], [fd])
+            sent = socket.send_fds(self._control, [data], [] if fd is None else [fd])
             self._control.sendall(data[sent:])
 
     def _read_reports(self) -> None:

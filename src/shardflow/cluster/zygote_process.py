@@ -3,7 +3,9 @@ the fork becomes the role and runs its script as `__main__`, as `python` would h
 
 from __future__ import annotations
 
+import atexit
 import builtins
+import contextlib
 import ctypes
 import gc
 import importlib
@@ -17,11 +19,19 @@ import socket
 import sys
 import threading
 import types
+import warnings
 from dataclasses import dataclass
 from importlib.machinery import SourceFileLoader
-from typing import Any
+from typing import Any, NoReturn
 
-from shardflow.cluster.zygote import PRELOAD, REQUEST_HEADER, ZYGOTE_NAME, die_with_parent
+from shardflow.cluster.zygote import (
+    PRELOAD,
+    REQUEST_HEADER,
+    ZYGOTE_NAME,
+    collect_then_freeze,
+    die_with,
+    die_with_parent,
+)
 
 _PR_SET_NAME = 15
 
@@ -36,9 +46,17 @@ class _Request:
     output: int  # the write end of the role's output pipe
 
 
+@dataclass(frozen=True)
+class _Preload:
+    modules: list[str]
+    env: dict[str, str]
+
+
 def main() -> None:
     """The zygote: imports, then forks a role per request until the launcher hangs up. Runs the role in a child."""
     control = socket.socket(fileno=int(sys.argv[1]))
+    # Only now, after this module's imports (torch's among them): a launcher that died meanwhile ends this here.
+    die_with(int(sys.argv[2]))
     _set_process_name(ZYGOTE_NAME)
     # The recipe of gc.freeze's documentation: no collection leaves holes in the pages the roles share, and the
     # roles' collections skip what the zygote imported, so they neither copy those pages nor spend time on them
@@ -52,7 +70,7 @@ def main() -> None:
     if request is None:
         # Hung up. Nothing the zygote holds needs finalizing, and finalizing torch's modules takes ~0.5 s.
         os._exit(0)
-    _become(request)
+    _end(_become(request))
 
 
 def _serve(control: socket.socket) -> _Request | None:
@@ -74,8 +92,14 @@ def _serve(control: socket.socket) -> _Request | None:
                 request = _receive(control)
                 if request is None:
                     return None
-                # numpy's OpenBLAS starts a thread on import; its own fork handler stops it before every fork.
-                assert threading.active_count() == 1, "the zygote forks with one thread only"
+                if isinstance(request, _Preload):
+                    _preload(request)
+                    continue
+                unsafe = _unsafe_to_fork()
+                if unsafe is not None:
+                    os.close(request.output)
+                    _report(control, {"refused": request.id, "reason": unsafe})
+                    continue
                 in_session_read, in_session_write = os.pipe()
                 try:
                     pid = os.fork()
@@ -101,12 +125,47 @@ def _serve(control: socket.socket) -> _Request | None:
             _report_exits(control)
 
 
-def _receive(control: socket.socket) -> _Request | None:
-    header, fds, _, _ = socket.recv_fds(control, REQUEST_HEADER.size, 1)
+def _preload(request: _Preload) -> None:
+    """Imports what the launcher's process imported (zygote.installed_modules), each once; one that fails here is
+    the role's to import (and to report). Its warnings were the launcher's to show."""
+    os.environ.clear()
+    os.environ.update(request.env)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name in request.modules:
+            if name in sys.modules:
+                continue
+            with contextlib.suppress(Exception, SystemExit):  # the role imports it again and reports what fails
+                importlib.import_module(name)
+    gc.freeze()
+
+
+def _unsafe_to_fork() -> str | None:
+    """Why a fork of this process would not be the fresh process a role needs, or None."""
+    # numpy's OpenBLAS starts a thread on import; its own fork handler stops it before every fork.
+    if threading.active_count() != 1:
+        names = ", ".join(thread.name for thread in threading.enumerate() if thread is not threading.current_thread())
+        return f"an imported module started a thread ({names}); a fork would not have it"
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        return "an imported module initialised CUDA, which a forked process cannot use"
+    return None
+
+
+def _receive(control: socket.socket) -> _Request | _Preload | None:
+    """The next request: a role to fork, or modules to preload; None when the launcher hung up."""
+    try:
+        header, fds, _, _ = socket.recv_fds(control, REQUEST_HEADER.size, 1)
+    except ConnectionResetError:  # the launcher's process ended without reading what this one reported
+        return None
     if not header:
         return None
     (size,) = REQUEST_HEADER.unpack(header + _read_exactly(control, REQUEST_HEADER.size - len(header)))
     message = json.loads(_read_exactly(control, size))
+    if "preload" in message:
+        for fd in fds:
+            os.close(fd)
+        return _Preload(modules=message["preload"], env=message["env"])
     [output] = fds
     return _Request(
         id=message["id"],
@@ -143,8 +202,9 @@ def _report_exits(control: socket.socket) -> None:
         _report(control, {"exited": pid, "status": status})
 
 
-def _become(request: _Request) -> None:
-    """In the forked child: the request's process, as `python` would have started it, then its script."""
+def _become(request: _Request) -> int:
+    """In the forked child: the request's process, as `python` would have started it, then its script; returns
+    the exit status `python` would."""
     gc.enable()
     os.dup2(request.output, 1)
     os.dup2(request.output, 2)
@@ -155,7 +215,7 @@ def _become(request: _Request) -> None:
     os.environ.update(request.env)
     _reseed()
     sys.orig_argv = list(request.argv)
-    _run(request.argv[1:])
+    return _run(request.argv[1:])
 
 
 def _reseed() -> None:
@@ -168,8 +228,9 @@ def _reseed() -> None:
     torch.default_generator.seed()
 
 
-def _run(args: list[str]) -> None:
-    """Runs `script args...` or `-m module args...` as `__main__`; an uncaught error exits 1 as in `python`."""
+def _run(args: list[str]) -> int:
+    """Runs `script args...` or `-m module args...` as `__main__`; returns its exit status: that of SystemExit, or
+    1 after an uncaught error, as in `python`."""
     try:
         if args[0] == "-m":
             sys.argv = args[1:]
@@ -184,7 +245,35 @@ def _run(args: list[str]) -> None:
             traceback = traceback.tb_next  # the user's frames only, as in a fresh `python`
         # The default hook prints the exception's own traceback, so that is the one to cut.
         sys.excepthook(type(error), error.with_traceback(traceback), traceback)
-        raise SystemExit(1) from None
+        return 1
+    except SystemExit as exit_:
+        if exit_.code is None or isinstance(exit_.code, int):
+            return exit_.code or 0
+        print(exit_.code, file=sys.stderr)
+        return 1
+    return 0
+
+
+def _end(status: int) -> NoReturn:
+    """Ends the role as Python ends a process, up to its exit handlers and the flush of stdout and stderr, then
+    exits without tearing the modules down, as multiprocessing ends the processes it forks. That teardown takes
+    0.5-2 s with torch imported, as it writes to every page the role shares with the zygote; what it would
+    finalize lives in this process only (shardflow's sockets do not linger)."""
+    while True:  # as Python does first: wait for the threads that are not daemons
+        waiting = [
+            thread for thread in threading.enumerate() if not thread.daemon and thread is not threading.main_thread()
+        ]
+        if not waiting:
+            break
+        for thread in waiting:
+            thread.join()
+    # The collection it would make first is of no use here.
+    atexit.unregister(collect_then_freeze)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def _run_script(path: str) -> None:

@@ -22,6 +22,7 @@ from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
 from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
+from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
 from shardflow.comm.security import new_secret
 from shardflow.profile.capture import check_steps
@@ -191,6 +192,8 @@ def train_and_evaluate(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpe
             return finished
         sys.stdout.flush()
         raise SystemExit(0)
+    # A role's process imported torch and what the job needs: without this its exit takes seconds.
+    exit_without_final_collection()
     if found is None:
         return _run_embedded(est, job)
     spec, task = found
@@ -254,16 +257,15 @@ def _run_chief(
     task: TaskSpec,
     failures: Sequence[RoleExit] = (),
     preemption: Preemption | None = None,
-    keep_alive: list[ControlPlane] | None = None,
+    control: ControlPlane | None = None,
 ) -> TrainResult:
     """Raises Preempted, after the final checkpoint, when SIGTERM (or a role's preemption) ended training early.
-    `keep_alive` holds the control plane past the return, while the roles read that the job is over."""
+    `control`: the chief's control plane, served by the caller past the return, while the roles read that the job
+    is over; by default this connects, and serves it until every role said goodbye."""
     own_preemption = preemption is None
     if preemption is None:
         preemption = Preemption(job.strategy.termination_grace_s).install()
-    role = _connect(job, spec, task)
-    if keep_alive is not None:
-        keep_alive.append(role.control)
+    role = _connect(job, spec, task) if control is None else RoleContext(spec, task, control)
     log_handlers = _log_to(job.model_dir / "logs" / "chief.log")
     try:
         result = run_chief(job, role, failures=failures, on_connect=est._set_live, preemption=preemption)
@@ -284,7 +286,7 @@ def _run_chief(
     finally:
         # Tell every role the job is over so none waits for a chief that is gone.
         role.control.set(control_keys.SHUTDOWN, "1")
-        if keep_alive is None:  # this process ends soon: serve the control plane until the roles have read it
+        if control is None:  # this process ends soon: serve the control plane until the roles have read it
             _await_goodbyes(role)
             role.control.close()
         for handler in log_handlers:
@@ -370,12 +372,25 @@ def _run_worker_until_the_end(est: Estimator, job: JobConfig, role: RoleContext)
                             task = TaskSpec("worker", int(name.rpartition(":")[2]))
                             adopted.append(dataclasses.replace(role, task=task, last_report=None))
                         break
-                time.sleep(0.2)
+                _wait_for_the_end(role)
             else:
                 return
         except RuntimeError:  # the chief's control plane closed: the job is over, or the chief's failure says why
             log.info("%s: the chief is gone after this worker finished; exiting", role.task.name)
             return
+
+
+def _wait_for_the_end(role: RoleContext, timeout_s: float = 0.2) -> None:
+    """Until the chief says the job is over, or `timeout_s` passed: the chief's control service holds the request,
+    so a worker that is done exits as soon as it is told. Raises ControlPlaneError when the chief did not answer."""
+    timeout_s = min(timeout_s, role.control.timeout_s / 2)
+    asked = time.monotonic()
+    try:
+        role.control.wait([control_keys.SHUTDOWN], waiting_for="the end of the job", timeout_s=timeout_s)
+    except ControlPlaneError:
+        # The same error says the wait expired, or (after the control plane's own timeout) that nobody answered.
+        if time.monotonic() - asked >= role.control.timeout_s:
+            raise
 
 
 def _log_to(path: Path) -> list[logging.Handler]:
@@ -446,8 +461,9 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
         log_dir=job.model_dir / "logs",
         max_restarts=strategy.max_restarts,
         restart_backoff_s=strategy.restart_backoff_s,
+        # The roles run this script too: what it imported so far, they import from the zygote.
+        preload=installed_modules(),
     )
-    keep_alive: list[ControlPlane] = []  # the chief's control plane, until every role has exited
     # The launcher appends roles that fail for good (out of restarts, or not restartable); the chief's loop reads
     # it on every poll.
     failures: list[RoleExit] = []
@@ -463,12 +479,15 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
         if main_thread is not None and not preemption.requested:
             signal.pthread_kill(main_thread, signal.SIGINT)
 
+    control: ControlPlane | None = None  # the chief's, served until every role has exited
     try:
+        # Before the roles start: connecting to it is the first thing each does.
+        control = _connect(job, spec, chief).control
         with launcher:
             launcher.start()
             launcher.watch(on_failure)
             try:
-                result = _run_chief(est, job, spec, chief, failures, preemption, keep_alive)
+                result = _run_chief(est, job, spec, chief, failures, preemption, control)
             except Preempted:
                 # Every role was told the job is over; those not gone shortly before the deadline are stopped.
                 margin_s = min(1.0, strategy.termination_grace_s / 10)
@@ -481,6 +500,6 @@ def _run_embedded(est: Estimator, job: JobConfig) -> TrainResult:
                 raise RoleFailedError(f"{leftover.describe()} after training finished")
     finally:
         preemption.uninstall()
-        for control in keep_alive:
+        if control is not None:
             control.close()
     return result

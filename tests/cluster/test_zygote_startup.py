@@ -1,0 +1,214 @@
+"""How a local cluster's zygote starts early: a script that imports shardflow first has it start on import, its
+launcher adopts it, and the zygote imports for the roles what the launcher's process imported. Real processes:
+each test runs a small script with this interpreter."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from shardflow.cluster import ClusterSpec, LocalLauncher, TaskSpec
+from shardflow.cluster.zygote import installed_modules
+
+# Imports shardflow first, as examples/digits.py does; it names an Estimator, as every training script does. As the
+# launcher it prints the zygote it started on import and the parents of its roles; as a role, its parent.
+EARLY_SCRIPT = """\
+import shardflow  # what a training script that uses an Estimator imports first
+import json, os, sys
+if "SHARDFLOW_CLUSTER" in os.environ:
+    print(json.dumps({"parent": os.getppid()}), flush=True)
+    sys.exit(0)
+import io
+import psutil
+from shardflow.cluster import ClusterSpec, LocalLauncher, TaskSpec
+started = [child.pid for child in psutil.Process().children()]
+os.environ.update(json.loads(sys.argv[1]))  # what the script changes after importing shardflow
+output = io.StringIO()
+spec = ClusterSpec.local(num_workers=2, num_ps=0)
+with LocalLauncher(spec, [sys.executable, __file__], skip=[TaskSpec("chief", 0)], output=output) as launcher:
+    launcher.start()
+    assert launcher.wait(timeout_s=60) is None
+parents = [json.loads(line.partition(" ")[2])["parent"] for line in output.getvalue().splitlines() if "parent" in line]
+print(json.dumps({"started": started, "parents": parents, "alive": [psutil.pid_exists(pid) for pid in started]}))
+"""
+
+# Prints how many processes this one started by importing shardflow.
+COUNT_SCRIPT = """\
+{import_line}
+import psutil
+print(len(psutil.Process().children()))
+# Estimator
+"""
+
+
+def run_script(path, *args, environment=None, timeout_s=120):
+    """Runs `python path args...` in its directory (nothing may go to stderr, from it or its zygote); its last line
+    of output, parsed as JSON."""
+    child_environment = {name: value for name, value in os.environ.items() if not name.startswith("SHARDFLOW_")}
+    child_environment.pop("TF_CONFIG", None)
+    child_environment.update(environment or {})
+    done = subprocess.run(
+        [sys.executable, path.name, *args],
+        cwd=path.parent,
+        env=child_environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stdout
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.fixture
+def early_script(tmp_path):
+    path = tmp_path / "early.py"
+    path.write_text(EARLY_SCRIPT)
+    return path
+
+
+def test_a_script_that_imports_shardflow_first_forks_its_roles_from_the_zygote_it_started_on_import(early_script):
+    report = run_script(early_script, "{}")
+
+    [zygote] = report["started"]
+    assert report["parents"] == [zygote, zygote]
+
+
+def test_a_change_to_what_torch_reads_on_loading_has_the_launcher_start_a_fresh_zygote(early_script):
+    report = run_script(early_script, json.dumps({"OMP_NUM_THREADS": "1"}), environment={"OMP_NUM_THREADS": "2"})
+
+    [early] = report["started"]
+    assert report["alive"] == [False]  # stopped, not left behind
+    assert len(set(report["parents"])) == 1 and early not in report["parents"]
+
+
+def test_other_changes_to_the_environment_keep_the_early_zygote(early_script):
+    report = run_script(early_script, json.dumps({"SOME_SETTING": "1"}))
+
+    [zygote] = report["started"]
+    assert report["parents"] == [zygote, zygote]
+
+
+@pytest.mark.parametrize(
+    "environment",
+    [
+        {"SHARDFLOW_ZYGOTE": "off"},
+        {"SHARDFLOW_CLUSTER": '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 0}}'},
+        {"TF_CONFIG": '{"cluster": {"worker": ["localhost:1"]}, "task": {"type": "worker", "index": 0}}'},
+        {"JOBSET_NAME": "job"},
+        {"SLURM_HET_SIZE": "3"},
+        {"RANK": "1", "WORLD_SIZE": "3"},
+    ],
+    ids=lambda environment: next(iter(environment)),
+)
+def test_importing_shardflow_starts_no_zygote_when_it_is_off_or_this_process_is_a_role_of_a_cluster(
+    tmp_path, environment
+):
+    script = tmp_path / "train.py"
+    script.write_text(COUNT_SCRIPT.format(import_line="import shardflow"))
+
+    assert run_script(script, environment=environment) == 0
+
+
+def test_importing_shardflow_starts_no_zygote_from_a_script_that_makes_no_estimator(tmp_path):
+    script = tmp_path / "data_only.py"
+    script.write_text(COUNT_SCRIPT.format(import_line="import shardflow").replace("# Estimator\n", ""))
+
+    assert run_script(script) == 0
+
+
+def test_importing_shardflow_starts_no_zygote_when_a_module_other_than_the_script_imports_it(tmp_path):
+    (tmp_path / "helper.py").write_text("import shardflow\n")
+    script = tmp_path / "train.py"
+    script.write_text(COUNT_SCRIPT.format(import_line="import helper"))
+
+    assert run_script(script) == 0
+
+
+def test_a_zygote_started_on_import_and_never_adopted_ends_with_its_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import shardflow, json, psutil\n"
+        "print(json.dumps([child.pid for child in psutil.Process().children()]))\n"
+        "# Estimator\n"
+    )
+
+    [zygote] = run_script(script)
+
+    deadline = time.monotonic() + 30
+    while is_alive(zygote):
+        assert time.monotonic() < deadline, f"the zygote (pid {zygote}) outlived its script"
+        time.sleep(0.05)
+
+
+# What a forked role finds imported before its script imports anything.
+PRELOADED_SCRIPT = """\
+import sys
+print("sched" in sys.modules, flush=True)
+"""
+
+
+@pytest.mark.parametrize("preload", [["sched"], []], ids=["preloaded", "not preloaded"])
+def test_a_forked_role_finds_imported_what_the_launcher_had_the_zygote_preload(tmp_path, preload):
+    script = tmp_path / "role.py"
+    script.write_text(PRELOADED_SCRIPT)
+    output = io.StringIO()
+    spec = ClusterSpec.local(num_workers=1, num_ps=0)
+    command = [sys.executable, str(script)]
+    with LocalLauncher(spec, command, skip=[TaskSpec("chief", 0)], output=output, preload=preload) as launcher:
+        launcher.start()
+        assert launcher.wait(timeout_s=60) is None
+
+    assert output.getvalue() == f"[worker:0] {bool(preload)}\n"
+
+
+def test_a_preloaded_module_that_starts_a_thread_has_the_roles_start_as_fresh_processes(tmp_path):
+    (tmp_path / "starts_a_thread.py").write_text(
+        "import threading, time\nthreading.Thread(target=time.sleep, args=(60,), name='sleeper', daemon=True).start()\n"
+    )
+    script = tmp_path / "role.py"
+    script.write_text("import os\nprint('parent', os.getppid(), flush=True)\n")
+    output = io.StringIO()
+    spec = ClusterSpec.local(num_workers=2, num_ps=0)
+    launcher = LocalLauncher(
+        spec,
+        [sys.executable, str(script)],
+        skip=[TaskSpec("chief", 0)],
+        env={"PYTHONPATH": str(tmp_path)},
+        output=output,
+        preload=["starts_a_thread"],
+    )
+    with launcher:
+        launcher.start()
+        assert launcher.wait(timeout_s=60) is None
+
+    text = output.getvalue()
+    assert text.count("[launcher] ") == 1
+    assert "could not start sf:worker:0: an imported module started a thread (sleeper)" in text
+    assert text.count(f"parent {os.getpid()}\n") == 2
+
+
+def test_installed_modules_name_what_this_process_imported_from_installed_packages_not_the_users_own(
+    tmp_path, monkeypatch
+):
+    (tmp_path / "users_own_module.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import users_own_module  # noqa: F401
+
+    names = installed_modules()
+
+    assert {"json", "torch", "numpy", "shardflow.cluster.zygote"} <= set(names)
+    assert "users_own_module" not in names
+    assert "__main__" not in names
+
+
+def is_alive(pid):
+    # An orphan may stay a zombie until init reaps it; a zombie runs nothing.
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
