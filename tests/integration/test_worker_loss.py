@@ -87,8 +87,8 @@ def test_a_worker_killed_between_its_pushes_to_two_ps_is_restarted_and_no_record
 
 
 def test_under_shardflow_launch_a_worker_killed_from_outside_mid_training_rejoins(tmp_path):
-    num_records = 16 * NUM_RECORDS  # a few seconds of training, to kill a worker in the middle of
-    config = _write_config(tmp_path, mode="async", num_records=num_records)
+    num_records = 16 * NUM_RECORDS  # 1024 steps per worker, paced to take >= 4 s: a worker is killed in the middle
+    config = _write_config(tmp_path, mode="async", num_records=num_records, step_delay_s=0.004)
     command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "2"]
     command += ["--restart-backoff", "0.2", str(JOBS / "audit.py"), str(config)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -100,6 +100,7 @@ def test_under_shardflow_launch_a_worker_killed_from_outside_mid_training_rejoin
         _kill_if_running(proc)
     assert proc.returncode == 0, out
     assert "worker:0" in out and "SIGKILL" in out and "restarting it" in out, out
+    assert "[chief] [chief]" not in out and "[chief] global step" in out, out  # the launcher's prefix alone
     _audit(tmp_path, num_records=num_records)
 
 

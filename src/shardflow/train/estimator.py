@@ -33,6 +33,7 @@ from shardflow.train import checkpoint
 from shardflow.train.chief import run_chief
 from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
 from shardflow.train.preemption import Preemption, tell_chief
+from shardflow.train.progress import chief_prefix
 from shardflow.train.roles import RoleContext, run_evaluator, run_ps
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
@@ -405,7 +406,7 @@ def _log_to(path: Path) -> list[logging.Handler]:
     if not logger.handlers and not logging.getLogger().handlers:
         console = logging.StreamHandler(sys.stderr)
         console.setLevel(logging.WARNING)
-        console.setFormatter(logging.Formatter("[chief] %(message)s"))
+        console.setFormatter(logging.Formatter(f"{chief_prefix()}%(message)s"))
         handlers.append(console)
     for each in handlers:
         logger.addHandler(each)

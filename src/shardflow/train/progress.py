@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from shardflow import env
+
 _LOG_EVERY_S = 10.0
 
 
@@ -64,7 +66,7 @@ class ProgressDisplay:
             self.last_logged = time.monotonic()
             per_worker = ", ".join(f"{n} {p['steps_per_s']:.0f}/s" for n, p in sorted(progress.items()))
             print(
-                f"[chief] global step {step}, epoch {epoch}, loss {loss:.4f}, {rate:.0f} global steps/s "
+                f"{chief_prefix()}global step {step}, epoch {epoch}, loss {loss:.4f}, {rate:.0f} global steps/s "
                 f"({per_worker}), ETA {self._eta(step, epoch)}",
                 flush=True,
             )
@@ -72,3 +74,9 @@ class ProgressDisplay:
     def close(self) -> None:
         if self.live is not None:
             self.live.stop()
+
+
+def chief_prefix() -> str:
+    """`[chief] ` before what the chief prints, as the launcher puts the role's name before every other role's
+    lines; nothing where a launcher (`shardflow launch`) already does so for the chief too."""
+    return "" if env.get(env.CLUSTER) else "[chief] "
