@@ -182,7 +182,7 @@ def run_chief(
         checkpoint=str(path),
         first_loss=sum(first) / len(first) if first else None,
         final_loss=sum(final_losses) / len(final_losses) if final_losses else None,
-        elapsed_s=time.monotonic() - started,
+        elapsed_s=_since_process_start(started),
         training_s=training_s,
         start_step=start_step,
         worker_steps={name: int(p["local_step"]) - _resumed_at(restored, name) for name, p in progress.items()},
@@ -207,3 +207,14 @@ def _write_job_file(job: JobConfig, role: RoleContext) -> Path:
         # cluster's secret is never written into model_dir, which may be shared storage.
         write_secret(job.model_dir / SECRET_FILE, secret)
     return path
+
+
+def _since_process_start(fallback_started: float) -> float:
+    """Wall seconds since this process started, its imports and the cluster's start-up included (TrainResult's
+    elapsed_s); since `fallback_started` (a monotonic time) where the process's start time cannot be read."""
+    import psutil
+
+    try:
+        return max(0.0, time.time() - psutil.Process().create_time())
+    except psutil.Error:
+        return time.monotonic() - fallback_started
