@@ -134,6 +134,7 @@ def run_worker(
     control.get(control_keys.READY, waiting_for="the chief to initialise the parameter servers")
     device = job.strategy.worker_device()
     model = job.build_model().to(device)
+    parameters = list(model.parameters())
     params = connect_parameters(job, role, model)
     on_connect(params)
     mode = job.strategy.mode
@@ -161,7 +162,8 @@ def run_worker(
             report.input_wait_ns += time.perf_counter_ns() - step_started
             if batch is None:
                 break
-            model.zero_grad(set_to_none=True)
+            for param in parameters:  # model.zero_grad(set_to_none=True) without walking the modules (~20 us)
+                param.grad = None
             if lr_from_worker:  # a function of the step: the PS cannot run it, so the push says
                 params.push_lr = job.optimizer.learning_rate(step)
             params.begin_push(step, push_early=not changes_gradients)
