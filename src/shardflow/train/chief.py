@@ -215,6 +215,6 @@ def _since_process_start(fallback_started: float) -> float:
     import psutil
 
     try:
-        return max(0.0, time.time() - psutil.Process().create_time())
+        return max(0.0, time.time() - float(psutil.Process().create_time()))
     except psutil.Error:
         return time.monotonic() - fallback_started
