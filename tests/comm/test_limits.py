@@ -188,6 +188,13 @@ def test_decode_only_ever_returns_a_message_or_raises_its_protocol_error(header,
         decode([msgpack.packb(header), *frames])
 
 
+@pytest.mark.parametrize("shape", [[2**63, ""], [10**9, "x"], ["x", 10**9], [3, None], [-1, 4], [2.0]])
+def test_a_shape_with_a_size_that_is_no_int_is_refused_before_any_arithmetic(shape) -> None:
+    # [10**9, "x"] would make a gigabyte string were the sizes multiplied first (found by the test above).
+    with pytest.raises(ProtocolError, match="a shape is a list of ints >= 0"):
+        decode([msgpack.packb({"t": [["float32", shape]]}), b""])
+
+
 def test_warnings_about_one_peer_are_rate_limited_and_counted(
     limited_server: Callable[[WireLimits], Server], caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -104,10 +104,10 @@ def _tensor(spec: Any, frame: Frame) -> torch.Tensor:
     dtype = _DTYPES.get(dtype_name) if type(dtype_name) is str else None
     if dtype is None:
         raise ValueError(f"unknown dtype {reprlib.repr(dtype_name)}; supported: {', '.join(_DTYPES)}")
-    numel = math.prod(shape) if type(shape) is list else None
-    # The product of anything but ints is no int (min() is cheaper than a check of each size's type).
-    if type(numel) is not int or (shape and min(shape) < 0):
+    # Each size's type first: an int times a str is a repeated str, which a peer could make gigabytes long.
+    if type(shape) is not list or not all(type(size) is int and size >= 0 for size in shape):
         raise ValueError("a shape is a list of ints >= 0")
+    numel = math.prod(shape)
     if not numel:  # torch.frombuffer refuses empty buffers
         if (frame.nbytes if isinstance(frame, memoryview) else len(frame)) != 0:
             raise ValueError("frame is not empty")
