@@ -55,6 +55,8 @@ class ParameterServer:
         """How this PS agrees a sync step's gradient norm with the others (clip_grad_norm); None: it is the only PS."""
         self.limits: protocol.Limits | None = None
         """What requests are checked against; None until the chief initialised this PS."""
+        self.on_initialised: Callable[[], None] = lambda: None
+        """Called once the chief's init is applied, before it is answered: no worker has pushed yet."""
         self.updates: Updates[Request] = Updates(ApplyConfig(), 0, self._apply, self._answer)
         self.stats: dict[str, float] = {
             "apply_s": 0.0,
@@ -352,6 +354,7 @@ class ParameterServer:
             num_tables=len(self.tables),
         )
         self._snapshot = None
+        self.on_initialised()
         self._reply(request)
 
     def _on_pull(self, request: Request, pull: protocol.Pull) -> None:

@@ -114,13 +114,14 @@ def run_chief(
         snapshot_every_n_steps=_snapshot_every(job, role),
         hold_timeout_s=strategy.request_timeout_s,
     )
+    # Before the PS are initialised: each reads a capture asked for up front when its init arrives.
+    profiler = ChiefProfiler(control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
+    if job.profile_steps is not None:
+        profiler.request(*job.profile_steps, ops=job.profile_ops)
     if not live:
         init_servers(
             client, job.optimizer, apply, restored, timeout_s=strategy.startup_timeout_s, generation=generation
         )
-    profiler = ChiefProfiler(control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
-    if job.profile_steps is not None:
-        profiler.request(*job.profile_steps, ops=job.profile_ops)
     control.set(control_keys.PLACEMENT, json.dumps(placement.to_json()))
     job_file = _write_job_file(job, role)
     manifest = {

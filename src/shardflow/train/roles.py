@@ -100,7 +100,15 @@ def run_ps(role: RoleContext) -> None:
             control = role.control
             ps.norm_exchange = StoreNormExchange(control, role.task.index, role.num_ps, control.timeout_s)
         profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True)
-        profiler.check_requests()  # a capture requested up front (profile_steps) is known before the first step
+        profiler.check_requests()
+
+        def on_initialised() -> None:
+            # The chief asks for a capture up front (profile_steps) before it initialises the PS: known here before
+            # the first push. A periodic check (every 0.1 s) can come after a fast job's window has passed.
+            profiler.check_requests()
+            profiler.at_step(ps.step)
+
+        ps.on_initialised = on_initialised
 
         endpoint = control_keys.ps_endpoint(role.task.index)
         republish_at = [time.monotonic() + _REPUBLISH_S]
