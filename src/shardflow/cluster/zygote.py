@@ -94,6 +94,8 @@ def installed_modules() -> list[str]:
     names = []
     for name, module in list(sys.modules.items()):
         file = getattr(module, "__file__", None)
+        if name in ("__main__", "__mp_main__"):  # e.g. `python -m pytest`: a module of an installed package
+            continue
         if name.startswith("shardflow.") or (isinstance(file, str) and file.startswith(roots)):
             names.append(name)
     return names
