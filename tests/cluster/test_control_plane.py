@@ -60,6 +60,22 @@ def test_a_wait_is_answered_when_the_key_is_set_and_expires_naming_what_it_waite
     assert 0.9 < time.monotonic() - start < 4
 
 
+def test_set_within_says_whether_a_key_got_set_and_raises_only_when_the_chief_is_gone(plane):
+    chief, role = plane
+    assert role.set_within("over", 0.2, waiting_for="the end") is False
+    threading.Timer(0.2, chief.set, args=("over", "1")).start()
+    start = time.monotonic()
+    assert role.set_within("over", 5.0, waiting_for="the end") is True
+    assert time.monotonic() - start < 2
+    address = _free_address()
+    ending = ControlPlane(address, is_chief=True, timeout_s=1)
+    orphan = ControlPlane(address, is_chief=False, timeout_s=1)
+    ending.close()
+    with pytest.raises(ControlPlaneError, match="did not answer"):
+        orphan.set_within("over", 0.2, waiting_for="the end")
+    orphan.close()
+
+
 def test_counters_are_atomic_across_threads(plane):
     chief, role = plane
 

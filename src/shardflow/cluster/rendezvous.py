@@ -103,6 +103,13 @@ class ControlPlane:
                 next_log = now + _WAIT_LOG_EVERY_S
                 log.warning("still waiting for %s (%.0fs of %.0fs)", waiting_for, now - start, timeout_s)
 
+    def set_within(self, key: str, timeout_s: float, *, waiting_for: str) -> bool:
+        """Whether `key` is set, or gets set within `timeout_s` (at most MAX_WAIT_S, held by the service). Raises
+        ControlPlaneError only when the chief does not answer."""
+        hold = max(0.0, min(MAX_WAIT_S, timeout_s))
+        header, _ = self._request(control.request("wait", ks=[key], w=hold), what=waiting_for, extra_s=hold)
+        return bool(header["set"])
+
     def publish_endpoint(self, name: str, address: str) -> None:
         """Where `name` (e.g. "ps/0") listens."""
         self.set(control_keys.endpoint_address(name), address)

@@ -10,7 +10,6 @@ import os
 import signal
 import sys
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -384,14 +383,7 @@ def _run_worker_until_the_end(est: Estimator, job: JobConfig, role: RoleContext)
 def _wait_for_the_end(role: RoleContext, timeout_s: float = 0.2) -> None:
     """Until the chief says the job is over, or `timeout_s` passed: the chief's control service holds the request,
     so a worker that is done exits as soon as it is told. Raises ControlPlaneError when the chief did not answer."""
-    timeout_s = min(timeout_s, role.control.timeout_s / 2)
-    asked = time.monotonic()
-    try:
-        role.control.wait([control_keys.SHUTDOWN], waiting_for="the end of the job", timeout_s=timeout_s)
-    except ControlPlaneError:
-        # The same error says the wait expired, or (after the control plane's own timeout) that nobody answered.
-        if time.monotonic() - asked >= role.control.timeout_s:
-            raise
+    role.control.set_within(control_keys.SHUTDOWN, timeout_s, waiting_for="the end of the job")
 
 
 def _log_to(path: Path) -> list[logging.Handler]:
