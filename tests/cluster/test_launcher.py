@@ -1,7 +1,6 @@
 """LocalLauncher and run_local with real processes running small throwaway scripts."""
 
 import io
-import json
 import sys
 import threading
 import time
@@ -33,17 +32,6 @@ elif action == "fail-once":
     os.kill(os.getpid(), signal.SIGKILL)
 sys.exit(action)
 """
-
-
-@pytest.fixture
-def role_command(tmp_path):
-    script = tmp_path / "role.py"
-    script.write_text(ROLE_SCRIPT)
-
-    def command(actions=None):
-        return [sys.executable, str(script), json.dumps(actions or {})]
-
-    return command
 
 
 @pytest.fixture

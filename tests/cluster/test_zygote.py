@@ -72,17 +72,6 @@ sys.exit(action if isinstance(action, int) else 0)
 """
 
 
-@pytest.fixture
-def role_command(tmp_path):
-    script = tmp_path / "role.py"
-    script.write_text(ROLE_SCRIPT)
-
-    def command(actions=None):
-        return [sys.executable, str(script), json.dumps(actions or {})]
-
-    return command
-
-
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
     """One job of 4 forked roles running REPORT_SCRIPT in its directory: (directory, report by role, output,
