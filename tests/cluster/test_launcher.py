@@ -1,14 +1,18 @@
 """LocalLauncher and run_local with real processes running small throwaway scripts."""
 
 import io
+import shutil
+import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from shardflow.cluster import ClusterSpec, LocalLauncher, RoleExit, TaskSpec, run_local
+from shardflow.cluster.launcher import make_runtime_dir
 
 # Prints its role, then sleeps or exits as the per-role table in argv[1] says ({"worker:1": 3}).
 ROLE_SCRIPT = """\
@@ -76,6 +80,20 @@ def test_each_task_gets_its_own_cluster_json_and_no_tf_config(spec, tmp_path):
         assert (tf_config, extra) == ("None", "1")
         seen[name] = ClusterSpec.from_tf_config(cluster_json)
     assert seen == {f"[{task.name}]": (spec, task) for task in spec.tasks()}
+
+
+def test_a_launcher_removes_the_runtime_directories_of_launchers_that_are_gone(spec, role_command):
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    stale, live = Path(make_runtime_dir()), Path(make_runtime_dir())
+    (stale / "launcher.pid").write_text(str(finished.pid))  # as a SIGKILLed launcher leaves it
+    (stale / "ps-0").write_text("")
+    with LocalLauncher(spec, role_command(), skip=[TaskSpec("chief", 0)], output=io.StringIO()) as launcher:
+        launcher.start()
+        assert launcher.wait(timeout_s=30) is None
+    assert not stale.exists()
+    assert live.exists(), "this process is alive: its directory stays"
+    shutil.rmtree(live)
 
 
 def test_skipped_tasks_are_not_started(spec, role_command):

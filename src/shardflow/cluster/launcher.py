@@ -64,6 +64,33 @@ class RoleExit:
         return text
 
 
+RUNTIME_DIR_PREFIX = "shardflow-"
+_OWNER_FILE = "launcher.pid"
+
+
+def make_runtime_dir() -> str:
+    """A fresh directory for a local cluster's UNIX sockets (a PS serves this machine's roles there as well as over
+    TCP), private to this user (mkdtemp makes it 0700); the launcher removes it when it stops. A launcher that was
+    SIGKILLed could not: first the directories of this user's launchers that are gone are removed."""
+    for path in Path(tempfile.gettempdir()).glob(RUNTIME_DIR_PREFIX + "*"):
+        with contextlib.suppress(OSError, ValueError):
+            if path.stat().st_uid == os.getuid() and not _alive(int((path / _OWNER_FILE).read_text())):
+                shutil.rmtree(path, ignore_errors=True)
+    path = tempfile.mkdtemp(prefix=RUNTIME_DIR_PREFIX)
+    (Path(path) / _OWNER_FILE).write_text(str(os.getpid()))
+    return path
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class LocalLauncher:
     """Starts one process per task of a ClusterSpec, all running one command, and watches them."""
 
@@ -131,9 +158,7 @@ class LocalLauncher:
         if self._started:
             raise RuntimeError("LocalLauncher.start() was already called")
         self._started = True
-        # The roles' UNIX sockets (a PS serves this machine's roles there as well as over TCP); private to this user
-        # (mkdtemp makes it 0700), removed when the launcher stops.
-        self._runtime_dir = tempfile.mkdtemp(prefix="sf-")
+        self._runtime_dir = make_runtime_dir()
         try:
             self._start_zygote()
             for task in self._tasks:
