@@ -76,9 +76,9 @@ def make_runtime_dir() -> str:
         with contextlib.suppress(OSError, ValueError):
             if path.stat().st_uid == os.getuid() and not _alive(int((path / _OWNER_FILE).read_text())):
                 shutil.rmtree(path, ignore_errors=True)
-    path = tempfile.mkdtemp(prefix=RUNTIME_DIR_PREFIX)
-    (Path(path) / _OWNER_FILE).write_text(str(os.getpid()))
-    return path
+    made = tempfile.mkdtemp(prefix=RUNTIME_DIR_PREFIX)
+    (Path(made) / _OWNER_FILE).write_text(str(os.getpid()))
+    return made
 
 
 def _alive(pid: int) -> bool:
