@@ -4,7 +4,8 @@
   (target >= 3x steps/s; also reports TF's own iteration count against the steps it ran);
 - 1 worker + 1 PS vs a single-process PyTorch loop (target >= 0.7x).
 
-Usage: python benchmarks/ps_training.py [--steps N] [--repeats R] [--no-tf | --features | --auth | --local-sockets]
+Usage: python benchmarks/ps_training.py [--steps N] [--repeats R]
+       [--no-tf | --features | --auth | --local-sockets | --shared-memory]
 """
 
 from __future__ import annotations
@@ -115,35 +116,42 @@ def auth_side_by_side(steps: int, repeats: int) -> None:
     print("RESULT " + json.dumps({"auth_on_steps_per_s": on, "auth_off_steps_per_s": off, "ratio": ratio}))
 
 
-def local_sockets_side_by_side(steps: int, repeats: int) -> None:
-    """2 workers + 1 PS with the PS reached over its UNIX socket (the default) against loopback TCP
-    (SHARDFLOW_LOCAL_SOCKETS=off), alternating; CPU seconds of the whole job per 1,000 global steps beside."""
+def on_off_side_by_side(steps: int, repeats: int, variable: str, labels: dict[str, str]) -> None:
+    """2 workers + 1 PS with the environment variable `variable` on (the default) against off, alternating; CPU
+    seconds of the whole job per 1,000 global steps beside. `labels` names each setting and gives each its key."""
     runs: dict[str, list[tuple[float, float]]] = {"off": [], "on": []}
     for _ in range(repeats):
         for setting in ("off", "on"):
             before = os.times()
-            result = shardflow_job(2, 1, steps, env={"SHARDFLOW_LOCAL_SOCKETS": setting})
+            result = shardflow_job(2, 1, steps, env={variable: setting})
             after = os.times()
             cpu_s = (after.children_user - before.children_user) + (after.children_system - before.children_system)
             runs[setting].append((result["steps_per_s"], 1000 * cpu_s / result["global_step"]))
-    for setting, label in (("off", "loopback TCP"), ("on", "UNIX socket (default)")):
+    for setting in ("off", "on"):
         rates = ", ".join(f"{rate:.0f}" for rate, _ in runs[setting])
         cpu = ", ".join(f"{c:.2f}" for _, c in runs[setting])
-        print(f"2w+1PS {label}: steps/s {rates}; CPU s per 1000 steps {cpu}")
+        print(f"2w+1PS {labels[setting]}: steps/s {rates}; CPU s per 1000 steps {cpu}")
     ratio = statistics.median(r for r, _ in runs["on"]) / statistics.median(r for r, _ in runs["off"])
-    print(f"UNIX socket vs loopback TCP (medians): {ratio:.2f}x")
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "tcp_steps_per_s": [r for r, _ in runs["off"]],
-                "unix_steps_per_s": [r for r, _ in runs["on"]],
-                "tcp_cpu_s_per_1000_steps": [c for _, c in runs["off"]],
-                "unix_cpu_s_per_1000_steps": [c for _, c in runs["on"]],
-                "ratio": ratio,
-            }
-        )
-    )
+    print(f"{labels['on']} vs {labels['off']} (medians): {ratio:.2f}x")
+    result: dict[str, object] = {"ratio": ratio}
+    for setting in ("off", "on"):
+        key = labels[f"{setting}_key"]
+        result[f"{key}_steps_per_s"] = [r for r, _ in runs[setting]]
+        result[f"{key}_cpu_s_per_1000_steps"] = [c for _, c in runs[setting]]
+    print("RESULT " + json.dumps(result))
+
+
+LOCAL_SOCKETS = {"off": "loopback TCP", "on": "UNIX socket (default)", "off_key": "tcp", "on_key": "unix"}
+"""The PS over a UNIX socket (SHARDFLOW_LOCAL_SOCKETS=on, the default) against loopback TCP (with
+SHARDFLOW_SHARED_MEMORY=on, the worker then uses no lanes: they need the UNIX socket)."""
+SHARED_MEMORY = {
+    "off": "UNIX socket only",
+    "on": "shared-memory lanes (default)",
+    "off_key": "socket",
+    "on_key": "lanes",
+}
+"""Gradients and parameters through shared-memory lanes (SHARDFLOW_SHARED_MEMORY=on, the default) against through
+the UNIX socket."""
 
 
 def best(runs: list[dict]) -> dict:
@@ -162,6 +170,11 @@ def main() -> None:
     parser.add_argument(
         "--local-sockets", action="store_true", help="only: the PS over a UNIX socket against loopback TCP, alternating"
     )
+    parser.add_argument(
+        "--shared-memory",
+        action="store_true",
+        help="only: gradients and parameters through shared-memory lanes against through the socket, alternating",
+    )
     args = parser.parse_args()
     r = args.repeats
     if args.features:
@@ -171,7 +184,10 @@ def main() -> None:
         auth_side_by_side(args.steps, r)
         return
     if args.local_sockets:
-        local_sockets_side_by_side(args.steps, r)
+        on_off_side_by_side(args.steps, r, "SHARDFLOW_LOCAL_SOCKETS", LOCAL_SOCKETS)
+        return
+    if args.shared_memory:
+        on_off_side_by_side(args.steps, r, "SHARDFLOW_SHARED_MEMORY", SHARED_MEMORY)
         return
 
     # The local loop at its best: torch's default threads (one per core) and one thread, whichever is faster.

@@ -22,6 +22,8 @@ Set by users:
   and shardflow once; `off` starts each role as a fresh Python.
 - `SHARDFLOW_LOCAL_SOCKETS`: `on` (the default) has a local cluster's roles reach each PS over a UNIX socket; `off`
   over loopback TCP, as roles on other machines would (to watch the traffic with a packet capture, or compare).
+- `SHARDFLOW_SHARED_MEMORY`: `on` (the default) has a worker move its gradients and parameters to and from each PS
+  it reaches over a UNIX socket through shared memory (ps/lanes.py); `off` through the socket.
 
 Set by shardflow's own tools for the processes they start:
 
@@ -60,6 +62,7 @@ FAULT = "SHARDFLOW_FAULT"
 ZYGOTE = "SHARDFLOW_ZYGOTE"
 RUNTIME_DIR = "SHARDFLOW_RUNTIME_DIR"
 LOCAL_SOCKETS = "SHARDFLOW_LOCAL_SOCKETS"
+SHARED_MEMORY = "SHARDFLOW_SHARED_MEMORY"
 
 ALL = (
     CLUSTER,
@@ -81,6 +84,7 @@ ALL = (
     ZYGOTE,
     RUNTIME_DIR,
     LOCAL_SOCKETS,
+    SHARED_MEMORY,
 )
 
 

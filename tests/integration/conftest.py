@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -24,8 +25,9 @@ class JobRun:
         self.tmp_path = tmp_path
 
     def __call__(
-        self, job: str, timeout_s: float = 120, **config: Any
+        self, job: str, timeout_s: float = 120, env: dict[str, str] | None = None, **config: Any
     ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+        """Run `job` with `config` to its end; `env` adds environment variables."""
         config.setdefault("model_dir", str(self.tmp_path / "model"))
         config.setdefault("result", str(self.tmp_path / "result.json"))
         config_path = self.tmp_path / "config.json"
@@ -35,6 +37,7 @@ class JobRun:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            env={**os.environ, **env} if env else None,
         )
         try:
             out, _ = proc.communicate(timeout=timeout_s)

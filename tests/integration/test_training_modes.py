@@ -48,6 +48,32 @@ def test_sync_two_workers_equals_single_process_large_batch(run_job, tmp_path):
         torch.testing.assert_close(trained[name], expected, atol=1e-5, rtol=0)
 
 
+def test_sync_training_through_shared_memory_equals_training_through_the_socket(run_job, tmp_path):
+    steps = 12
+    trained, lane_pushes = {}, {}
+    for setting in ("on", "off"):
+        model_dir = tmp_path / setting
+        proc, result = run_job(
+            "regression.py",
+            env={"SHARDFLOW_SHARED_MEMORY": setting},
+            model_dir=str(model_dir),
+            mode="sync",
+            num_workers=2,
+            num_ps=2,
+            epochs=1,
+            num_batches=2 * steps,
+            hidden=64,
+        )
+        assert proc.returncode == 0, proc.stdout
+        assert result["global_step"] == steps
+        trained[setting] = _trained(model_dir)
+        lane_pushes[setting] = [stats["lane_pushes"] for stats in result["ps_stats"].values()]
+    # Every push of both workers to both PS went through the lanes, or none did.
+    assert lane_pushes == {"on": [2 * steps, 2 * steps], "off": [0, 0]}
+    for name, expected in trained["off"].items():
+        assert torch.equal(trained["on"][name], expected), name
+
+
 def test_async_four_workers_one_epoch_of_100_batches_gives_global_step_100(run_job):
     proc, result = run_job("regression.py", mode="async", num_workers=4, num_ps=2, epochs=1, num_batches=100)
     assert proc.returncode == 0, proc.stdout

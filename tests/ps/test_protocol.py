@@ -66,6 +66,13 @@ def _requests() -> list[tuple[protocol.PSRequest, list[torch.Tensor]]]:
         (protocol.ReleaseSnapshots(through_step=5), []),
         (protocol.Stop(), []),
         (protocol.Shutdown(), []),
+        (protocol.Attach(worker_index=1, pid=4242, fd=7, push_slots=2, reply_slots=3), []),
+        (protocol.Pull(min_step=0, reply_slot=2), []),
+        (
+            protocol.Push(worker_index=1, local_step=4, base_step=3, frame_counts=(0,), slot=1, reply_slot=0),
+            ROW_GRAD,
+        ),
+        (protocol.NonFinite(worker_index=1, local_step=6, base_step=5, found_in="loss", reply_slot=1), []),
     ]
 
 
@@ -89,6 +96,7 @@ def test_every_request_round_trips_through_the_wire(message, frames):
         StepReply(step=10, stop=True, dropped=True),
         StepReply(step=4, stop=False, stale=True),
         StepReply(step=5, stop=False, nonfinite=2),
+        StepReply(step=6, stop=False, duplicate=True, lane=True),
     ],
 )
 def test_every_step_reply_round_trips_through_the_wire(reply):
@@ -139,6 +147,22 @@ _MALFORMED = [
     ("pull", "min_step", 1.0, "min_step"),
     ("pull", "min_step", _MISSING, "min_step"),
     ("pull", "want_params", False, "'want_params'"),
+    ("pull", "reply_slot", 8, "reply_slot"),
+    ("pull", "reply_slot", -1, "reply_slot"),
+    ("pull", "reply_slot", None, "reply_slot"),
+    ("push", "slot", 8, "slot"),
+    ("push", "slot", 0, "frame_counts"),
+    ("push", "slot", "0", "slot"),
+    ("push", "reply_slot", True, "reply_slot"),
+    ("nonfinite", "reply_slot", [0], "reply_slot"),
+    ("attach", "pid", 0, "pid"),
+    ("attach", "pid", 2**40, "pid"),
+    ("attach", "fd", -1, "fd"),
+    ("attach", "worker_index", 2, "worker_index"),
+    ("attach", "push_slots", 0, "push_slots"),
+    ("attach", "reply_slots", 9, "reply_slots"),
+    ("attach", "reply_slots", _MISSING, "reply_slots"),
+    ("attach", "path", "/dev/shm/x", "'path'"),
     ("push", "worker_index", None, "worker_index"),
     ("push", "worker_index", True, "worker_index"),
     ("push", "worker_index", -1, "worker_index"),
@@ -221,6 +245,7 @@ def test_a_malformed_request_is_refused_naming_its_op_field_and_sender(op, field
         ("push", [torch.zeros(3, dtype=torch.float64), torch.ones(2), *ROW_GRAD], "frames"),
         ("push", [torch.zeros(1, 3), torch.ones(2), *ROW_GRAD], "frames"),
         ("push", [torch.zeros(4), torch.ones(2), *ROW_GRAD], "frames"),
+        ("attach", [torch.zeros(1)], "frames"),
         ("rows", [], "table_indices"),
         ("pull", [torch.zeros(1)], "frames"),
         ("nonfinite", DENSE, "frames"),

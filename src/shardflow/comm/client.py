@@ -88,6 +88,10 @@ class Client:
             old.socket.close(linger=0)
         self._peers[peer] = _Peer(peer, address, socket)
 
+    def address(self, peer: str) -> str:
+        """The address `peer` is connected at."""
+        return self._peer(peer).address
+
     def send(self, peer: str, header: dict[str, Any], tensors: Sequence[torch.Tensor] = ()) -> int:
         """Send a request without waiting; returns its sequence number for recv().
 

@@ -3,6 +3,8 @@ fetch and push only the rows a batch uses of the row-sparse tables, and the chie
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -17,11 +19,14 @@ from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import protocol
 from shardflow.ps.apply import all_finite
+from shardflow.ps.lanes import LaneError, WorkerLane
 from shardflow.ps.layout import ShardLayout
 from shardflow.ps.placement import Placement
 from shardflow.ps.protocol import RejoinReply, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, coalesced, lookup_modules, rows_between
 from shardflow.ps.staging import HostStaging
+
+log = logging.getLogger(__name__)
 
 # How often a wait longer than this checks whether the PS were restored meanwhile.
 _RESTORE_CHECK_S = 0.5
@@ -41,6 +46,10 @@ class Pushed:
 
     requests: dict[str, int]
     base_step: int
+    slots: dict[int, int | None]
+    """Per PS: the lane push slot its gradients are in (None: frames), the PS's until it replies."""
+    reply_slots: dict[int, int | None]
+    """Per PS: the lane reply slot its reply's parameters go into (None: frames)."""
     """The global step of the parameters the step was computed on."""
     nonfinite: str | None = None
     """Where this worker found NaN or inf ("loss", "gradients"), so it sent `NonFinite` in place of the pushes."""
@@ -103,8 +112,12 @@ class ParameterClient:
         self.staging = HostStaging(_device_of(named))
         self.layout = ShardLayout(placement)
         self._row_grads: dict[str, RowGrad] = {}
-        # This step's frames (on the host) and frame counts per PS, built once its pieces are complete.
-        self._prepared: dict[int, tuple[list[torch.Tensor], list[int]]] = {}
+        # Per PS, once its pieces are complete: this step's tensors to check for NaN, its frames (on the host) and
+        # frame counts.
+        self._prepared: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
+        self.lanes: list[WorkerLane | None] = [None] * placement.num_ps
+        """Per PS: the shared-memory lane to it (see `attach_lanes`), or None: everything goes over the socket."""
+        self._slots: list[int | None] = [None] * placement.num_ps
         self._pushed: Pushed | None = None
         self.model = model
         self._hooks: list[Any] = []
@@ -193,6 +206,43 @@ class ParameterClient:
                 self.check_restored()  # a PS refuses a push of the training before its restore
                 raise
 
+    def attach_lanes(self) -> None:
+        """Offer each PS that this process reaches over a UNIX socket (so on this machine) a shared-memory lane
+        (ps/lanes.py); a PS that cannot map it, or a lane that cannot be made, leaves that PS on the socket, said in
+        one line. Only for a model on the CPU: a GPU's tensors are staged through pinned memory of their own."""
+        if self.staging.device.type != "cpu" or self.worker_index < 0:
+            return
+        requests: dict[int, tuple[WorkerLane, int]] = {}
+        for ps, peer in enumerate(self.peers):
+            if not self.client.address(peer).startswith("ipc://"):
+                continue
+            buffers = [(getattr(torch, dtype), numel) for dtype, numel in self.placement.buffer_sizes(ps).items()]
+            if not any(numel for _, numel in buffers):
+                continue
+            try:
+                lane = WorkerLane(buffers)
+            except LaneError as error:
+                log.warning(
+                    "%s cannot make a shared-memory lane to %s (%s); it uses the socket", self._role, peer, error
+                )
+                continue
+            attach = protocol.Attach(
+                worker_index=self.worker_index,
+                pid=os.getpid(),
+                fd=lane.fd,
+                push_slots=lane.push_slots,
+                reply_slots=lane.reply_slots,
+            )
+            requests[ps] = lane, self.client.send(peer, attach.header())
+        for ps, (lane, seq) in requests.items():
+            try:
+                self._recv(self.peers[ps], seq)
+            except CommError as error:
+                log.warning("%s: %s; it uses the socket", self._role, error)
+                lane.close()
+                continue
+            self.lanes[ps] = lane
+
     def _load(self, replies: dict[int, Sequence[torch.Tensor]]) -> None:
         """Point each parameter at its slice of the received buffers, without a copy on the CPU (on a GPU, of
         their copies on it); a partitioned one is assembled from its pieces. The worker never writes parameters
@@ -211,9 +261,12 @@ class ParameterClient:
         for name, tensor in assembled.items():
             self.named[name].data = tensor
 
-    def _wait(self, peer_seqs: dict[str, int], op: str, load_params: bool) -> StepReply:
+    def _wait(
+        self, peer_seqs: dict[str, int], op: str, load_params: bool, reply_slots: dict[int, int | None]
+    ) -> StepReply:
         step, stop, nonfinite = 0, False, 0
         replies: dict[int, Sequence[torch.Tensor]] = {}
+        loaded_slots: dict[int, int | None] = {}
         recorder = get_recorder()
         for peer, seq in peer_seqs.items():
             ps = self._index_of[peer]
@@ -221,17 +274,32 @@ class ParameterClient:
             header, tensors = self._recv(peer, seq)
             reply = StepReply.decode(header, op, peer)
             self._ps_steps[ps] = reply.step
+            lane, slot = self.lanes[ps], reply_slots.get(ps)
+            if reply.lane:
+                if lane is None or slot is None:
+                    raise CommError(f"{peer} put its reply to {op!r} in a lane slot that was not asked for")
+                tensors = lane.reply[slot]
             if recorder is not None:
                 recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(t.nbytes for t in tensors))
             if load_params and tensors:
                 replies[ps] = tensors
+                loaded_slots[ps] = slot if reply.lane else None
+            elif lane is not None:
+                lane.give_back_reply(slot)
             if ps == 0:
                 step = reply.step
             stop = stop or reply.stop
             nonfinite = max(nonfinite, reply.nonfinite)
         if replies:
             self._load(replies)
+            for ps, slot in loaded_slots.items():
+                if (lane := self.lanes[ps]) is not None:
+                    lane.loaded_from(slot)
         return StepReply(step=step, stop=stop, nonfinite=nonfinite)
+
+    def _take_reply_slots(self) -> dict[int, int | None]:
+        """A free reply slot of each PS's lane for the parameters of the next reply (None: frames)."""
+        return {ps: lane.take_reply() if lane is not None else None for ps, lane in enumerate(self.lanes)}
 
     # -- chief (see ps/checkpointing.py for state) ------------------------------------------------
 
@@ -286,9 +354,12 @@ class ParameterClient:
 
     def pull(self, min_step: int = 0) -> StepReply:
         """Fetch every PS's shards in parallel and load them into the model."""
-        header = protocol.Pull(min_step=min_step).header()
-        seqs = {peer: self.client.send(peer, dict(header)) for peer in self.peers}
-        return self._wait(seqs, protocol.Pull.op, load_params=True)
+        reply_slots = self._take_reply_slots()
+        seqs = {
+            peer: self.client.send(peer, protocol.Pull(min_step=min_step, reply_slot=reply_slots[ps]).header())
+            for ps, peer in enumerate(self.peers)
+        }
+        return self._wait(seqs, protocol.Pull.op, load_params=True, reply_slots=reply_slots)
 
     def rejoin(self) -> Rejoined:
         """Ask every PS what it has of this worker's steps; `local_step` continues from the last all of them have."""
@@ -315,6 +386,7 @@ class ParameterClient:
         self._row_grads = {}
         self._prepared = {}
         self._pushed = None
+        self._slots = [lane.take_push() if lane is not None else None for lane in self.lanes]
         if not self._hooks:
             self._install_hooks()
         self._remaining = [len(self.placement.on_ps(k)) for k in range(self.placement.num_ps)]
@@ -354,8 +426,21 @@ class ParameterClient:
         if ps in self._prepared:
             return
         frames, counts = self.layout.dense_frames(ps, self.named, use_grads=True)
-        frames += self._row_grad_frames(ps)
-        self._prepared[ps] = self.staging.to_host(frames), counts
+        lane, slot = self.lanes[ps], self._slots[ps]
+        if lane is not None and slot is not None:
+            # Into the lane's push slot, one buffer per dtype: the copy the PS makes of frames, made here instead.
+            buffers, start = lane.push[slot], 0
+            for buffer, count in zip(buffers, counts, strict=True):
+                if count == 1:
+                    buffer.copy_(frames[start])
+                elif count:
+                    torch.cat(frames[start : start + count], out=buffer)
+                start += count
+            rows = self._row_grad_frames(ps)
+            self._prepared[ps] = [*buffers, *rows], rows, [0] * len(counts)
+            return
+        frames = self.staging.to_host(frames + self._row_grad_frames(ps))
+        self._prepared[ps] = frames, frames, counts
 
     def _send(self, nonfinite: str | None = None) -> None:
         """Send this step to every PS: the pushes, or `NonFinite` to each if the loss or any gradient held NaN or
@@ -369,10 +454,11 @@ class ParameterClient:
             for ps in range(len(self.peers)):
                 self._prepare(ps)
             self.staging.wait_host()
-            if not all(all_finite(frames) for frames, _ in self._prepared.values()):
+            if not all(all_finite(checked) for checked, _, _ in self._prepared.values()):
                 nonfinite = "gradients"
         recorder = get_recorder()
         requests: dict[str, int] = {}
+        reply_slots = self._take_reply_slots()
         for ps, peer in enumerate(self.peers):
             # Every PS keeps each worker's input position with the step it belongs to: a restarted worker resumes
             # after the last step all PS had, and ps:0's positions go into checkpoints.
@@ -385,10 +471,11 @@ class ParameterClient:
                     base_step=self._ps_steps[ps],
                     found_in=nonfinite,
                     input_state=input_state,
+                    reply_slot=reply_slots[ps],
                 )
                 requests[peer] = self.client.send(peer, message.header())
                 continue
-            frames, counts = self._prepared[ps]
+            pushed, frames, counts = self._prepared[ps]
             push = protocol.Push(
                 worker_index=self.worker_index,
                 local_step=self.local_step,
@@ -396,6 +483,8 @@ class ParameterClient:
                 frame_counts=tuple(counts),
                 input_state=input_state,
                 lr=self.push_lr,
+                slot=self._slots[ps],
+                reply_slot=reply_slots[ps],
             )
             sending = time.perf_counter_ns()  # the arrow starts before send(): the PS may apply it before that returns
             seq = requests[peer] = self.client.send(peer, push.header(), frames)
@@ -403,9 +492,13 @@ class ParameterClient:
                 faults.reached("push", self._role, self.local_step)
             if recorder is not None:
                 recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True, at_ns=sending)
-                recorder.end(spans.PUSH, self._step, started, ps, sum(f.nbytes for f in frames))
+                recorder.end(spans.PUSH, self._step, started, ps, sum(t.nbytes for t in pushed))  # lanes' too
         self._prepared = {}
-        self._pushed = Pushed(requests=requests, base_step=self._base_step, nonfinite=nonfinite)
+        # A NonFinite carries no gradients: its push slots are the PS's until it replies all the same, for brevity.
+        slots = dict(enumerate(self._slots))
+        self._pushed = Pushed(
+            requests=requests, base_step=self._base_step, nonfinite=nonfinite, slots=slots, reply_slots=reply_slots
+        )
 
     def end_push(self) -> Pushed:
         """Push what the hooks have not sent (variables without gradients push zeros, row-sparse ones no rows);
@@ -423,7 +516,11 @@ class ParameterClient:
     def wait_push(self, pushed: Pushed, load_params: bool = True) -> StepReply:
         """Every PS's reply to a step's pushes; `nonfinite` is set when they were refused (see StepReply)."""
         op = protocol.Push.op if pushed.nonfinite is None else protocol.NonFinite.op
-        return self._wait(pushed.requests, op, load_params=load_params)
+        reply = self._wait(pushed.requests, op, load_params=load_params, reply_slots=pushed.reply_slots)
+        for ps, slot in pushed.slots.items():
+            if (lane := self.lanes[ps]) is not None:
+                lane.give_back_push(slot)
+        return reply
 
     def done(self) -> None:
         """This worker has finished: the PS no longer wait for it."""
@@ -444,3 +541,7 @@ class ParameterClient:
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        for lane in self.lanes:
+            if lane is not None:
+                lane.close()  # the model may still point into it: the mapping stays while it does
+        self.lanes = [None] * len(self.lanes)

@@ -13,8 +13,13 @@ Requests (sender: request, fields; frames; reply):
   index. A restored PS also
   gets its optimizer slots and what it had of each worker's steps, with their input positions. Sent again to
   every PS, with a higher generation, when one was lost. Reply: `StepReply`.
-- worker -> every PS: `Pull` (op "pull"): min_step. No frames. Answered once the PS reached min_step: a
-  `StepReply` and one frame per dtype buffer, the current parameters.
+- worker -> each PS of its machine: `Attach` (op "attach"): worker_index, pid, fd, push_slots, reply_slots. No
+  frames. The worker's shared-memory lane to this PS (ps/lanes.py). Reply: `StepReply`, or an error saying why
+  the PS cannot map it. Then a `Push` may carry `slot` (its dense gradients are in that push slot of the lane,
+  every frame count 0) and a `Push`, `NonFinite` or `Pull` may carry `reply_slot`: the parameters of the reply go
+  into that reply slot of the lane, and the reply says `lane=True` in place of their frames.
+- worker -> every PS: `Pull` (op "pull"): min_step, reply_slot (optional). No frames. Answered once the PS reached
+  min_step: a `StepReply` and one frame per dtype buffer, the current parameters.
 - worker -> the PS holding the tables: `Rows` (op "rows"): table_indices. One frame of int64 row numbers per
   table index. Reply: `StepReply` and one frame per table index, those rows' values.
 - worker -> every PS: `Push` (op "push"): worker_index, local_step (the worker's count of its steps, 1 for its
@@ -81,11 +86,13 @@ from shardflow.ps.fields import (
     per_part,
     short,
 )
+from shardflow.ps.lanes import MAX_SLOTS
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.replies import RejoinReply, StateReply, StatusReply, StepReply, worker_steps_field
 
 __all__ = [
     "BEFORE_INIT",
+    "Attach",
     "Done",
     "GetState",
     "Init",
@@ -241,12 +248,68 @@ class _StepFields:
         return cls(**{name: int_field(header, name) for name in names})
 
 
+def _reply_slot_field(header: dict[Any, Any]) -> int | None:
+    """A request's optional reply slot: which of its sender's lane slots the parameters of the reply go into."""
+    return int_field(header, "reply_slot", below=MAX_SLOTS) if "reply_slot" in header else None
+
+
 @dataclass(frozen=True, kw_only=True)
-class Pull(_StepFields):
+class Pull:
     """Ask for the parameters once the global step is at least `min_step`."""
 
     op: ClassVar[str] = "pull"
     min_step: int = 0
+    reply_slot: int | None = None
+    """Where the parameters go: this slot of the sender's lane (see `Attach`), or None: frames of the reply."""
+
+    def header(self) -> dict[str, Any]:
+        header: dict[str, Any] = {"op": self.op, "min_step": self.min_step}
+        if self.reply_slot is not None:
+            header["reply_slot"] = self.reply_slot
+        return header
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("min_step",), ("reply_slot",))
+        no_frames(frames)
+        return cls(min_step=int_field(header, "min_step"), reply_slot=_reply_slot_field(header))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attach:
+    """A worker of this machine offers a lane (ps/lanes.py): the memfd `fd` of its process `pid`, with
+    `push_slots` slots for gradients and `reply_slots` for parameters, each one flat buffer per dense buffer of
+    this PS. Its later requests name slots of it in place of frames. Reply: `StepReply`, or an error saying why
+    the PS cannot map it (the worker then goes on over the socket)."""
+
+    op: ClassVar[str] = "attach"
+    worker_index: int
+    pid: int
+    fd: int
+    push_slots: int
+    reply_slots: int
+
+    def header(self) -> dict[str, Any]:
+        return {"op": self.op, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
+        check_keys(header, ("worker_index", "pid", "fd", "push_slots", "reply_slots"))
+        no_frames(frames)
+        pid = int_field(header, "pid", below=1 << 32)
+        if pid == 0:
+            raise Invalid("pid", "must be a process id > 0, got 0")
+        slots = {}
+        for name in ("push_slots", "reply_slots"):
+            slots[name] = int_field(header, name, below=MAX_SLOTS + 1)
+            if not slots[name]:
+                raise Invalid(name, f"must be between 1 and {MAX_SLOTS}, got 0")
+        return cls(
+            worker_index=int_field(header, "worker_index", below=limits.num_workers if limits else None),
+            pid=pid,
+            fd=int_field(header, "fd", below=1 << 31),
+            **slots,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,6 +347,11 @@ class Push:
     lr: float | None = None
     """The learning rate of this update, with a schedule that is a function of the step (ps/schedules.py): the
     worker evaluates it at `base_step`; the PS cannot run the user's function."""
+    slot: int | None = None
+    """The dense gradients are in this push slot of the sender's lane (see `Attach`), not in frames: every frame
+    count is then 0."""
+    reply_slot: int | None = None
+    """As for `Pull`."""
 
     def header(self) -> dict[str, Any]:
         header = {
@@ -297,18 +365,28 @@ class Push:
             header["input_state"] = self.input_state
         if self.lr is not None:
             header["lr"] = self.lr
+        if self.slot is not None:
+            header["slot"] = self.slot
+        if self.reply_slot is not None:
+            header["reply_slot"] = self.reply_slot
         return header
 
     @classmethod
     def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
         # The hot path: a handful of checks per push, and one per dense frame.
-        check_keys(header, ("worker_index", "local_step", "base_step", "frame_counts"), ("input_state", "lr"))
+        check_keys(
+            header,
+            ("worker_index", "local_step", "base_step", "frame_counts"),
+            ("input_state", "lr", "slot", "reply_slot"),
+        )
         input_state = header.get("input_state")
         if input_state is not None:
             input_state = map_field(header, "input_state")
         lr = header.get("lr")
         if lr is not None and (type(lr) is not float or not math.isfinite(lr) or lr < 0):
             raise Invalid("lr", f"must be a finite float >= 0, got {short(lr)}")
+        slot = int_field(header, "slot", below=MAX_SLOTS) if "slot" in header else None
+        reply_slot = _reply_slot_field(header)
         if limits is None:  # not initialised: the PS refuses the push, whatever it holds
             return cls(
                 worker_index=int_field(header, "worker_index"),
@@ -317,6 +395,8 @@ class Push:
                 frame_counts=ints_field(header, "frame_counts"),
                 input_state=input_state,
                 lr=lr,
+                slot=slot,
+                reply_slot=reply_slot,
             )
         counts = ints_field(header, "frame_counts")
         buffers = limits.buffers
@@ -326,8 +406,10 @@ class Push:
                 f"must group {len(frames)} frames into {len(buffers)} dense buffers and {2 * limits.num_tables} "
                 f"table frames, got {counts}",
             )
+        if slot is not None and any(counts):
+            raise Invalid("frame_counts", f"must all be 0 when the gradients are in lane slot {slot}, got {counts}")
         start = 0
-        for index, count in enumerate(counts):
+        for index, count in enumerate(counts if slot is None else ()):
             dtype, numel = buffers[index]
             total = 0
             for frame in frames[start : start + count]:
@@ -347,6 +429,8 @@ class Push:
             frame_counts=counts,
             input_state=input_state,
             lr=lr,
+            slot=slot,
+            reply_slot=reply_slot,
         )
 
 
@@ -366,6 +450,8 @@ class NonFinite:
     """"loss" or "gradients"."""
     input_state: dict[str, Any] | None = None
     """The worker's input position after the refused batch, as for `Push`."""
+    reply_slot: int | None = None
+    """As for `Pull`."""
 
     def header(self) -> dict[str, Any]:
         header = {
@@ -377,11 +463,13 @@ class NonFinite:
         }
         if self.input_state is not None:
             header["input_state"] = self.input_state
+        if self.reply_slot is not None:
+            header["reply_slot"] = self.reply_slot
         return header
 
     @classmethod
     def decode(cls, header: dict[Any, Any], frames: Sequence[torch.Tensor], limits: Limits | None) -> Self:
-        check_keys(header, ("worker_index", "local_step", "base_step", "found_in"), ("input_state",))
+        check_keys(header, ("worker_index", "local_step", "base_step", "found_in"), ("input_state", "reply_slot"))
         no_frames(frames)
         found_in = header["found_in"]
         if found_in not in NONFINITE_FOUND_IN:
@@ -392,6 +480,7 @@ class NonFinite:
             base_step=int_field(header, "base_step"),
             found_in=found_in,
             input_state=map_field(header, "input_state") if header.get("input_state") is not None else None,
+            reply_slot=_reply_slot_field(header),
         )
 
 
@@ -496,6 +585,7 @@ class Shutdown(_NoFields):
 
 PSRequest = (
     Init
+    | Attach
     | Pull
     | Rows
     | Push
@@ -514,6 +604,7 @@ _REQUESTS: dict[str, type[PSRequest]] = {
     cls.op: cls
     for cls in (
         Init,
+        Attach,
         Pull,
         Rows,
         Push,

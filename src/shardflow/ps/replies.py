@@ -34,6 +34,8 @@ class StepReply:
     duplicate: bool = False
     """A push of a worker step this PS already had (a restarted worker repeating it), not applied again; the
     current parameters come with it."""
+    lane: bool = False
+    """The parameters are in the reply slot the request named (ps/lanes.py), not in frames."""
 
     def header(self) -> dict[str, Any]:
         header: dict[str, Any] = {"step": self.step, "stop": self.stop}
@@ -45,12 +47,14 @@ class StepReply:
             header["nonfinite"] = self.nonfinite
         if self.duplicate:
             header["duplicate"] = True
+        if self.lane:
+            header["lane"] = True
         return header
 
     @classmethod
     def decode(cls, header: dict[Any, Any], op: str, sender: str) -> Self:
         try:
-            check_keys(header, ("step", "stop"), ("dropped", "stale", "nonfinite", "duplicate"))
+            check_keys(header, ("step", "stop"), ("dropped", "stale", "nonfinite", "duplicate", "lane"))
             return cls(
                 step=int_field(header, "step"),
                 stop=bool_field(header, "stop"),
@@ -58,6 +62,7 @@ class StepReply:
                 stale="stale" in header and bool_field(header, "stale"),
                 nonfinite=int_field(header, "nonfinite") if "nonfinite" in header else 0,
                 duplicate="duplicate" in header and bool_field(header, "duplicate"),
+                lane="lane" in header and bool_field(header, "lane"),
             )
         except Invalid as invalid:
             raise PSProtocolError(op, invalid.field, sender, invalid.problem) from None

@@ -16,6 +16,7 @@ from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import clipping, protocol
 from shardflow.ps.apply import ApplyConfig, Gradients, Refused, Updates, all_finite
+from shardflow.ps.lanes import Lane, LaneError, open_lane
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
@@ -34,6 +35,11 @@ def _finite(gradients: Gradients) -> bool:
     """Whether every dense buffer and row-sparse value of a push is finite."""
     grads, row_grads = gradients
     return all_finite([*grads, *(values for table in row_grads for _, values in table)])
+
+
+def _nbytes(gradients: Gradients) -> int:
+    grads, row_grads = gradients
+    return sum(g.nbytes for g in grads) + sum(r.nbytes + v.nbytes for t in row_grads for r, v in t)
 
 
 class ParameterServer:
@@ -65,9 +71,15 @@ class ParameterServer:
             "repeated": 0,
             "refused": 0,
             "expired": 0,
+            "lane_pushes": 0,
+            "lanes_refused": 0,
         }
         """Counters; "refused" and "expired" count requests this PS would not hold and held ones past their
-        deadline (see apply.Updates)."""
+        deadline (see apply.Updates); "lane_pushes" the pushes whose gradients came through a shared-memory lane,
+        "lanes_refused" the lanes this PS could not map (their workers use the socket)."""
+        self.lanes: dict[str, Lane] = {}
+        """The shared-memory lanes of this machine's workers (ps/lanes.py), by sender: at most one per worker."""
+        self._lane_senders: dict[int, str] = {}
         self._snapshot: list[torch.Tensor] | None = None
         # Checkpoint snapshots taken at exact steps, until the chief saved them, with the input positions.
         self.snapshots = Snapshots()
@@ -86,6 +98,7 @@ class ParameterServer:
         self._log_limiter = LogLimiter()
         self._handlers: dict[type[protocol.PSRequest], Callable[[Request, Any], None]] = {
             protocol.Init: self._on_init,
+            protocol.Attach: self._on_attach,
             protocol.Pull: self._on_pull,
             protocol.Rows: self._on_rows,
             protocol.Push: self._on_push,
@@ -134,6 +147,7 @@ class ParameterServer:
         self._handling_since = time.perf_counter_ns()
         try:
             message = protocol.decode_request(request.header, request.tensors, self.limits, request.sender)
+            self._check_slots(request, message)
         except PSProtocolError as error:
             self.stats["malformed"] += 1
             self._log("malformed", request.sender, error.op, f"ps:{self.index} refused a malformed request: {error}")
@@ -158,6 +172,23 @@ class ParameterServer:
             line = f"ps:{self.index} failed on {message.op!r} from {request.sender}: {error}"
             self._log("failed", request.sender, message.op, line)
             self.server.reply_error(request, f"ps:{self.index} failed on {message.op!r}: {error}")
+
+    def _check_slots(self, request: Request, message: protocol.PSRequest) -> None:
+        """A request that names lane slots must name slots of its sender's lane."""
+        slot: int | None = getattr(message, "slot", None)
+        reply_slot: int | None = getattr(message, "reply_slot", None)
+        if slot is None and reply_slot is None:
+            return
+        lane = self.lanes.get(request.sender)
+        for name, value, limit in (("slot", slot, "push_slots"), ("reply_slot", reply_slot, "reply_slots")):
+            if value is None:
+                continue
+            if lane is None:
+                raise PSProtocolError(message.op, name, request.sender, "names a lane slot, but no lane is attached")
+            if value >= getattr(lane, limit):
+                raise PSProtocolError(
+                    message.op, name, request.sender, f"is {value}, but the lane has {getattr(lane, limit)} of them"
+                )
 
     def _defer(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
         """Hold a push until the chief saved the snapshots this PS holds (see `_on_release_snapshots`)."""
@@ -224,6 +255,22 @@ class ParameterServer:
         reply = StepReply(step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite, duplicate=duplicate)
         self.server.reply(request, reply.header(), tensors)
 
+    def _reply_params(
+        self, request: Request, *, stale: bool = False, nonfinite: int = 0, duplicate: bool = False
+    ) -> None:
+        """Reply with the current parameters: into the reply slot the request named, or as frames."""
+        reply_slot: int | None = request.header.get("reply_slot")  # checked against the lane by `_check_slots`
+        lane = self.lanes.get(request.sender) if reply_slot is not None else None
+        if lane is None or reply_slot is None:
+            self._reply(request, self._params_snapshot(), stale=stale, nonfinite=nonfinite, duplicate=duplicate)
+            return
+        for view, param in zip(lane.reply[reply_slot], self.params, strict=True):
+            view.copy_(param)
+        reply = StepReply(
+            step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite, duplicate=duplicate, lane=True
+        )
+        self.server.reply(request, reply.header())
+
     def _params_snapshot(self) -> list[torch.Tensor]:
         # Replies go out zero-copy while the next update changes the buffers in place, so they carry a copy,
         # made once per version and shared by every reply of that version.
@@ -237,7 +284,7 @@ class ParameterServer:
             self.server.reply(request, StepReply(step=self.step, stop=self.finished, dropped=True).header())
             return
         started = time.perf_counter_ns()
-        self._reply(request, self._params_snapshot(), stale=stale, nonfinite=nonfinite)
+        self._reply_params(request, stale=stale, nonfinite=nonfinite)
         if (recorder := get_recorder()) is not None:
             worker = request.header.get("worker_index", -1)  # decoded already; pulls carry none
             recorder.end(spans.REPLY, self.step - 1, started, worker)
@@ -277,8 +324,7 @@ class ParameterServer:
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
             worker = pushes[0].header["worker_index"] if count == 1 else -1
-            nbytes = sum(g.nbytes for g in grads) + sum(r.nbytes + v.nbytes for t in row_grads for r, v in t)
-            recorder.end(spans.APPLY, self.step, started, worker, nbytes)
+            recorder.end(spans.APPLY, self.step, started, worker, _nbytes(gradients))
         self._snapshot = None
         new_step = self.step + 1  # the update rule counts it once this returns
         if self.snapshots.due(new_step):
@@ -311,9 +357,16 @@ class ParameterServer:
         """A push's dense gradients, one fresh tensor per dtype buffer, and its row-sparse ones, checked against
         the tables before anything is applied."""
         frames, buffers, start = request.tensors, [], 0
+        if push.slot is not None:
+            # The PS's until it replies: applied in place, or (sync) summed into, as a fresh tensor would be. A
+            # sync push's reply may come after its deadline while its gradient stays in the sum: that one is copied.
+            self.stats["lane_pushes"] += 1
+            views = self.lanes[request.sender].push[push.slot]
+            buffers = [view.clone() for view in views] if self.config.mode == "sync" else list(views)
         for count in push.frame_counts:
             pieces = frames[start : start + count]
-            buffers.append(torch.cat(pieces) if pieces else torch.empty(0))
+            if push.slot is None:
+                buffers.append(torch.cat(pieces) if pieces else torch.empty(0))
             start += count
         row_grads: list[list[RowGrad]] = []
         for index, table in enumerate(self.tables):
@@ -357,6 +410,30 @@ class ParameterServer:
         self.on_initialised()
         self._reply(request)
 
+    def _on_attach(self, request: Request, attach: protocol.Attach) -> None:
+        assert self.limits is not None  # Attach is served after init only
+        try:
+            if not any(numel for _, numel in self.limits.buffers):
+                raise LaneError("it holds no dense variables")
+            lane = open_lane(attach.pid, attach.fd, self.limits.buffers, attach.push_slots, attach.reply_slots)
+        except LaneError as error:
+            self.stats["lanes_refused"] += 1
+            line = f"ps:{self.index} cannot map the shared-memory lane of {request.sender}: {error}"
+            self._log("lanes_refused", request.sender, attach.op, f"{line}; it goes on over the socket")
+            self.server.reply_error(request, line)
+            return
+        # One per worker: a restarted worker (a new sender) replaces the lane of the process it replaces, whose memory
+        # goes once nothing of this PS uses it.
+        self._drop_lane(attach.worker_index)
+        self.lanes[request.sender] = lane
+        self._lane_senders[attach.worker_index] = request.sender
+        self._reply(request)
+
+    def _drop_lane(self, worker_index: int) -> None:
+        sender = self._lane_senders.pop(worker_index, None)
+        if sender is not None:
+            del self.lanes[sender]
+
     def _on_pull(self, request: Request, pull: protocol.Pull) -> None:
         self.updates.pull(request, pull.min_step)
 
@@ -376,7 +453,7 @@ class ParameterServer:
         if local_step > self.worker_steps.get(f"worker:{worker_index}", 0):
             return False
         self.stats["repeated"] += 1
-        self._reply(request, self._params_snapshot(), duplicate=True)
+        self._reply_params(request, duplicate=True)
         return True
 
     def _had(self, worker_index: int, local_step: int, input_state: dict[str, Any] | None) -> None:
@@ -401,8 +478,7 @@ class ParameterServer:
         self._had(push.worker_index, push.local_step, push.input_state)
         gradients = self._gradients(request, push)
         if (recorder := get_recorder()) is not None:
-            nbytes = sum(f.nbytes for f in request.tensors)
-            recorder.end(spans.RECEIVE, self.step, started, push.worker_index, nbytes)
+            recorder.end(spans.RECEIVE, self.step, started, push.worker_index, _nbytes(gradients))
         # Checked before it is applied or (sync) accumulated, so a NaN never reaches the parameters, the optimizer
         # slots or the sum of the other replicas. A shardflow worker checks first and sends `NonFinite` to every
         # PS instead (ps/client.py); this is the last guard, for a push that only this PS would refuse.
@@ -429,6 +505,7 @@ class ParameterServer:
         )
 
     def _on_done(self, request: Request, done: protocol.Done) -> None:
+        self._drop_lane(done.worker_index)
         self._reply(request)
         self.updates.done(done.worker_index)
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
@@ -58,9 +59,18 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
         timeout_s=strategy.request_timeout_s,
         worker_index=role.task.index if role.task.type == "worker" else -1,
     )
+    if role.task.type == "worker" and _shared_memory():
+        client.attach_lanes()
     client.generation = generation = recovery_generation(role)
     client.check_restored = lambda: _check_restored(role, generation)
     return client
+
+
+def _shared_memory() -> bool:
+    setting = env.get(env.SHARED_MEMORY) or "on"
+    if setting not in ("on", "off"):
+        raise ValueError(f"{env.SHARED_MEMORY}={setting!r}: use on (the default) or off (every byte over the socket)")
+    return setting == "on"
 
 
 class PSRestored(Exception):
