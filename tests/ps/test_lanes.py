@@ -18,8 +18,10 @@ from shardflow.comm.errors import CommError
 from shardflow.comm.server import Server
 from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.checkpointing import fetch_state, init_servers
 from shardflow.ps.lanes import LaneError, WorkerLane, lane_bytes, open_lane
 from shardflow.ps.optimizers import SGD
+from shardflow.ps.placement import place
 from shardflow.ps.server import ParameterServer
 
 BUFFERS = [(torch.float32, 5), (torch.int64, 3), (torch.bfloat16, 0)]
@@ -202,3 +204,32 @@ def test_a_restarted_worker_s_lane_replaces_the_one_of_the_process_it_replaces(l
     restarted.close()
     old.close()
     new.close()
+
+
+def test_overlapped_steps_through_lanes_leave_every_slot_free_but_the_one_in_use(start_lane_cluster) -> None:
+    cluster = start_lane_cluster(2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    placement = place(model.named_parameters(), 2)
+    chief = cluster.client(model, placement)
+    init_servers(chief, SGD(lr=0.1), ApplyConfig(num_workers=1))
+    worker = cluster.client(model, placement)
+    assert all(lane is not None for lane in worker.lanes)
+    worker.pull()
+    in_flight = []
+    for step in range(6):  # as the worker loop runs them: step t+1 computed while step t's push is in flight
+        worker.begin_push(step)
+        model(torch.full((2, 4), float(step))).sum().backward()
+        in_flight.append(worker.end_push())
+        while len(in_flight) > 1:
+            worker.wait_push(in_flight.pop(0))
+    worker.wait_push(in_flight.pop(0))
+    for lane in worker.lanes:
+        assert lane is not None
+        assert sorted(lane.free_push) == [0, 1]
+        assert lane.loaded is not None and sorted([*lane.free_reply, lane.loaded]) == [0, 1, 2]
+    # The model computes on what the PS hold: the parameters of the last reply are the PS's own.
+    state = fetch_state(chief)
+    assert state.step == 6
+    for name, value in model.state_dict().items():
+        assert torch.equal(state.params[name], value), name

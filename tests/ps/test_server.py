@@ -47,6 +47,9 @@ def test_async_push_applies_sgd_on_the_ps_and_counts_one_step(cluster):
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.detach(), before[name] - 0.5 * grads[name], rtol=0, atol=1e-6)
     assert worker.global_step() == 1
+    # With lanes, every PS that holds dense variables had the gradients through its lane.
+    lane_pushes = [s["lane_pushes"] for s in fetch_state(worker).stats.values() if s["applied"]]
+    assert lane_pushes == [1 if cluster.lanes else 0] * len(lane_pushes) and lane_pushes
 
 
 def test_adam_slots_live_on_the_ps_and_come_back_in_the_state(cluster):

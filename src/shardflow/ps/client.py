@@ -46,13 +46,13 @@ class Pushed:
 
     requests: dict[str, int]
     base_step: int
+    """The global step of the parameters the step was computed on."""
+    nonfinite: str | None = None
+    """Where this worker found NaN or inf ("loss", "gradients"), so it sent `NonFinite` in place of the pushes."""
     slots: dict[int, int | None]
     """Per PS: the lane push slot its gradients are in (None: frames), the PS's until it replies."""
     reply_slots: dict[int, int | None]
     """Per PS: the lane reply slot its reply's parameters go into (None: frames)."""
-    """The global step of the parameters the step was computed on."""
-    nonfinite: str | None = None
-    """Where this worker found NaN or inf ("loss", "gradients"), so it sent `NonFinite` in place of the pushes."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,7 +284,7 @@ class ParameterClient:
             if load_params and tensors:
                 replies[ps] = tensors
                 loaded_slots[ps] = slot if reply.lane else None
-            elif lane is not None:
+            if lane is not None and not (load_params and reply.lane):  # the slot asked for holds nothing in use
                 lane.give_back_reply(slot)
             if ps == 0:
                 step = reply.step
