@@ -2,10 +2,11 @@
 
 - async, 1 PS + 2 workers, MLP 64-512-512-10, batch 32: shardflow vs TensorFlow ParameterServerStrategy
   (target >= 3x steps/s; also reports TF's own iteration count against the steps it ran);
-- 1 worker + 1 PS vs a single-process PyTorch loop (target >= 0.7x).
+- 1 worker + 1 PS vs a single-process PyTorch loop (target >= 0.7x);
+- with --sync: sync, 2 workers + 1 PS vs PyTorch DistributedDataParallel with gloo, 2 processes (target >= 1.0x).
 
 Usage: python benchmarks/ps_training.py [--steps N] [--repeats R]
-       [--no-tf | --features | --auth | --local-sockets | --shared-memory]
+       [--no-tf | --features | --auth | --local-sockets | --shared-memory | --sync]
 """
 
 from __future__ import annotations
@@ -154,6 +155,24 @@ SHARED_MEMORY = {
 the UNIX socket."""
 
 
+def sync_side_by_side(steps: int, repeats: int) -> None:
+    """shardflow sync, 2 workers + 1 PS, against DDP with gloo, 2 processes, alternating: one global step is one
+    batch of 32 on each worker (process) in both."""
+    shardflow, ddp = [], []
+    for _ in range(repeats):
+        result = shardflow_job(2, 1, steps, mode="sync")
+        if result["global_step"] != steps:
+            raise RuntimeError(f"shardflow's sync job ended at global step {result['global_step']}, not {steps}")
+        shardflow.append(result["steps_per_s"])
+        ddp.append(run_json([str(HERE / "peers" / "ddp_sync.py"), "2", str(steps)])["steps_per_s"])
+    print(f"shardflow sync 2 workers + 1 PS, global steps/s: {', '.join(f'{v:.0f}' for v in shardflow)}")
+    print(f"DDP gloo 2 processes, steps/s: {', '.join(f'{v:.0f}' for v in ddp)}")
+    ratio = max(shardflow) / max(ddp)
+    print(f"sync 2 workers vs DDP (best against best): {ratio:.2f}x (target >= 1.0x)")
+    result = {"sf_sync_2w1ps_steps_per_s": shardflow, "ddp_gloo_2_steps_per_s": ddp, "ratio": ratio}
+    print("RESULT " + json.dumps(result))
+
+
 def best(runs: list[dict]) -> dict:
     return max(runs, key=lambda r: r["steps_per_s"])
 
@@ -175,6 +194,9 @@ def main() -> None:
         action="store_true",
         help="only: gradients and parameters through shared-memory lanes against through the socket, alternating",
     )
+    parser.add_argument(
+        "--sync", action="store_true", help="only: sync 2 workers + 1 PS against DDP with gloo, alternating"
+    )
     args = parser.parse_args()
     r = args.repeats
     if args.features:
@@ -188,6 +210,9 @@ def main() -> None:
         return
     if args.shared_memory:
         on_off_side_by_side(args.steps, r, "SHARDFLOW_SHARED_MEMORY", SHARED_MEMORY)
+        return
+    if args.sync:
+        sync_side_by_side(args.steps, r)
         return
 
     # The local loop at its best: torch's default threads (one per core) and one thread, whichever is faster.
@@ -246,11 +271,24 @@ def main() -> None:
             ratio_2w1ps_vs_tf=sf_2w["steps_per_s"] / tf["steps_per_s"],
         )
 
+    sync = best([shardflow_job(2, 1, args.steps, mode="sync") for _ in range(r)])
+    ddp = max(run_json([str(HERE / "peers" / "ddp_sync.py"), "2", str(args.steps)])["steps_per_s"] for _ in range(r))
+    rows += [
+        ("shardflow sync 2 workers + 1 PS", sync["steps_per_s"], f"global_step={sync['global_step']}"),
+        ("PyTorch DDP (gloo) 2 processes", ddp, ""),
+    ]
+    result.update(
+        sf_sync_2w1ps_steps_per_s=sync["steps_per_s"],
+        ddp_gloo_2_steps_per_s=ddp,
+        ratio_sync_2w_vs_ddp=sync["steps_per_s"] / ddp,
+    )
+
     print(f"{'run':48} {'steps/s':>9}  notes")
     for name, rate, note in rows:
         print(f"{name:48} {rate:9.0f}  {note}")
     print(f"1 worker + 1 PS vs local loop: {result['ratio_1w1ps_vs_local']:.2f}x (target >= 0.7x)")
     print(f"checkpoint every 100 steps: {result['ratio_checkpoint_every_100']:.2f}x the steps/s without")
+    print(f"sync 2 workers + 1 PS vs DDP: {result['ratio_sync_2w_vs_ddp']:.2f}x (target >= 1.0x)")
     if "ratio_2w1ps_vs_tf" in result:
         print(f"async 2 workers + 1 PS vs TF: {result['ratio_2w1ps_vs_tf']:.2f}x (target >= 3x)")
     print("RESULT " + json.dumps(result))
