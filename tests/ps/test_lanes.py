@@ -233,3 +233,17 @@ def test_overlapped_steps_through_lanes_leave_every_slot_free_but_the_one_in_use
     assert state.step == 6
     for name, value in model.state_dict().items():
         assert torch.equal(state.params[name], value), name
+
+
+def test_a_sender_that_attaches_as_two_workers_cannot_make_the_ps_fail_when_they_finish(live_ps) -> None:
+    ps, client = live_ps
+    ps.limits = protocol.Limits(num_workers=2, buffers=ps.limits.buffers, num_tables=0)  # a job of 2 workers
+    lanes = [WorkerLane([(torch.float32, 4)]) for _ in range(2)]
+    for worker_index, lane in enumerate(lanes):
+        attach = protocol.Attach(worker_index=worker_index, pid=os.getpid(), fd=lane.fd, push_slots=2, reply_slots=3)
+        client.request("ps:0", attach.header(), timeout_s=5)
+    for worker_index in (0, 1):
+        client.request("ps:0", protocol.Done(worker_index=worker_index).header(), timeout_s=5)
+    assert ps.lanes == {} and _stats(client)["failed"] == 0
+    for lane in lanes:
+        lane.close()

@@ -432,7 +432,7 @@ class ParameterServer:
     def _drop_lane(self, worker_index: int) -> None:
         sender = self._lane_senders.pop(worker_index, None)
         if sender is not None:
-            del self.lanes[sender]
+            self.lanes.pop(sender, None)  # gone already if that sender attached again as another worker
 
     def _on_pull(self, request: Request, pull: protocol.Pull) -> None:
         self.updates.pull(request, pull.min_step)
