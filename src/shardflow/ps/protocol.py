@@ -301,9 +301,10 @@ class Attach:
             raise Invalid("pid", "must be a process id > 0, got 0")
         slots = {}
         for name in ("push_slots", "reply_slots"):
-            slots[name] = int_field(header, name, below=MAX_SLOTS + 1)
-            if not slots[name]:
-                raise Invalid(name, f"must be between 1 and {MAX_SLOTS}, got 0")
+            value = header[name]
+            if type(value) is not int or not 1 <= value <= MAX_SLOTS:
+                raise Invalid(name, f"must be an int between 1 and {MAX_SLOTS}, got {short(value)}")
+            slots[name] = value
         return cls(
             worker_index=int_field(header, "worker_index", below=limits.num_workers if limits else None),
             pid=pid,
