@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import torch
+from mlp import BATCH, NUM_EXAMPLES, mlp, synthetic_data
 
 HERE = Path(__file__).parent
 
@@ -41,21 +42,14 @@ def run_json(command: list[str], env: dict[str, str] | None = None) -> dict:
 def local_loop(steps: int) -> float:
     """The single-process PyTorch loop: same model, batch and optimizer, no parameter server."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(
-        torch.nn.Linear(64, 512),
-        torch.nn.ReLU(),
-        torch.nn.Linear(512, 512),
-        torch.nn.ReLU(),
-        torch.nn.Linear(512, 10),
-    )
+    model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    x = torch.rand(4096, 64)
-    y = torch.randint(0, 10, (4096,))
+    x, y = synthetic_data()
 
     def step(i: int) -> None:
-        j = (i * 32) % 4096
+        j = (i * BATCH) % NUM_EXAMPLES
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x[j : j + 32]), y[j : j + 32]).backward()
+        torch.nn.functional.cross_entropy(model(x[j : j + BATCH]), y[j : j + BATCH]).backward()
         optimizer.step()
 
     for i in range(50):

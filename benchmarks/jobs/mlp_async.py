@@ -15,6 +15,9 @@ import torch
 
 import shardflow as sf
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mlp import BATCH, NUM_EXAMPLES, mlp, synthetic_data
+
 result_path, num_workers, num_ps, steps = (
     sys.argv[1],
     int(sys.argv[2]),
@@ -28,22 +31,14 @@ features = set(sys.argv[8].split(",")) - {""} if len(sys.argv) > 8 else set()
 
 
 def model_fn() -> torch.nn.Module:
-    return torch.nn.Sequential(
-        torch.nn.Linear(64, 512),
-        torch.nn.ReLU(),
-        torch.nn.Linear(512, 512),
-        torch.nn.ReLU(),
-        torch.nn.Linear(512, 10),
-    )
+    return mlp()
 
 
 def input_fn(ctx: sf.InputContext):
-    generator = torch.Generator().manual_seed(ctx.worker_index)
-    x = torch.rand(4096, 64, generator=generator)
-    y = torch.randint(0, 10, (4096,), generator=generator)
+    x, y = synthetic_data(torch.Generator().manual_seed(ctx.worker_index))
     while True:
-        for i in range(0, 4096, 32):
-            yield x[i : i + 32], y[i : i + 32]
+        for i in range(0, NUM_EXAMPLES, BATCH):
+            yield x[i : i + BATCH], y[i : i + BATCH]
 
 
 def loss_fn(model, batch):

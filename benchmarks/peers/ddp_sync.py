@@ -13,6 +13,9 @@ import socket
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from mlp import BATCH, NUM_EXAMPLES, mlp, synthetic_data
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -30,24 +33,14 @@ def run(rank: int, world: int, port: int, steps: int, results: "multiprocessing.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = DistributedDataParallel(
-        torch.nn.Sequential(
-            torch.nn.Linear(64, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 10),
-        )
-    )
+    model = DistributedDataParallel(mlp())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    generator = torch.Generator().manual_seed(rank)
-    x = torch.rand(4096, 64, generator=generator)
-    y = torch.randint(0, 10, (4096,), generator=generator)
+    x, y = synthetic_data(torch.Generator().manual_seed(rank))
 
     def step(i: int) -> None:
-        j = (i * 32) % 4096
+        j = (i * BATCH) % NUM_EXAMPLES
         optimizer.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x[j : j + 32]), y[j : j + 32]).backward()
+        torch.nn.functional.cross_entropy(model(x[j : j + BATCH]), y[j : j + BATCH]).backward()
         optimizer.step()
 
     for i in range(50):

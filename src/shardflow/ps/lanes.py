@@ -61,7 +61,6 @@ class Lane:
     per buffer. The mapping lives as long as any of these tensors does."""
 
     def __init__(self, memory: mmap.mmap, buffers: Buffers, push_slots: int, reply_slots: int) -> None:
-        self.buffers = tuple(buffers)
         self.push_slots, self.reply_slots = push_slots, reply_slots
         slots: list[list[torch.Tensor]] = []
         offset = 0
