@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
+from shardflow.data.element_spec import first_element_spec
 from shardflow.data.errors import OutOfRangeError
 from shardflow.data.optional import Optional
 
@@ -122,19 +124,27 @@ class Dataset(abc.ABC, Generic[T]):
             merged = merged.merge(dataset.options())
         return merged
 
+    def _cardinality(self) -> int:
+        """This dataset's count from its definition alone, by tf.data's rule for it: a source or transformation
+        with a rule overrides this default, which does not know."""
+        return UNKNOWN_CARDINALITY
+
+    def _element_spec(self) -> Any | None:
+        """This dataset's spec from its definition alone: a source or transformation that defines its spec
+        overrides this default, which leaves it to be read off the first element."""
+        return None
+
     def cardinality(self) -> int:
         """The number of elements, INFINITE_CARDINALITY (-1) or UNKNOWN_CARDINALITY (-2), by tf.data's rules."""
-        # Here, not at the top: cardinality subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.cardinality import cardinality
-
-        return cardinality(self)
+        return self._cardinality()
 
     def __len__(self) -> int:
         """`cardinality()`, with TypeError for an infinite or unknown count, as tf.data's `len()`."""
         count = self.cardinality()
         if count >= 0:
             return count
-        raise TypeError("The dataset is infinite." if count == -1 else "The dataset length is unknown.")
+        infinite = count == INFINITE_CARDINALITY
+        raise TypeError("The dataset is infinite." if infinite else "The dataset length is unknown.")
 
     def __bool__(self) -> bool:
         # Without this, `if dataset:` would call __len__, which raises for infinite and unknown counts.
@@ -142,11 +152,10 @@ class Dataset(abc.ABC, Generic[T]):
 
     @property
     def element_spec(self) -> Any:
-        """The structure of TensorSpecs of the elements (see element_spec.py for where it comes from)."""
-        # Here, not at the top: element_spec imports every transformation module.
-        from shardflow.data.element_spec import element_spec
-
-        return element_spec(self)
+        """The structure of TensorSpecs of the elements: the static spec if the pipeline defines one, else the spec
+        of its first element, which starts a pass (see element_spec.py)."""
+        spec = self._element_spec()
+        return first_element_spec(self) if spec is None else spec
 
     # Sources.
 

@@ -8,7 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardflow._lazy import lazy_getattr
-from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, assert_cardinality
+from shardflow.data.assert_cardinality import assert_cardinality
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator
 from shardflow.data.optional import Optional
 from shardflow.data.options import (

@@ -237,6 +237,9 @@ class SnapshotDataset(UnaryDataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _SnapshotIterator(self)
 
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
 
 class _SnapshotIterator(DatasetIterator[Any]):
     """Reads the snapshot when one is complete, else passes the input through while writing it. State: the mode and

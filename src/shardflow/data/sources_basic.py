@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import glob
 import os
@@ -12,7 +11,9 @@ from typing import Any
 import numpy as np
 
 from shardflow.data import structure
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator, State
+from shardflow.data.element_spec import STRING, TensorSpec, normalized, spec_dtype, spec_or_none
 from shardflow.data.errors import InvalidArgumentError, NotFoundError
 
 
@@ -29,6 +30,12 @@ class RangeDataset(Dataset[np.generic]):
 
     def _iterator(self) -> DatasetIterator[np.generic]:
         return _IndexIterator(len(self._range), self._element_at, self._elements_between)
+
+    def _cardinality(self) -> int:
+        return len(self._range)
+
+    def _element_spec(self) -> TensorSpec:
+        return TensorSpec(shape=(), dtype=np.dtype(self._output_type))
 
     def _element_at(self, index: int) -> np.generic:
         value: np.generic = self._output_type(self._range[index])
@@ -48,6 +55,9 @@ class ElementsDataset(Dataset[Any]):
 
     def _iterator(self) -> DatasetIterator[Any]:
         return _IndexIterator(len(self._elements), self._elements.__getitem__)
+
+    def _cardinality(self) -> int:
+        return len(self._elements)
 
 
 class _IndexIterator(DatasetIterator[Any]):
@@ -86,6 +96,9 @@ class TensorsDataset(ElementsDataset):
     def __init__(self, element: Any) -> None:
         super().__init__([structure.normalize(element)])
 
+    def _element_spec(self) -> Any | None:
+        return spec_or_none(self._elements[0])
+
 
 class TensorSlicesDataset(Dataset[Any]):
     """Slices every leaf along its first dimension; all leaves must have the same first dimension."""
@@ -117,18 +130,12 @@ class TensorSlicesDataset(Dataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _IndexIterator(self._length, self._element_at, self._elements_between)
 
+    def _cardinality(self) -> int:
+        return self._length
 
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    """The shape (None for any size) and numpy dtype of one leaf of a generator's `output_signature`.
-    Use `bytes` (or object) as dtype for strings."""
-
-    shape: tuple[int | None, ...] | list[int | None] | None
-    """None accepts any shape; a None dimension accepts any size."""
-    dtype: Any = np.float32
-    """Leaves are converted to this dtype."""
-    name: str | None = None
-    """Accepted for tf.TensorSpec compatibility; unused."""
+    def _element_spec(self) -> Any:
+        leaves = [TensorSpec(shape=tuple(leaf.shape[1:]), dtype=spec_dtype(leaf.dtype)) for leaf in self._leaves]
+        return structure.pack(self._treedef, leaves)
 
 
 class GeneratorDataset(Dataset[Any]):
@@ -157,6 +164,12 @@ class GeneratorDataset(Dataset[Any]):
 
     def _iterator(self) -> DatasetIterator[Any]:
         return _GeneratorIterator(self)
+
+    def _element_spec(self) -> Any | None:
+        if self._signature is None:
+            return None
+        specs, treedef = self._signature
+        return structure.pack(treedef, [normalized(spec) for spec in specs])
 
     def _start(self) -> Iterator[Any]:
         return iter(self._generator(*self._args))
@@ -250,6 +263,12 @@ class ListFilesDataset(Dataset[bytes]):
     def _iterator(self) -> DatasetIterator[bytes]:
         return iter(self._pipeline)
 
+    def _cardinality(self) -> int:
+        return len(self._files)
+
+    def _element_spec(self) -> TensorSpec:
+        return STRING
+
     def _shard_files(self, num_shards: int, index: int) -> Dataset[bytes]:
         if len(self._files) < num_shards:
             raise ValueError(
@@ -277,6 +296,17 @@ class ZipDataset(Dataset[Any]):
 
     def _iterator(self) -> DatasetIterator[Any]:
         return _ZipIterator([iter(dataset) for dataset in self._datasets], self._treedef)
+
+    def _cardinality(self) -> int:
+        counts = [dataset._cardinality() for dataset in self._datasets]
+        if UNKNOWN_CARDINALITY in counts:
+            return UNKNOWN_CARDINALITY
+        finite = [count for count in counts if count != INFINITE_CARDINALITY]
+        return min(finite) if finite else INFINITE_CARDINALITY
+
+    def _element_spec(self) -> Any | None:
+        specs = [dataset._element_spec() for dataset in self._datasets]
+        return None if any(spec is None for spec in specs) else structure.pack(self._treedef, specs)
 
 
 class _ZipIterator(DatasetIterator[Any]):

@@ -33,6 +33,15 @@ class WindowDataset(UnaryDataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _WindowIterator(iter(self._input), self)
 
+    def _cardinality(self) -> int:
+        known = self._input._cardinality()
+        if known < 0:
+            return known
+        if not self._drop_remainder:
+            return -(-known // self._shift)
+        last_start = known - 1 - (self._size - 1) * self._stride
+        return last_start // self._shift + 1 if last_start >= 0 else 0
+
 
 class _WindowIterator(UnaryIterator[Any]):
     """Buffers the span of the next window, with the input's state before each element that starts a window.
