@@ -162,22 +162,22 @@ class Dataset(abc.ABC, Generic[T]):
     @staticmethod
     def range(*args: int, output_type: Any = np.int64, name: str | None = None) -> Dataset[Any]:
         """range(stop), range(start, stop) or range(start, stop, step) of `output_type` (int64) scalars."""
-        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.sources_basic import RangeDataset
+        # Here, not at the top: the source subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sources.in_memory import RangeDataset
 
         return RangeDataset(*args, output_type=output_type)
 
     @staticmethod
     def from_tensors(element: Any, name: str | None = None) -> Dataset[Any]:
-        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.sources_basic import TensorsDataset
+        # Here, not at the top: the source subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sources.in_memory import TensorsDataset
 
         return TensorsDataset(element)
 
     @staticmethod
     def from_tensor_slices(element: Any, name: str | None = None) -> Dataset[Any]:
-        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.sources_basic import TensorSlicesDataset
+        # Here, not at the top: the source subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sources.in_memory import TensorSlicesDataset
 
         return TensorSlicesDataset(element)
 
@@ -192,8 +192,8 @@ class Dataset(abc.ABC, Generic[T]):
     ) -> Dataset[Any]:
         """`output_signature` (a structure of TensorSpecs), or its older form `output_types` with `output_shapes`,
         converts and checks each element; without either, elements are taken as they come."""
-        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.sources_basic import GeneratorDataset
+        # Here, not at the top: the source subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sources.generator import GeneratorDataset
 
         return GeneratorDataset(generator, output_signature, args, output_types, output_shapes)
 
@@ -201,16 +201,16 @@ class Dataset(abc.ABC, Generic[T]):
     def list_files(
         file_pattern: str | list[str], shuffle: bool | None = None, seed: int | None = None, name: str | None = None
     ) -> Dataset[Any]:
-        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.sources_basic import ListFilesDataset
+        # Here, not at the top: the source subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.sources.list_files import ListFilesDataset
 
         return ListFilesDataset(file_pattern, shuffle=shuffle, seed=seed)
 
     @staticmethod
     def zip(*datasets: Any, name: str | None = None) -> Dataset[Any]:
         """zip(a, b) or zip((a, b)) or zip({"x": a, "y": b}): elements shaped like the argument."""
-        # Here, not at the top: sources_basic subclasses Dataset, so importing it above would be a cycle.
-        from shardflow.data.sources_basic import ZipDataset
+        # Here, not at the top: the source subclasses Dataset, so importing it above would be a cycle.
+        from shardflow.data.zip import ZipDataset
 
         return ZipDataset(datasets[0] if len(datasets) == 1 else datasets)
 

@@ -20,7 +20,7 @@ from shardflow.data.saved_format import (
     resolve_compression,
     write_manifest,
 )
-from shardflow.data.sources_basic import ElementsDataset
+from shardflow.data.sources.in_memory import ElementsDataset
 
 _BULK_ELEMENTS = 1024
 

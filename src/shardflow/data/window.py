@@ -8,7 +8,7 @@ from typing import Any
 from shardflow.data import batching, structure
 from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator
 from shardflow.data.errors import InvalidArgumentError
-from shardflow.data.sources_basic import ElementsDataset
+from shardflow.data.sources.in_memory import ElementsDataset
 
 
 def _positive(value: Any, argument: str) -> int:
