@@ -87,7 +87,7 @@ def main() -> int:
 
 
 def validate(sizes: list[int], steps: int, args: argparse.Namespace, out: Path) -> int:
-    from shardflow.tools.plan_model import PlanConfig, predict
+    from shardflow.planning.plan_model import PlanConfig, predict
 
     runs = {n: fastest([measure(n, steps, args, out / f"repeat-{r}") for r in range(args.repeats)]) for n in sizes}
     base = runs[sizes[0]]["calibration"]
@@ -146,8 +146,8 @@ def validate(sizes: list[int], steps: int, args: argparse.Namespace, out: Path) 
 
 def measure(num_workers: int, steps: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One profiled run, with the CPU that other processes used meanwhile (machine busy time minus the job's)."""
-    from shardflow.tools.calibrate import calibrate
-    from shardflow.tools.scaling import ScaleConfig, run_size
+    from shardflow.planning.calibrate import calibrate
+    from shardflow.planning.scaling import ScaleConfig, run_size
 
     # Profile the middle of each run: past the start-up ramp, before the first workers finish.
     window = (int(steps * 0.4), int(steps * 0.7))

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from shardflow.cli.tables import print_table
 
 if TYPE_CHECKING:
-    from shardflow.tools.calibrate import Calibration
-    from shardflow.tools.plan_model import PlanConfig
+    from shardflow.planning.calibrate import Calibration
+    from shardflow.planning.plan_model import PlanConfig
 
 EPILOG = """\
 examples:
@@ -65,14 +65,14 @@ def _calibration(args: argparse.Namespace) -> Calibration | None:
         if args.capture is not None:
             raise ValueError("--capture needs --calibrate MODEL_DIR")
         return None
-    from shardflow.tools.calibrate import calibrate
+    from shardflow.planning.calibrate import calibrate
 
     return calibrate(args.calibrate, args.capture)
 
 
 def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanConfig:
-    from shardflow.tools.plan_model import PlanConfig
-    from shardflow.tools.units import parse_bandwidth, parse_count, parse_duration
+    from shardflow.planning.plan_model import PlanConfig
+    from shardflow.planning.units import parse_bandwidth, parse_count, parse_duration
 
     if calibration is None:
         examples = {
@@ -122,7 +122,7 @@ def _apply_s(calibration: Calibration | None) -> float:
 
 
 def _print_calibration(c: Calibration) -> None:
-    from shardflow.tools.units import format_bandwidth, format_bytes, format_duration
+    from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
 
     print(f"measured in {c.capture} ({_plural(c.num_workers, 'worker')}, {c.num_ps} PS):")
     rows = [
@@ -148,8 +148,8 @@ def _print_calibration(c: Calibration) -> None:
 
 
 def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
-    from shardflow.tools.plan_model import TERMS, num_ps_needed, predict, predict_allreduce
-    from shardflow.tools.units import format_bandwidth, format_bytes, format_duration
+    from shardflow.planning.plan_model import TERMS, num_ps_needed, predict, predict_allreduce
+    from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
 
     p = predict(config)
     n, k = config.num_workers, config.num_ps

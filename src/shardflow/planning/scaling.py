@@ -15,7 +15,7 @@ from typing import Any
 
 from shardflow import env
 from shardflow.profile.capture import check_steps
-from shardflow.tools.target import Target, first_reached
+from shardflow.planning.target import Target, first_reached
 
 
 class ScaleRunError(RuntimeError):
