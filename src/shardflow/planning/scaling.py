@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from shardflow import env
-from shardflow.profile.capture import check_steps
 from shardflow.planning.target import Target, first_reached
+from shardflow.profile.capture import check_steps
 
 
 class ScaleRunError(RuntimeError):
