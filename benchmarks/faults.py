@@ -316,7 +316,7 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         )
     lines += [
         "",
-        "What the job does after each fault is described in the README's failure model. The chief cannot be",
+        "What the job does after each fault is described in docs/reliability-and-faults.md. The chief cannot be",
         "restarted into a running job yet (its control plane lives in its process); a killed chief ends the job,",
         "and the next run resumes from the newest intact checkpoint.",
         "",
