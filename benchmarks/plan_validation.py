@@ -150,7 +150,8 @@ def result_rows(rows: list[dict[str, Any]], calibrated_on: int) -> list[dict[str
     """BENCHMARKS.md's rows: each predicted size against its measured rate (the calibration run is not a test)."""
     return [
         result_line.row(
-            f"plan's global steps/s for {size['workers']} workers, calibrated on {calibrated_on}",
+            f"plan's global steps/s for {size['workers']} worker{'s' if size['workers'] != 1 else ''}, "
+            f"calibrated on {calibrated_on}",
             size["predicted"],
             "measured steady rate",
             size["measured"],
