@@ -11,10 +11,10 @@ import torch
 
 from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import init_servers
 from shardflow.ps.clipping import StoreNormExchange, clip_local_gradients
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.placement import place
+from shardflow.train.checkpoints.servers import init_servers
 
 
 def _model() -> torch.nn.Module:

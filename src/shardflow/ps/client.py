@@ -301,7 +301,7 @@ class ParameterClient:
         """A free reply slot of each PS's lane for the parameters of the next reply (None: frames)."""
         return {ps: lane.take_reply() if lane is not None else None for ps, lane in enumerate(self.lanes)}
 
-    # -- chief (see ps/checkpointing.py for state) ------------------------------------------------
+    # -- chief (see train/checkpoints/servers.py for state) -------------------------------------
 
     def exchange(
         self,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -15,25 +14,22 @@ from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
 from shardflow.comm.security import SECRET_FILE, is_loopback, job_credentials, write_secret
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import ModelState, fetch_state, init_servers
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import place
 from shardflow.ps.sparse import sparse_variables
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.manager import CheckpointManager, snapshot_every
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.restore import Recovery, restore_latest
+from shardflow.train.checkpoints.servers import fetch_state, init_servers
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.job import JobConfig
 from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
-from shardflow.train.recovery import Recovery, restore_latest
 from shardflow.train.roles import RoleContext
 from shardflow.train.specs import TrainResult
 
 log = logging.getLogger(__name__)
-
-
-def _last_checkpoint_step(job: JobConfig) -> int:
-    path = checkpoint.latest(job.model_dir)
-    return int(json.loads((path / "manifest.json").read_text())["global_step"]) if path is not None else 0
 
 
 def _resumed_at(restored: ModelState | None, worker: str) -> int:
@@ -42,14 +38,6 @@ def _resumed_at(restored: ModelState | None, worker: str) -> int:
     if restored is None or not restored.ps_progress:
         return 0
     return min(int(progress.get("worker_steps", {}).get(worker, 0)) for progress in restored.ps_progress)
-
-
-def _snapshot_every(job: JobConfig, role: RoleContext) -> int | None:
-    """The PS snapshot at every step that is a checkpoint or an inline evaluation."""
-    eval_spec = job.eval_spec
-    every_eval = eval_spec.every_n_steps if eval_spec is not None and not role.spec.num("evaluator") else None
-    counts = [n for n in (job.save_checkpoints_steps, every_eval) if n]
-    return math.gcd(*counts) if counts else None
 
 
 def run_chief(
@@ -68,7 +56,7 @@ def run_chief(
     strategy = job.strategy
     started = time.monotonic()
     # The chief is the only role that saves, and none of its saves has started yet.
-    checkpoint.clean(job.model_dir)
+    store.clean(job.model_dir)
     model = job.build_model()
     placement = place(model.named_parameters(), role.num_ps, strategy.partitioner, sparse_variables(model))
     addresses = [
@@ -111,7 +99,7 @@ def run_chief(
         replicas_to_aggregate=strategy.replicas_to_aggregate,
         max_staleness=strategy.max_staleness,
         max_steps=job.train_spec.max_steps,
-        snapshot_every_n_steps=_snapshot_every(job, role),
+        snapshot_every_n_steps=snapshot_every(job, role),
         hold_timeout_s=strategy.request_timeout_s,
     )
     # Before the PS are initialised: each reads a capture asked for up front when its init arrives.
@@ -124,35 +112,22 @@ def run_chief(
         )
     control.set(control_keys.PLACEMENT, json.dumps(placement.to_json()))
     job_file = _write_job_file(job, role)
-    manifest = {
-        "placement": placement.to_json(),
-        "mode": strategy.mode,
-        "num_workers": role.num_workers,
-        "num_ps": role.num_ps,
-        "optimizer": job.optimizer.to_json(),
-    }
+    checkpoints = CheckpointManager(job, role, client, placement, profiler.recorder, start_step)
     initial = restored or ModelState(step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()})
     recovery = Recovery(job, role, client, model, apply, initial, generation)
-    loop = ChiefLoop(job, role, client, model, profiler, manifest, start_step, failures, recovery)
+    loop = ChiefLoop(job, role, client, model, profiler, checkpoints, start_step, failures, recovery)
     loop.generation = generation
     if live:
         # Snapshots the PS took for the chief that died are checkpointed now, oldest first; without any, one is
         # asked for at once: what a PS lost from now on is restored to.
-        loop.last_snapshot_step = _last_checkpoint_step(job)
-        if not any(reply.snapshots for reply in replies):
-            loop.request_snapshot(start_step)
+        checkpoints.adopt(replies, start_step)
     control.set(control_keys.READY, "1")
     try:
         training_started = time.monotonic()
         loop.run(preemption)
         training_s = time.monotonic() - training_started
-        state = fetch_state(client)
+        state, path = checkpoints.save_final(loop.preempted)
         model.load_state_dict(state.params, strict=False)  # what a final inline evaluation evaluates
-        path = checkpoint.save_state(
-            job.model_dir, state, {**manifest, "ps_stats": state.stats}, keep=job.keep_checkpoint_max
-        )
-        if loop.preempted:
-            log.warning("preempted: checkpoint %s at global step %d; the next run resumes from it", path, state.step)
         metrics: dict[str, float] = {}
         if loop.eval_spec is not None:
             last = loop.eval_history[-1] if loop.eval_history else None

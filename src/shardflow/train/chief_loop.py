@@ -16,9 +16,8 @@ from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.profile import spans
 from shardflow.profile.capture import check_capture_name, check_steps
-from shardflow.ps.checkpointing import ModelState, fetch_state
 from shardflow.ps.client import ParameterClient, StatusReply
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints.servers import fetch_state
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
@@ -26,8 +25,10 @@ from shardflow.train.roles import RoleContext
 from shardflow.train.summaries import Summaries
 
 if TYPE_CHECKING:
+    from shardflow.train.checkpoints.manager import CheckpointManager
+    from shardflow.train.checkpoints.model_state import ModelState
+    from shardflow.train.checkpoints.restore import Recovery
     from shardflow.train.preemption import Preemption
-    from shardflow.train.recovery import Recovery
     from shardflow.train.strategy import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ class ChiefLoop:
         client: ParameterClient,
         model: torch.nn.Module,
         profiler: ChiefProfiler,
-        manifest: dict[str, Any],
+        checkpoints: CheckpointManager,
         start_step: int,
         failures: Sequence[RoleExit] = (),
         recovery: Recovery | None = None,
@@ -60,7 +61,7 @@ class ChiefLoop:
         self.recovery = recovery
         self.failures = failures
         self.profiler = profiler
-        self.manifest = manifest
+        self.checkpoints = checkpoints
         self.control: ControlPlane = role.control
         self.workers = [f"worker:{i}" for i in range(role.num_workers)]
         self.capture_roles = [t.name for t in role.spec.tasks() if t.type in ("chief", "ps", "worker")]
@@ -72,9 +73,6 @@ class ChiefLoop:
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
         self.preempted = False
-        self.last_snapshot_step = start_step
-        self.requested_snapshot: int | None = None
-        self.last_checkpoint_time = time.monotonic()
         self.last_eval_time = time.monotonic()
         self.summaries = Summaries(
             job.model_dir,
@@ -89,7 +87,7 @@ class ChiefLoop:
         client.check_restored = self._check_ps_restarts
         self._refused_request: str | None = None
         self.generation = 0
-        """How many times every PS was restored after one was lost (train/recovery.py)."""
+        """How many times every PS was restored after one was lost (train/checkpoints/restore.py)."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
 
@@ -107,7 +105,7 @@ class ChiefLoop:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
                     replies = self.client.status()
                     self.global_step = replies[0].step  # the final summaries' step
-                    self._save_snapshots(replies)
+                    self.checkpoints.save_snapshots(replies, self._evaluate_snapshot)
                     return
                 if preemption is not None and not self.preempted and self._preempt(preemption, now >= next_ps_poll):
                     stop_waiting_at = now + preemption.remaining_s() / 2
@@ -151,15 +149,15 @@ class ChiefLoop:
     # -- workers ----------------------------------------------------------------------------------
 
     def _watch_servers(self) -> None:
-        """A PS that was restarted holds nothing: restore every PS (train/recovery.py). One lost for good (no
+        """A PS that was restarted holds nothing: restore every PS (train/checkpoints/restore.py). One lost for good (no
         beat within worker_rejoin_timeout_s) fails the job."""
         for k in range(self.role.num_ps):
             name = f"ps:{k}"
             if self.heartbeats.check(name) and self.recovery is not None:
                 state = self.recovery.restore(name, self.global_step)
                 self.generation = self.recovery.generation
-                self.global_step = self.last_snapshot_step = state.step
-                self.requested_snapshot = None
+                self.global_step = state.step
+                self.checkpoints.restored(state.step)
 
     def _check_ps_restarts(self) -> None:
         for k in range(self.role.num_ps):
@@ -237,44 +235,16 @@ class ChiefLoop:
     def _checkpoint_and_evaluate(self, replies: list[StatusReply]) -> None:
         self.global_step = replies[0].step
         self._ps_stats = [r.stats for r in replies]
-        by_time = self.job.save_checkpoints_secs is not None and not self.job.save_checkpoints_steps
-        if self._save_snapshots(replies):
-            pass
-        elif by_time and time.monotonic() - self.last_checkpoint_time >= (self.job.save_checkpoints_secs or 0):
-            self.request_snapshot(max(r.step for r in replies))
+        self.checkpoints.poll(replies, self._evaluate_snapshot)
         self._evaluate_if_due()
 
-    def _save_snapshots(self, replies: list[StatusReply]) -> bool:
-        """Checkpoint and evaluate, oldest first, every snapshot all PS hold that is not handled yet: so both
-        happen at exact multiples of their step counts, however late the chief looks."""
-        common = set.intersection(*(set(r.snapshots) for r in replies))
-        ready = sorted(s for s in common if s > self.last_snapshot_step)
-        every_checkpoint = self.job.save_checkpoints_steps
+    def _evaluate_snapshot(self, state: ModelState) -> None:
+        """Evaluate a snapshot the checkpoints hand over (CheckpointManager.save_snapshots) at a multiple of its
+        step count: exactly there, however late the chief looks."""
         every_eval = self.eval_spec.every_n_steps if self.eval_spec is not None else None
-        for step in ready:
-            state = fetch_state(self.client, step)
-            if (every_checkpoint and step % every_checkpoint == 0) or step == self.requested_snapshot:
-                self._save(state)
-            if every_eval is not None and step % every_eval == 0 and not self.stopped_early:
-                self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
-                self._evaluate_and_maybe_stop(step)
-            self.last_snapshot_step = step
-        if ready:
-            self.client.release_snapshots(ready[-1])
-        return bool(ready)
-
-    def request_snapshot(self, highest_step: int) -> None:
-        # Ahead of every PS, so each snapshots exactly this step (async PS may be a few updates apart).
-        target = highest_step + (1 if self.job.strategy.mode == "sync" else len(self.workers) + 1)
-        self.client.snapshot_at(target)
-        self.requested_snapshot = target
-        self.last_checkpoint_time = time.monotonic()
-
-    def _save(self, state: ModelState) -> str:
-        with self.profiler.recorder.span(spans.CHECKPOINT, state.step):
-            path = checkpoint.save_state(self.job.model_dir, state, self.manifest, keep=self.job.keep_checkpoint_max)
-        self.last_checkpoint_time = time.monotonic()
-        return str(path)
+        if every_eval is not None and state.step % every_eval == 0 and not self.stopped_early:
+            self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
+            self._evaluate_and_maybe_stop(state.step)
 
     def _evaluate_if_due(self) -> None:
         """Time-based evaluation, of the parameters as they are now (step-based ones use exact snapshots)."""

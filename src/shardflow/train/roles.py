@@ -19,7 +19,7 @@ from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
 from shardflow.comm.server import secure_server
 from shardflow.ps.clipping import StoreNormExchange
 from shardflow.ps.server import ParameterServer
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.job import JobConfig
 from shardflow.train.profiling import RoleProfiler
@@ -148,12 +148,12 @@ def run_evaluator(job: JobConfig, role: RoleContext) -> None:
     history = job.model_dir / "eval" / "history.jsonl"
     while True:
         over = role.control.is_set(control_keys.SHUTDOWN)
-        path = checkpoint.latest(job.model_dir)
+        path = store.latest(job.model_dir)
         if eval_spec is not None and path is not None and path.name != evaluated:
             evaluated = path.name
-            step = int(json.loads((path / "manifest.json").read_text())["global_step"])
+            step = store.global_step(path)
             model = job.build_model()
-            model.load_state_dict(checkpoint.load_state(path)[0].params)
+            model.load_state_dict(store.load_state(path)[0].params)
             metrics = job.evaluate(model, eval_spec)
             history.parent.mkdir(parents=True, exist_ok=True)
             with open(history, "a") as f:

@@ -4,7 +4,7 @@ lost and restarted while the job runs.
 A PS holds the only copy of its shards and their optimizer slots, so when one is lost the steps since the latest
 checkpoint are lost with it; the others cannot go on alone (their shards would part from its restored ones). The
 chief restores every PS from that checkpoint, raising the recovery generation. Each PS gets back what it had of
-each worker's steps (ps/checkpointing.py `ps_progress`), the workers drop what they were doing and rejoin
+each worker's steps (model_state.py `ps_progress`), the workers drop what they were doing and rejoin
 (train/worker.py), and training goes on by itself: exactly the steps since the checkpoint are done again.
 """
 
@@ -19,9 +19,10 @@ import torch
 
 from shardflow.cluster import control_keys
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import ModelState, init_servers
 from shardflow.ps.client import ParameterClient
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.servers import init_servers
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
 from shardflow.train.roles import RoleContext
@@ -31,10 +32,10 @@ log = logging.getLogger(__name__)
 
 def restore_latest(job: JobConfig, model: torch.nn.Module, role: RoleContext) -> ModelState | None:
     """Load the latest checkpoint in model_dir into `model`; tell the workers where their input stood."""
-    path = checkpoint.latest(job.model_dir)
+    path = store.latest(job.model_dir)
     if path is None:
         return None
-    state, manifest = checkpoint.load_state(path)
+    state, manifest = store.load_state(path)
     model.load_state_dict(state.params)
     old_workers = int(manifest.get("num_workers", role.num_workers))
     if old_workers == role.num_workers and len(state.ps_progress) == role.num_ps:
