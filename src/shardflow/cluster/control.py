@@ -175,7 +175,10 @@ def _problem(kind: type[ControlOp[Any]], header: dict[str, Any], error: msgspec.
         return f"{short(found[1])} is not a field (it has {fields})"
     if found := re.search(r" - at `\$\.(\w+)", text):
         field = found[1]
-        rule = get_type_hints(kind, include_extras=True)[field].__metadata__[0].description
+        rules = [
+            meta.description for meta in getattr(get_type_hints(kind, include_extras=True)[field], "__metadata__", ())
+        ]
+        rule = rules[0] if rules else text.partition(" - at")[0]
         return f"field {field!r} must be {rule}, got {short(header.get(field))}"
     return text
 

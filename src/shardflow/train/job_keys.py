@@ -30,7 +30,7 @@ from shardflow.ps.placement import Placement
 
 
 class _Value(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    pass
+    """A value on the control plane: read back only with exactly its fields."""
 
 
 class RecoveryNotice(_Value, frozen=True, kw_only=True):
@@ -39,7 +39,7 @@ class RecoveryNotice(_Value, frozen=True, kw_only=True):
     step: int
     """The global step every PS was restored to."""
     lost: str
-    """The role whose loss caused it (`ps:1`), or `chief` when a restarted chief found a PS restarted too."""
+    """The role whose loss caused it (`ps:1`), or `chief` when a restarted chief publishes the generation again."""
 
 
 class ProgressReport(_Value, frozen=True, kw_only=True):
@@ -83,7 +83,7 @@ class Capture(_Value, frozen=True, kw_only=True):
 
     def __post_init__(self) -> None:
         check_capture_name(self.name)
-        check_steps((self.first, self.last), what="a capture's (first, last)")
+        check_steps((self.first, self.last), what="the capture's steps")
 
 
 class EvaluationResult(_Value, frozen=True, kw_only=True):
