@@ -1,5 +1,5 @@
 """The house rules that keep the code readable, checked on every run: no file under src/ over 500 lines, no function
-over 60 lines (from its `def` to its last line), and `cluster` never importing `ps`.
+over 60 lines (from its `def` to its last line). The layering of imports is checked in test_protocol_literals.py.
 
 Known offenders, being split in issue 19, are listed below with the reason. An entry that no longer offends fails
 the test too, so that the lists only shrink.
@@ -21,7 +21,6 @@ LONG_FILES_ALLOWED = {
     "ps/protocol.py": BEING_SPLIT,
     "ps/server.py": BEING_SPLIT,
     "ps/client.py": BEING_SPLIT,
-    "data/dataset.py": BEING_SPLIT,
 }
 """Files over MAX_FILE_LINES, relative to src/shardflow, with the reason they may be for now."""
 LONG_FUNCTIONS_ALLOWED = {
@@ -29,15 +28,8 @@ LONG_FUNCTIONS_ALLOWED = {
     "train/estimator.py::Estimator.__init__": BEING_SPLIT,
     "train/worker.py::run_worker": BEING_SPLIT,
     "train/chief.py::run_chief": BEING_SPLIT,
-    "data/sources/make_csv.py::make_csv_dataset": BEING_SPLIT,
 }
 """Functions over MAX_FUNCTION_LINES, as FILE::QUALIFIED_NAME, with the reason they may be for now."""
-LAYERING_ALLOWED = {
-    "cluster/control.py imports shardflow.ps.fields": BEING_SPLIT,
-}
-"""Imports against the layering rule below, with the reason they may be for now."""
-FORBIDDEN_IMPORTS = {"cluster": ("shardflow.ps",)}
-"""A package and the packages it must never import: the control plane knows nothing of the parameter servers."""
 
 
 def _sources() -> list[Path]:
@@ -78,41 +70,6 @@ def _long_functions() -> dict[str, int]:
     return found
 
 
-def _imported_modules(path: Path) -> set[str]:
-    """The absolute names of the modules `path` imports anywhere in it (inside functions and TYPE_CHECKING too)."""
-    package = ["shardflow", *path.relative_to(SRC).parent.parts]
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
-            found.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = ".".join(package[: len(package) - node.level + 1]) if node.level else ""
-            module = ".".join(part for part in (base, node.module or "") if part)
-            found.add(module)
-            found.update(f"{module}.{alias.name}" for alias in node.names)
-    return found
-
-
-def _layering_violations() -> set[str]:
-    found = set()
-    for package, forbidden in FORBIDDEN_IMPORTS.items():
-        for path in sorted((SRC / package).rglob("*.py")):
-            for module in _imported_modules(path):
-                if any(module == name or module.startswith(name + ".") for name in forbidden):
-                    found.add(f"{_name(path)} imports {_module_of(module)}")
-    return found
-
-
-def _module_of(name: str) -> str:
-    """`shardflow.ps.fields.ENVELOPE` -> `shardflow.ps.fields`: the longest prefix that is a module or package."""
-    parts = name.split(".")
-    for end in range(len(parts), 1, -1):
-        relative = Path(*parts[1:end])
-        if (SRC / relative).with_suffix(".py").exists() or (SRC / relative).is_dir():
-            return ".".join(parts[:end])
-    return name
-
-
 def _check(found: dict[str, int] | set[str], allowed: dict[str, str], what: str, limit: str) -> None:
     offenders = sorted(set(found) - set(allowed))
     lengths = found if isinstance(found, dict) else {}
@@ -130,10 +87,6 @@ def test_no_file_under_src_is_over_500_lines():
 
 def test_no_function_under_src_is_over_60_lines():
     _check(_long_functions(), LONG_FUNCTIONS_ALLOWED, "functions", f"{MAX_FUNCTION_LINES} lines from def to end")
-
-
-def test_cluster_never_imports_the_parameter_servers():
-    _check(_layering_violations(), LAYERING_ALLOWED, "imports", "cluster must not import ps")
 
 
 @pytest.mark.parametrize(

@@ -31,7 +31,7 @@ class FakeServers:
         self.released_through.append(through_step)
 
 
-def _status(step: int, *snapshots: int) -> SimpleNamespace:
+def _status(step: int, *snapshots: int) -> Any:
     return SimpleNamespace(step=step, snapshots=snapshots)
 
 
@@ -112,7 +112,9 @@ def test_a_restarted_chief_saves_the_snapshots_newer_than_the_latest_checkpoint(
     assert servers.asked_at == []  # the PS hold snapshots: those come first
     checkpoints.save_snapshots([_status(35, 20, 30)], lambda state: None)
     assert _saved_steps(tmp_path) == [20, 30]
-    assert store.read_manifest(store.latest(tmp_path))["mode"] == "async"
+    latest = store.latest(tmp_path)
+    assert latest is not None
+    assert store.read_manifest(latest)["mode"] == "async"
 
 
 def test_a_restarted_chief_over_ps_without_snapshots_asks_for_one_at_once(tmp_path, monkeypatch):

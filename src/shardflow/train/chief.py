@@ -17,6 +17,7 @@ from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import place
 from shardflow.ps.sparse import sparse_variables
+from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointManager, snapshot_every
 from shardflow.train.checkpoints.model_state import ModelState
@@ -24,6 +25,7 @@ from shardflow.train.checkpoints.restore import Recovery, restore_latest
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.job import JobConfig
+from shardflow.train.job_keys import RecoveryNotice
 from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.roles import RoleContext
@@ -91,7 +93,7 @@ def run_chief(
     if generation:
         # Workers started from now on (and those that missed a restore) learn the current recovery generation.
         step = restored.step if restored else 0
-        control.set(control_keys.RECOVERY, json.dumps({"generation": generation, "step": step, "lost": "chief"}))
+        control.put(job_keys.RECOVERY, RecoveryNotice(generation=generation, step=step, lost="chief"))
     start_step = restored.step if restored else 0
     apply = ApplyConfig(
         mode=strategy.mode,
@@ -110,7 +112,7 @@ def run_chief(
         init_servers(
             client, job.optimizer, apply, restored, timeout_s=strategy.startup_timeout_s, generation=generation
         )
-    control.set(control_keys.PLACEMENT, json.dumps(placement.to_json()))
+    control.put(job_keys.PLACEMENT, placement)
     job_file = _write_job_file(job, role)
     checkpoints = CheckpointManager(job, role, client, placement, profiler.recorder, start_step)
     initial = restored or ModelState(step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()})
@@ -138,8 +140,8 @@ def run_chief(
         client.shutdown()
         control.set(control_keys.SHUTDOWN, "1")
         if role.spec.num("evaluator") and job.eval_spec is not None and not loop.preempted:
-            final = control.get(control_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
-            metrics = json.loads(final)["metrics"]
+            final = control.read(job_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
+            metrics = final.metrics
         profiler.collect(loop.capture_roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
         captures = profiler.completed
     finally:
@@ -150,8 +152,8 @@ def run_chief(
         client.close()
         on_connect(None)
     progress = loop.progress
-    first = [p["first_loss"] for p in progress.values() if p.get("first_loss") is not None]
-    final_losses = [p["loss"] for p in progress.values() if p.get("local_step")]
+    first = [p.first_loss for p in progress.values() if p.first_loss is not None]
+    final_losses = [p.loss for p in progress.values() if p.local_step]
     return TrainResult(
         global_step=state.step,
         metrics=metrics,
@@ -161,7 +163,7 @@ def run_chief(
         elapsed_s=_since_process_start(started),
         training_s=training_s,
         start_step=start_step,
-        worker_steps={name: int(p["local_step"]) - _resumed_at(restored, name) for name, p in progress.items()},
+        worker_steps={name: p.local_step - _resumed_at(restored, name) for name, p in progress.items()},
         ps_stats=state.stats,
         profile_dir=str(captures[-1]) if captures else None,
         eval_history=loop.eval_history,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -11,14 +10,16 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_keys import ControlValueError
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.launcher import RoleExit
-from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.profile import spans
-from shardflow.profile.capture import check_capture_name, check_steps
 from shardflow.ps.client import ParameterClient, StatusReply
+from shardflow.train import job_keys
 from shardflow.train.checkpoints.servers import fetch_state
 from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.job_keys import Handover, ProgressReport
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
 from shardflow.train.roles import RoleContext
@@ -69,7 +70,7 @@ class ChiefLoop:
         self.eval_spec = None if role.spec.num("evaluator") else job.eval_spec
         self.started = time.monotonic()
         self.global_step = start_step
-        self.progress: dict[str, dict[str, Any]] = {}
+        self.progress: dict[str, ProgressReport] = {}
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
         self.preempted = False
@@ -176,11 +177,11 @@ class ChiefLoop:
             failure = self.control.get_if_set(control_keys.failed(name))
             if failure is not None:
                 raise RoleFailedError(f"{name} failed: {failure.decode()}")
-            progress = self.control.get_if_set(control_keys.progress(name))
+            progress = self.control.read_if_set(job_keys.progress(name))
             if progress is not None:
-                self.progress[name] = json.loads(progress)
-            report = self.progress.get(name, {})
-            if report.get("done") and report.get("generation", 0) == self.generation:
+                self.progress[name] = progress
+            report = self.progress.get(name)
+            if report is not None and report.done and report.generation == self.generation:
                 continue
             all_done = False
             if name in self.handed_over:
@@ -205,11 +206,11 @@ class ChiefLoop:
         if not adopters:
             raise RoleFailedError(f"{lost} was lost for good and no worker is left to read its shard")
         # The one furthest along finishes its own shard first.
-        adopter = max(adopters, key=lambda w: self.progress.get(w, {}).get("local_step", 0))
+        adopter = max(adopters, key=lambda w: self.progress[w].local_step if w in self.progress else 0)
         self.handed_over[lost] = adopter
         self.heartbeats.lost.pop(lost, None)
         mine = [name for name, to in self.handed_over.items() if to == adopter]
-        self.control.set(control_keys.handover(adopter), json.dumps(mine))
+        self.control.put(job_keys.handover(adopter), Handover(workers=tuple(mine)))
         log.warning(
             "%s did not come back within worker_rejoin_timeout_s=%gs: %s reads the rest of its shard once its own is "
             "done (every record is still applied once)",
@@ -283,27 +284,18 @@ class ChiefLoop:
     def _pick_up_capture(self) -> None:
         """A tool asked for a capture of the running job through the control plane. A request that is not valid
         (anyone on the control plane can write it) is refused with one warning, never raised."""
-        if not self.control.is_set(control_keys.CAPTURE_REQUEST):
-            return
-        raw = self.control.get(control_keys.CAPTURE_REQUEST, waiting_for="the capture request")
-        if raw == self._refused_request:
-            return
         try:
-            request = json.loads(raw)
-            if not isinstance(request, dict) or not isinstance(request.get("ops", False), bool):
-                raise ValueError("expected a JSON object with name, first, last and ops (a bool)")
-            name = check_capture_name(request.get("name"))
-            first, last = request.get("first"), request.get("last")
-            if not (type(first) is int and type(last) is int):
-                raise ValueError(f"first and last must be ints, got {first!r} and {last!r}")
-            first, last = check_steps((first, last), what="the capture's steps")
-        except ValueError as error:  # json.JSONDecodeError is one
-            self._refused_request = raw
-            log.warning("refused a capture request on the control plane: %s", error)
+            request = self.control.read_if_set(job_keys.CAPTURE_REQUEST)
+        except ControlValueError as error:
+            if str(error) != self._refused_request:  # one warning per request, not one per poll
+                self._refused_request = str(error)
+                log.warning("refused a capture request on the control plane: %s", error)
             return
-        known = any(p["name"] == name for p in self.profiler.pending)
-        if not known and not self.control.is_set(control_keys.capture_done(name)):
-            self.profiler.request(first, last, ops=request.get("ops", False), name=name)
+        if request is None:
+            return
+        known = any(p.name == request.name for p in self.profiler.pending)
+        if not known and not self.control.is_set(control_keys.capture_done(request.name)):
+            self.profiler.request(request.first, request.last, ops=request.ops, name=request.name)
 
 
 class Heartbeats:

@@ -18,8 +18,8 @@ import torch
 
 from shardflow import env
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
-from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
@@ -28,6 +28,7 @@ from shardflow.profile.capture import check_steps
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.optimizers import SGD, OptimizerLike, as_optimizer_spec
 from shardflow.ps.schedules import ScheduleLike, as_schedule
+from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.chief import run_chief
 from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
@@ -245,7 +246,8 @@ def _connect(job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
     if spec.num("worker") < 1:
         raise ValueError("the cluster has no 'worker' tasks; training needs at least one")
     chief = spec.address(TaskSpec("chief", 0))
-    control = ControlPlane(chief, is_chief=task.type == "chief", timeout_s=job.strategy.startup_timeout_s)
+    connect = ControlPlane.serve if task.type == "chief" else ControlPlane
+    control = connect(chief, timeout_s=job.strategy.startup_timeout_s)
     return RoleContext(spec, task, control)
 
 
@@ -353,17 +355,17 @@ def _run_worker_until_the_end(est: Estimator, job: JobConfig, role: RoleContext)
         except JobOver as over:
             log.warning("%s", over)
             return
-        progress = control_keys.progress(role.task.name)
-        handover = control_keys.handover(role.task.name)
+        progress = job_keys.progress(role.task.name)
+        handover = job_keys.handover(role.task.name)
         try:
             while not role.control.is_set(control_keys.SHUTDOWN):
                 if recovery_generation(role) > generation:
                     finished.clear()
                     break
                 if role.last_report is not None and not role.control.is_set(progress):
-                    role.control.set(progress, role.last_report)  # a restarted chief learns this worker is done
+                    role.control.put(progress, role.last_report)  # a restarted chief learns this worker is done
                 if role.control.is_set(handover):
-                    names = json.loads(role.control.get(handover, waiting_for="the handed-over workers"))
+                    names = role.control.read(handover, waiting_for="the handed-over workers").workers
                     new = [name for name in names if name not in {each.task.name for each in adopted}]
                     if new:
                         for name in new:

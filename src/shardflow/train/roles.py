@@ -13,15 +13,17 @@ import torch
 
 from shardflow import env
 from shardflow.cluster import control_keys
-from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
+from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
 from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
 from shardflow.comm.server import secure_server
 from shardflow.ps.clipping import StoreNormExchange
 from shardflow.ps.server import ParameterServer
+from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.job import JobConfig
+from shardflow.train.job_keys import EvaluationResult, ProgressReport
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.summaries import Summaries
 
@@ -35,7 +37,7 @@ class RoleContext:
     spec: ClusterSpec
     task: TaskSpec
     control: ControlPlane
-    last_report: str | None = None
+    last_report: ProgressReport | None = None
     """A worker's last progress report: sent again to a restarted chief, whose control service starts empty."""
 
     @property
@@ -165,8 +167,12 @@ def run_evaluator(job: JobConfig, role: RoleContext) -> None:
             continue
         if over:
             # The chief writes its final checkpoint before it says the job is over, so this one is the last.
-            final = {"metrics": {}} if evaluated is None else {"checkpoint": evaluated, "metrics": metrics}
-            role.control.set(control_keys.EVAL_FINAL, json.dumps(final))
+            final = (
+                EvaluationResult(metrics={})
+                if evaluated is None
+                else EvaluationResult(checkpoint=evaluated, metrics=metrics)
+            )
+            role.control.put(job_keys.EVAL_FINAL, final)
             break
         time.sleep(0.5)
     if summaries is not None:

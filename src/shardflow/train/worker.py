@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
@@ -21,11 +20,12 @@ from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps.client import ParameterClient, Pushed, StepReply
 from shardflow.ps.clipping import clip_local_gradients
-from shardflow.ps.placement import Placement
+from shardflow.train import job_keys
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
 from shardflow.train.job import JobConfig
+from shardflow.train.job_keys import ProgressReport
 from shardflow.train.precision import autocast
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.roles import RoleContext
@@ -45,9 +45,7 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
     """Find the PS through the control plane and build a client that moves this model's variables."""
     control = role.control
     strategy = job.strategy
-    placement = Placement.from_json(
-        json.loads(control.get(control_keys.PLACEMENT, waiting_for="the chief to place the variables"))
-    )
+    placement = control.read(job_keys.PLACEMENT, waiting_for="the chief to place the variables")
     addresses = [
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)
     ]
@@ -80,9 +78,8 @@ class PSRestored(Exception):
 
 def recovery_generation(role: RoleContext) -> int:
     """How many times the PS of this job were restored after one was lost, so far."""
-    if not role.control.is_set(control_keys.RECOVERY):
-        return 0
-    return int(json.loads(role.control.get(control_keys.RECOVERY, waiting_for="the recovery"))["generation"])
+    notice = role.control.read_if_set(job_keys.RECOVERY)
+    return notice.generation if notice is not None else 0
 
 
 class JobOver(Exception):
@@ -99,11 +96,8 @@ def _check_restored(role: RoleContext, generation: int) -> None:
 
 def _restored_position(role: RoleContext) -> dict[str, Any] | None:
     """This worker's input position from the checkpoint the chief restored, if any."""
-    if not role.control.is_set(control_keys.RESTORE_ITERATORS):
-        return None
-    positions = json.loads(role.control.get(control_keys.RESTORE_ITERATORS, waiting_for="the restored input positions"))
-    position: dict[str, Any] | None = positions.get(role.task.name)
-    return position
+    restored = role.control.read_if_set(job_keys.RESTORE_ITERATORS)
+    return restored.positions.get(role.task.name) if restored is not None else None
 
 
 def _resume(role: RoleContext, params: ParameterClient) -> dict[str, Any] | None:
@@ -331,18 +325,17 @@ class Report:
     def send(self, done: bool = False) -> None:
         self.last_sent = time.monotonic()
         elapsed = self.last_sent - self.started
-        progress = {
-            "local_step": self.local_step,
-            "epoch": self.epoch,
-            "first_loss": self.first_loss,
-            "loss": self.last_loss,
-            "steps_per_s": (self.local_step - self._first_local_step) / elapsed if elapsed > 0 else 0.0,
-            "input_wait_share": self.input_wait_ns / 1e9 / elapsed if elapsed > 0 else 0.0,
-            "time": time.time(),
-            "done": done,
-            "generation": self.generation,
-            "summary_losses": {str(k): v for k, v in self.summary_losses.items()},
-            "summary_interval": self.summary_interval,
-        }
-        self.role.last_report = json.dumps(progress)
-        self.role.control.set(control_keys.progress(self.role.task.name), self.role.last_report)
+        self.role.last_report = ProgressReport(
+            local_step=self.local_step,
+            epoch=self.epoch,
+            first_loss=self.first_loss,
+            loss=self.last_loss,
+            steps_per_s=(self.local_step - self._first_local_step) / elapsed if elapsed > 0 else 0.0,
+            input_wait_share=self.input_wait_ns / 1e9 / elapsed if elapsed > 0 else 0.0,
+            time=time.time(),
+            done=done,
+            generation=self.generation,
+            summary_losses={k: (total, int(count)) for k, (total, count) in self.summary_losses.items()},
+            summary_interval=self.summary_interval,
+        )
+        self.role.control.put(job_keys.progress(self.role.task.name), self.role.last_report)

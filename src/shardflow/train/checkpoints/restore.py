@@ -10,7 +10,6 @@ each worker's steps (model_state.py `ps_progress`), the workers drop what they w
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -20,11 +19,13 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import ParameterClient
+from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.servers import init_servers
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
+from shardflow.train.job_keys import RecoveryNotice, RestoredPositions
 from shardflow.train.roles import RoleContext
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ def restore_latest(job: JobConfig, model: torch.nn.Module, role: RoleContext) ->
             role.num_workers,
             next(iter(state.iterators.values()))["epoch"] - 1,
         )
-    role.control.set(control_keys.RESTORE_ITERATORS, json.dumps(state.iterators))
+    role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=state.iterators))
     log.info("restored %s at global step %d", path, state.step)
     return state
 
@@ -82,10 +83,7 @@ class Recovery:
             self.model.load_state_dict(state.params)
         # The workers stop waiting for replies that the lost PS will never send, and rejoin once every PS has
         # this generation; a push of the training before is refused by a restored PS.
-        self.role.control.set(
-            control_keys.RECOVERY,
-            json.dumps({"generation": self.generation, "step": state.step, "lost": lost}),
-        )
+        self.role.control.put(job_keys.RECOVERY, RecoveryNotice(generation=self.generation, step=state.step, lost=lost))
         strategy = self.job.strategy
         control = self.role.control
         addresses = [
