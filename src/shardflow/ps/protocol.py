@@ -1,19 +1,14 @@
-"""The PS wire protocol: every request a parameter server serves, declared once as a typed message whose class
-says who sends it, its frames and its reply (ps/replies.py). Nothing else in shardflow names an op or a field.
+"""The PS wire protocol: every request a parameter server serves, declared once as a typed message that says
+who sends it, its frames and its reply (ps/replies.py). Nothing else in shardflow names an op or a field.
 
-A message is a msgpack header and tensor frames (comm/framing.py, which checks its wire limits first); comm/ adds
-the sender ("s") and sequence number ("q"), the op ("op") is the message's tag. A request that breaks these rules
-is answered with comm's error reply and raises `PSProtocolError` on the PS; it is never handled. Every reply
-carries the PS's global step and whether training is over. A PS holds some requests before it answers them (a
-sync push, an ssp push ahead of the slowest worker, a pull for a later step), within the bounds of
-`ApplyConfig.held_limit` and `hold_timeout_s` (ps/apply.py `Updates`).
-"""
+A message is a msgpack header, tagged with its op, and tensor frames (comm/framing.py checks its wire limits). A
+request that breaks the rules below is answered with an error and raises `PSProtocolError` on the PS."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, get_args
+from typing import Annotated, Any, ClassVar, Self, get_args
 
 import msgspec
 import torch
@@ -100,8 +95,9 @@ class Init(Request, tag="init", frozen=True):
         return {"op": self.op, **msgspec.structs.asdict(self), **configs}
 
     @classmethod
-    def configs(cls, body: dict[Any, Any]) -> None:
-        """Decode the optimizer and update rule in `body` (as `to_json` wrote them) in place."""
+    def from_header(cls, header: dict[Any, Any], op: object, sender: str) -> Self:
+        # The optimizer and update rule go as their to_json() wrote them, checked by their from_json().
+        body = dict(header)
         for name, from_json in (("optimizer", OptimizerSpec.from_json), ("apply", ApplyConfig.from_json)):
             value = body.get(name)
             if type(value) is not dict or not all(type(key) is str for key in value):
@@ -110,6 +106,7 @@ class Init(Request, tag="init", frozen=True):
                 body[name] = from_json(value)
             except (TypeError, ValueError, KeyError) as error:
                 raise Invalid(name, f"is not valid: {error}") from None
+        return super().from_header(body, op, sender)
 
     def check(self, frames: Sequence[torch.Tensor], limits: Limits | None) -> None:
         if not all(isinstance(getattr(torch, name, None), torch.dtype) for name in self.dtypes):
@@ -330,9 +327,6 @@ def decode_request(
     if request_type is None:
         raise PSProtocolError(op, "op", sender, f"is not a PS request; one of {sorted(REQUESTS)} is")
     try:
-        if request_type is Init:
-            header = dict(header)
-            Init.configs(header)
         message = request_type.from_header(header, op, sender)
         message.check(frames, limits)
         return message

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 from shardflow.ps.fields import Count, Message
 
@@ -31,8 +31,22 @@ class StepReply(Message, frozen=True):
         return cls.from_header(header, op, sender)
 
 
-class StatusReply(Message, frozen=True):
+class _Answer(Message, frozen=True):
+    """The reply to one kind of request."""
+
+    answers: ClassVar[str]
+    """The op of that request."""
+
+    @classmethod
+    def decode(cls, header: dict[Any, Any], sender: str) -> Self:
+        """The reply in `header` from `sender`; PSProtocolError if it is not one."""
+        return cls.from_header(header, cls.answers, sender)
+
+
+class StatusReply(_Answer, frozen=True):
     """A PS's answer to `Status`."""
+
+    answers = "status"
 
     step: Count
     stop: bool
@@ -44,13 +58,11 @@ class StatusReply(Message, frozen=True):
     generation: Count = 0
     """How many times this PS was restored after a PS was lost (protocol `Init`): a restarted chief goes on with it."""
 
-    @classmethod
-    def decode(cls, header: dict[Any, Any], sender: str) -> Self:
-        return cls.from_header(header, "status", sender)
 
-
-class RejoinReply(Message, omit_defaults=False, frozen=True):
+class RejoinReply(_Answer, omit_defaults=False, frozen=True):
     """A PS's answer to `Rejoin`: what it has of one worker's steps."""
+
+    answers = "rejoin"
 
     step: Count
     stop: bool
@@ -63,13 +75,11 @@ class RejoinReply(Message, omit_defaults=False, frozen=True):
     generation: Count
     """How many times the PS were restored after one was lost; the worker's pushes belong to this one."""
 
-    @classmethod
-    def decode(cls, header: dict[Any, Any], sender: str) -> Self:
-        return cls.from_header(header, "rejoin", sender)
 
-
-class StateReply(Message, omit_defaults=False, frozen=True):
+class StateReply(_Answer, omit_defaults=False, frozen=True):
     """A PS's answer to `GetState`; its frames are the parameters (dense buffers, tables), then the slots."""
+
+    answers = "state"
 
     step: Count
     stop: bool
@@ -85,7 +95,3 @@ class StateReply(Message, omit_defaults=False, frozen=True):
     worker_steps: dict[str, Count]
     """By "worker:<index>", the last of its steps this PS had."""
     stats: dict[str, float]
-
-    @classmethod
-    def decode(cls, header: dict[Any, Any], sender: str) -> Self:
-        return cls.from_header(header, "state", sender)
