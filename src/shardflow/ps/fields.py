@@ -45,7 +45,7 @@ class Invalid(Exception):
 
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
     """A PS message: its fields are its header's (a field left at its default is not sent). Each subclass says
-    frozen=True again, for mypy, which does not inherit it."""
+    frozen=True again (and kw_only=True where it needs it), for mypy, which does not inherit them."""
 
     def header(self) -> dict[str, Any]:
         """The header to send (bytes in a field are sent as they are)."""

@@ -189,30 +189,35 @@ class Rows(Request, tag="rows", frozen=True):
             raise Invalid("table_indices", f"names {len(self.table_indices)} tables but {len(frames)} frames came")
 
 
-class Push(Request, tag="push", frozen=True):
-    """worker -> every PS: one worker's gradients, computed on the parameters of this PS's `base_step`. Frames:
-    the dense gradient pieces grouped by dtype buffer as for `Init`, then per table its touched row numbers (int64)
-    and their gradient rows. Reply: `StepReply` and the parameters when the update rule lets the worker go on
-    (ps/apply.py); `dropped` without them once training is over; `stale`, `nonfinite` or `duplicate` with them
-    when the gradient was not applied (sync and stale; NaN or inf; a step this PS had already)."""
+class _WorkerStep(_WorkerRequest, frozen=True):
+    """A worker's step, sent to every PS: a `Push`, or a `NonFinite` in its place."""
 
-    worker_index: Count
     local_step: Count
     """The worker's own count of its steps, this one included (1 for its first, carried on across its restarts);
-    a PS applies each at most once."""
+    a PS takes each at most once."""
     base_step: Count
-    frame_counts: tuple[Count, ...]
+    """This PS's global step whose parameters the step was computed on."""
     input_state: dict[str, Any] | None = None
-    """The worker's input position after the batch of this gradient: where it resumes when restarted, and (on
-    ps:0) what checkpoints keep."""
+    """The worker's input position after the step's batch: where it resumes when restarted, and (on ps:0) what
+    checkpoints keep."""
+    reply_slot: SlotIndex | None = None
+    """As for `Pull`."""
+
+
+class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
+    """worker -> every PS: its gradients. Frames: the dense gradient pieces grouped by dtype buffer as for `Init`,
+    then per table its touched row numbers (int64) and their gradient rows. Reply: `StepReply` and the parameters
+    when the update rule lets the worker go on (ps/apply.py); `dropped` without them once training is over;
+    `stale`, `nonfinite` or `duplicate` with them when the gradient was not applied (sync and stale; NaN or inf;
+    a step this PS had already)."""
+
+    frame_counts: tuple[Count, ...]
     lr: LearningRate | None = None
     """The learning rate of this update, with a schedule that is a function of the step (ps/schedules.py): the
     worker evaluates it at `base_step`; the PS cannot run the user's function."""
     slot: SlotIndex | None = None
     """The dense gradients are in this push slot of the sender's lane (see `Attach`), not in frames: every frame
     count is then 0."""
-    reply_slot: SlotIndex | None = None
-    """As for `Pull`."""
 
     def check(self, frames: Sequence[torch.Tensor], limits: Limits | None) -> None:
         # The hot path: a handful of checks per push, and one per dense frame.
@@ -225,19 +230,12 @@ class Push(Request, tag="push", frozen=True):
             raise Invalid("frame_counts", f"must all be 0 when the gradients are in lane slot {self.slot}: {counts}")
 
 
-class NonFinite(_WorkerRequest, tag="nonfinite", frozen=True):
-    """worker -> every PS, in place of a `Push`: its step, computed on the parameters of `base_step`, held NaN or
-    inf in its loss or its gradients. Nothing is applied, the refusal is counted, every PS alike. Reply: as a
-    refused `Push`."""
+class NonFinite(_WorkerStep, tag="nonfinite", frozen=True, kw_only=True):
+    """worker -> every PS, in place of a `Push`: its step held NaN or inf in its loss or its gradients. Nothing is
+    applied, the refusal is counted, every PS alike. Reply: as a refused `Push`."""
 
-    local_step: Count
-    base_step: Count
     found_in: str
     """"loss" or "gradients"."""
-    input_state: dict[str, Any] | None = None
-    """The worker's input position after the refused batch, as for `Push`."""
-    reply_slot: SlotIndex | None = None
-    """As for `Pull`."""
 
     def check(self, frames: Sequence[torch.Tensor], limits: Limits | None) -> None:
         super().check(frames, limits)

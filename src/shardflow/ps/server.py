@@ -28,6 +28,8 @@ RESTORED = "the parameter servers were restored from a checkpoint after one was 
 _FENCED = (protocol.Push, protocol.NonFinite, protocol.Done)
 """What a worker sends that changes the update rule's state: refused from a worker that has not rejoined since a
 restore."""
+_WITH_PARAMS = (protocol.Push, protocol.NonFinite, protocol.Pull)
+"""The requests answered with the parameters, into a reply slot of the sender's lane if they name one."""
 COUNTERS = ("apply_s", "malformed", "failed", "repeated", "refused", "expired", "lane_pushes", "lanes_refused")
 """A PS's own counters: "refused" and "expired" count requests this PS would not hold and held ones past their
 deadline (see apply.Updates); "lane_pushes" the pushes whose gradients came through a shared-memory lane,
@@ -146,7 +148,7 @@ class ParameterServer:
     def _check_slots(self, sender: str, message: protocol.PSRequest) -> None:
         """A request that names lane slots must name slots of its sender's lane."""
         slot = message.slot if isinstance(message, protocol.Push) else None
-        reply_slot = getattr(message, "reply_slot", None)  # Push, NonFinite and Pull have one
+        reply_slot = message.reply_slot if isinstance(message, _WITH_PARAMS) else None
         if slot is None and reply_slot is None:
             return
         lane = self.lanes.get(sender)
@@ -234,7 +236,8 @@ class ParameterServer:
         started = time.perf_counter_ns()
         self._reply_params(received, stale=stale, nonfinite=nonfinite)
         if (recorder := get_recorder()) is not None:
-            worker = getattr(received.message, "worker_index", -1)  # pulls carry none
+            message = received.message
+            worker = -1 if isinstance(message, protocol.Pull) else message.worker_index
             recorder.end(spans.REPLY, self.step - 1, started, worker)
 
     def _apply(self, gradients: Gradients, pushes: list[Received]) -> None:
@@ -250,7 +253,7 @@ class ParameterServer:
         faults.reached("apply", self.name, self.step + 1)
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
-            worker = getattr(first, "worker_index", -1) if len(pushes) == 1 else -1
+            worker = first.worker_index if len(pushes) == 1 and not isinstance(first, protocol.Pull) else -1
             recorder.end(spans.APPLY, self.step, started, worker, nbytes(gradients))
         new_step = self.step + 1  # the update rule counts it once this returns
         if self.snapshots.due(new_step):
