@@ -301,7 +301,7 @@ def test_a_malformed_step_reply_is_refused_naming_the_field(header, named):
 def test_a_status_reply_with_non_numeric_stats_is_refused():
     header = StatusReply(step=1, stop=False, initialized=True, snapshots=(), stats={}).header()
     header["stats"] = {"applied": "many"}
-    with pytest.raises(PSProtocolError, match=r"stats must be a number at stats\[...\], got a str"):
+    with pytest.raises(PSProtocolError, match=r"stats must be an int or a float at stats\[...\], got a str"):
         StatusReply.decode(header, "ps:0")
 
 

@@ -23,7 +23,7 @@ short = _repr.repr
 # msgspec's errors: "<problem> - at `$.field[0]`", or "Object missing required field `field`" (or "contains unknown").
 _AT = re.compile(r" - at `(key` in `)?\$(?:\.(\w+))?([^`]*)`$")
 _TYPE_NAME = re.compile(r"`([^`]+)`")
-_WORDS = {"int": "an int", "float": "a number", "str": "a str", "bool": "a bool", "array": "a list", "object": "a map"}
+_WORDS = {"int": "an int", "float": "a float", "str": "a str", "bool": "a bool", "array": "a list", "object": "a map"}
 _NAMED = re.compile(r"Object (missing required|contains unknown) field `(.*)`$")
 
 

@@ -53,13 +53,13 @@ class StatusReply(_Answer, frozen=True):
     initialized: bool
     snapshots: tuple[Count, ...]
     """The steps of the snapshots the chief has not released yet, oldest first."""
-    stats: dict[str, float]
+    stats: dict[str, int | float]
     """Counters: updates applied, pushes dropped (stale, after max steps), requests malformed or failed, ..."""
     generation: Count = 0
     """How many times this PS was restored after a PS was lost (protocol `Init`): a restarted chief goes on with it."""
 
 
-class RejoinReply(_Answer, omit_defaults=False, frozen=True):
+class RejoinReply(_Answer, frozen=True):
     """A PS's answer to `Rejoin`: what it has of one worker's steps."""
 
     answers = "rejoin"
@@ -76,7 +76,7 @@ class RejoinReply(_Answer, omit_defaults=False, frozen=True):
     """How many times the PS were restored after one was lost; the worker's pushes belong to this one."""
 
 
-class StateReply(_Answer, omit_defaults=False, frozen=True):
+class StateReply(_Answer, frozen=True):
     """A PS's answer to `GetState`; its frames are the parameters (dense buffers, tables), then the slots."""
 
     answers = "state"
@@ -94,4 +94,4 @@ class StateReply(_Answer, omit_defaults=False, frozen=True):
     """By "worker:<index>", its input position after the last of its steps this PS had."""
     worker_steps: dict[str, Count]
     """By "worker:<index>", the last of its steps this PS had."""
-    stats: dict[str, float]
+    stats: dict[str, int | float]
