@@ -43,6 +43,10 @@ class Received(NamedTuple):
     message: protocol.Push | protocol.NonFinite | protocol.Pull
 
 
+Handler = Callable[["ParameterServer", Request, Any], None]
+"""A ParameterServer's handler of one request type, given the request and its decoded message."""
+
+
 class ParameterServer:
     """Serves one PS's variables. Single-threaded: requests are handled in arrival order, replies may be deferred."""
 
@@ -130,7 +134,7 @@ class ParameterServer:
         else:
             self._guarded(request, message, HANDLERS[type(message)])
 
-    def _guarded(self, request: Request, message: Any, handler: Callable[[Any, Request, Any], None]) -> None:
+    def _guarded(self, request: Request, message: protocol.PSRequest, handler: Handler) -> None:
         """Run `handler`; a request it cannot hold or serve is answered with an error and counted."""
         try:
             handler(self, request, message)
@@ -462,7 +466,7 @@ class ParameterServer:
         self.server.reply(request, reply.header())
 
 
-HANDLERS: dict[type[protocol.PSRequest], Callable[[ParameterServer, Request, Any], None]] = {
+HANDLERS: dict[type[protocol.PSRequest], Handler] = {
     protocol.Init: ParameterServer._on_init,
     protocol.Status: ParameterServer._on_status,
     protocol.GetState: ParameterServer._on_state,
