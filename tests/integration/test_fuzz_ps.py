@@ -97,7 +97,7 @@ def _spoiled(header: dict[str, Any], tensors: typing.Sequence[torch.Tensor]) -> 
 
 
 _REQUESTS = typing.get_args(protocol.PSRequest)
-_FIELDS = {cls.op: [f.name for f in dataclasses.fields(cls)] for cls in _REQUESTS}
+_FIELDS = {cls.op: list(cls.__struct_fields__) for cls in _REQUESTS}
 _INTS = st.integers(-(2**63), 2**64 - 1)  # what msgpack carries
 _NEAR = st.integers(-2, 3) | st.integers(2**62, 2**63 + 1)  # around the bounds of steps and indices
 _SCALARS = st.none() | st.booleans() | _INTS | _NEAR | st.floats() | st.text(max_size=6) | st.binary(max_size=6)

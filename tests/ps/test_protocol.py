@@ -145,11 +145,10 @@ _MALFORMED = [
     ("pull", "min_step", -1, "min_step"),
     ("pull", "min_step", True, "min_step"),
     ("pull", "min_step", 1.0, "min_step"),
-    ("pull", "min_step", _MISSING, "min_step"),
     ("pull", "want_params", False, "'want_params'"),
     ("pull", "reply_slot", 8, "reply_slot"),
     ("pull", "reply_slot", -1, "reply_slot"),
-    ("pull", "reply_slot", None, "reply_slot"),
+    ("pull", "reply_slot", "0", "reply_slot"),
     ("push", "slot", 8, "slot"),
     ("push", "slot", 0, "frame_counts"),
     ("push", "slot", "0", "slot"),
@@ -196,7 +195,6 @@ _MALFORMED = [
     ("done", "worker_index", 7, "worker_index"),
     ("state", "snapshot_step", -1, "snapshot_step"),
     ("state", "snapshot_step", "latest", "snapshot_step"),
-    ("state", "snapshot_step", _MISSING, "snapshot_step"),
     ("snapshot_at", "step", None, "step"),
     ("snapshot_at", "step", _MISSING, "step"),
     ("release_snapshots", "through_step", [], "through_step"),
@@ -236,6 +234,20 @@ def test_a_malformed_request_is_refused_naming_its_op_field_and_sender(op, field
         protocol.decode_request(header, frames, LIMITS, SENDER)
     assert (raised.value.op, raised.value.field, raised.value.sender) == (op, named, SENDER)
     assert str(raised.value).startswith(f"{op!r} from {SENDER}: {named} ")
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        ({"op": "pull"}, protocol.Pull(min_step=0)),
+        ({"op": "pull", "reply_slot": None}, protocol.Pull()),
+        ({"op": "state"}, protocol.GetState(snapshot_step=None)),
+    ],
+)
+def test_a_field_left_out_is_its_default(header, message):
+    # Headers leave out the fields at their defaults (omit_defaults), so a receiver reads a missing one as its default.
+    assert message.header() == {"op": message.op}
+    assert protocol.decode_request({**header, "s": SENDER, "q": 1}, [], LIMITS, SENDER) == message
 
 
 @pytest.mark.parametrize(
@@ -289,7 +301,7 @@ def test_a_malformed_step_reply_is_refused_naming_the_field(header, named):
 def test_a_status_reply_with_non_numeric_stats_is_refused():
     header = StatusReply(step=1, stop=False, initialized=True, snapshots=(), stats={}).header()
     header["stats"] = {"applied": "many"}
-    with pytest.raises(PSProtocolError, match="stats must map names to numbers"):
+    with pytest.raises(PSProtocolError, match=r"stats must be an int or a float at stats\[...\], got a str"):
         StatusReply.decode(header, "ps:0")
 
 

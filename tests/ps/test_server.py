@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import typing
+
 import torch
 
+from shardflow.ps import protocol, server
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
@@ -13,6 +16,10 @@ from shardflow.train.checkpoints.servers import fetch_state, init_servers
 def _model() -> torch.nn.Module:
     torch.manual_seed(1)
     return torch.nn.Sequential(torch.nn.Embedding(1000, 16), torch.nn.Flatten(), torch.nn.Linear(16 * 3, 5))
+
+
+def test_every_request_of_the_protocol_has_one_handler():
+    assert set(server.HANDLERS) == set(typing.get_args(protocol.PSRequest))
 
 
 def test_a_partitioned_tensor_round_trips_exactly(cluster):

@@ -1,21 +1,30 @@
-"""Checks of PS message header fields as they come off the wire, shared by requests (ps/protocol.py) and replies
-(ps/replies.py): types (a bool is not an int), ranges, required and unknown fields, frame groups."""
+"""The base of every PS message, request (ps/protocol.py) or reply (ps/replies.py): a frozen msgspec Struct that
+is its own header, converted from a received header with its field types and ranges checked (a bool is never an
+int), and whose errors name the op, the field and the sender."""
 
 from __future__ import annotations
 
+import re
 import reprlib
-from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Annotated, Any, Self
 
-import torch
+import msgspec
 
 ENVELOPE = ("op", "s", "q")
 """Keys comm/ sets in a request or reply header: the op name, the sender and the sequence number."""
+_ENVELOPE = frozenset(ENVELOPE)
 MAX_INT = 2**63 - 1
+Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
+"""A step, an index or a count: an int >= 0 that fits an int64."""
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 40
 _repr.maxlist, _repr.maxdict, _repr.maxlevel = 6, 4, 2
 short = _repr.repr
+# msgspec's errors: "<problem> - at `$.field[0]`", or "Object missing required field `field`" (or "contains unknown").
+_AT = re.compile(r" - at `(key` in `)?\$(?:\.(\w+))?([^`]*)`$")
+_TYPE_NAME = re.compile(r"`([^`]+)`")
+_WORDS = {"int": "an int", "float": "a float", "str": "a str", "bool": "a bool", "array": "a list", "object": "a map"}
+_NAMED = re.compile(r"Object (missing required|contains unknown) field `(.*)`$")
 
 
 class PSProtocolError(ValueError):
@@ -27,106 +36,53 @@ class PSProtocolError(ValueError):
 
 
 class Invalid(Exception):
-    """Raised inside a decoder; decode_request and the reply decoders add the op and the sender."""
+    """Raised by a message's checks of what its types cannot say; decode_request adds the op and the sender."""
 
     def __init__(self, field: str, problem: str) -> None:
         super().__init__(field, problem)
         self.field, self.problem = field, problem
 
 
-def check_keys(header: dict[Any, Any], required: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
-    for name in required:
-        if name not in header:
-            raise Invalid(name, "is missing")
-    unexpected = len(header) - len(required)
-    for name in optional:
-        if name in header:
-            unexpected -= 1
-    for key in ENVELOPE:
-        if key in header:
-            unexpected -= 1
-    if unexpected:
-        unknown = sorted(repr(key) for key in header if key not in (*required, *optional, *ENVELOPE))
-        raise Invalid(unknown[0], f"is not a field of this message (it has {', '.join(required + optional)})")
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """A PS message: its fields are its header's (a field left at its default is not sent). Each subclass says
+    frozen=True again (and kw_only=True where it needs it), for mypy, which does not inherit them."""
+
+    def header(self) -> dict[str, Any]:
+        """The header to send (bytes in a field are sent as they are)."""
+        header: dict[str, Any] = msgspec.to_builtins(self, builtin_types=(bytes,))
+        return header
+
+    @classmethod
+    def from_header(cls, header: dict[Any, Any], op: object, sender: str) -> Self:
+        """The message in a received `header`; PSProtocolError if it is not one."""
+        body = {key: value for key, value in header.items() if key not in _ENVELOPE}
+        try:
+            return msgspec.convert(body, cls, strict=True)
+        except msgspec.ValidationError as error:
+            field, problem = _explain(str(error), body, cls)
+            raise PSProtocolError(op, field, sender, problem) from None
 
 
-def int_field(header: dict[Any, Any], name: str, below: int | None = None) -> int:
-    value = header[name]
-    # type() rather than isinstance(): a bool is an int to Python, never a step or an index here.
-    if type(value) is not int or not 0 <= value <= MAX_INT or (below is not None and value >= below):
-        where = f"in [0, {below})" if below is not None else ">= 0"
-        raise Invalid(name, f"must be an int {where}, got {short(value)}")
-    return value
+def _explain(error: str, body: dict[Any, Any], message_type: type[Message]) -> tuple[str, str]:
+    """The field msgspec's `error` is about, and the problem in words."""
+    at = _AT.search(error)
+    problem = error if at is None else error[: at.start()]
+    if at is not None and at[2] is not None:
+        field = at[2]
+        where = " for its keys" if at[1] else f" at {field}{at[3]}" if at[3] else ""
+        expected, _, got = _TYPE_NAME.sub(_in_words, problem.removeprefix("Expected ")).partition(", got ")
+        if problem.startswith("Expected "):
+            return field, f"must be {expected}{where}, got {got or short(body.get(field))}"
+        return field, f"is not valid{where}: {problem}"
+    named = _NAMED.match(problem)
+    if named is not None and named[1] == "missing required":
+        return named[2], "is missing"
+    if named is not None:
+        fields = ", ".join(message_type.__struct_fields__) or "none"
+        return repr(named[2]), f"is not a field of this message (it has {fields})"
+    return "header", f"is not valid: {problem}"
 
 
-def optional_int_field(header: dict[Any, Any], name: str) -> int | None:
-    return None if header[name] is None else int_field(header, name)
-
-
-def bool_field(header: dict[Any, Any], name: str) -> bool:
-    value = header[name]
-    if type(value) is not bool:
-        raise Invalid(name, f"must be a bool, got {short(value)}")
-    return value
-
-
-def ints_field(header: dict[Any, Any], name: str, below: int | None = None) -> tuple[int, ...]:
-    values = header[name]
-    if type(values) is not list:
-        raise Invalid(name, f"must be a list of ints, got {short(values)}")
-    for value in values:
-        if type(value) is not int or not 0 <= value <= MAX_INT or (below is not None and value >= below):
-            where = f"in [0, {below})" if below is not None else ">= 0"
-            raise Invalid(name, f"must hold ints {where}, got {short(values)}")
-    return tuple(values)
-
-
-def is_dtype(name: str) -> bool:
-    return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def map_field(header: dict[Any, Any], name: str) -> dict[str, Any]:
-    value = header[name]
-    if type(value) is not dict or not all(type(key) is str for key in value):
-        raise Invalid(name, f"must be a map with string keys, got {short(value)}")
-    return value
-
-
-def dense_groups(
-    header: dict[Any, Any], frames: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype], trailing: int
-) -> tuple[int, ...]:
-    """frame_counts: one count per dense buffer, then `trailing` frames; each dense frame 1-D of its dtype."""
-    counts = ints_field(header, "frame_counts")
-    if len(counts) != len(dtypes) or sum(counts) + trailing != len(frames):
-        raise Invalid(
-            "frame_counts",
-            f"must group {len(frames)} frames into {len(dtypes)} dense buffers and {trailing} more, got {counts}",
-        )
-    start = 0
-    for index, (count, dtype) in enumerate(zip(counts, dtypes, strict=True)):
-        for frame in frames[start : start + count]:
-            if frame.dtype != dtype or frame.dim() != 1:
-                raise Invalid(
-                    "frames",
-                    f"of buffer {index} must be 1-D {dtype}, got {frame.dtype} shaped {tuple(frame.shape)}",
-                )
-        start += count
-    return counts
-
-
-def per_part(
-    header: dict[Any, Any], name: str, num_parts: int, valid: Callable[[Any], bool]
-) -> tuple[dict[str, Any], ...]:
-    """A restored PS's per-part maps (empty when fresh): one per dense buffer and table."""
-    values = header[name]
-    if type(values) is not list or len(values) not in (0, num_parts):
-        raise Invalid(name, f"must be a list of {num_parts} maps (or none), got {short(values)}")
-    for value in values:
-        if type(value) is not dict or not all(type(k) is str and valid(v) for k, v in value.items()):
-            raise Invalid(name, f"holds a malformed entry {short(value)}")
-    return tuple(values)
-
-
-def no_frames(frames: Sequence[torch.Tensor]) -> None:
-    if frames:
-        raise Invalid("frames", f"must be none, got {len(frames)}")
+def _in_words(type_name: re.Match[str]) -> str:
+    """msgspec's name of a type (`int | null`) in words (an int or None)."""
+    return " or ".join(_WORDS.get(name, "None" if name == "null" else name) for name in type_name[1].split(" | "))

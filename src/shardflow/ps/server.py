@@ -1,12 +1,12 @@
-"""The parameter server: holds this PS's shards in flat buffers and row-sparse tables, decodes each request
-through ps/protocol.py, hands pushes and pulls to the update rule (ps/apply.py) and answers."""
+"""The parameter server: decodes each request through ps/protocol.py into its typed message, hands it to its
+handler (one per request type), whose pushes and pulls go to the update rule (ps/apply.py), and answers."""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -15,12 +15,11 @@ from shardflow.comm.server import LogLimiter, Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import clipping, protocol
-from shardflow.ps.apply import ApplyConfig, Gradients, Refused, Updates, all_finite
+from shardflow.ps.apply import ApplyConfig, Gradients, Refused, Updates
 from shardflow.ps.lanes import Lane, LaneError, open_lane
-from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
-from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
-from shardflow.ps.state import Part, Snapshots, capture, load_slots
+from shardflow.ps.shards import Shards, finite, nbytes
+from shardflow.ps.state import ShardState, Snapshots, capture
 
 log = logging.getLogger(__name__)
 
@@ -28,18 +27,24 @@ RESTORED = "the parameter servers were restored from a checkpoint after one was 
 """The start of the error a PS answers a worker's push with after a restore, until the worker rejoins."""
 _FENCED = (protocol.Push, protocol.NonFinite, protocol.Done)
 """What a worker sends that changes the update rule's state: refused from a worker that has not rejoined since a
-restore (not `Rejoin` nor `Lost`, which subclass `Done`)."""
+restore."""
+_WITH_PARAMS = (protocol.Push, protocol.NonFinite, protocol.Pull)
+"""The requests answered with the parameters, into a reply slot of the sender's lane if they name one."""
+COUNTERS = ("apply_s", "malformed", "failed", "repeated", "refused", "expired", "lane_pushes", "lanes_refused")
+"""A PS's own counters: "refused" and "expired" count requests this PS would not hold and held ones past their
+deadline (see apply.Updates); "lane_pushes" the pushes whose gradients came through a shared-memory lane,
+"lanes_refused" the lanes this PS could not map (their workers use the socket)."""
 
 
-def _finite(gradients: Gradients) -> bool:
-    """Whether every dense buffer and row-sparse value of a push is finite."""
-    grads, row_grads = gradients
-    return all_finite([*grads, *(values for table in row_grads for _, values in table)])
+class Received(NamedTuple):
+    """A push or pull with its decoded message: what the update rule holds until it is answered."""
+
+    request: Request
+    message: protocol.Push | protocol.NonFinite | protocol.Pull
 
 
-def _nbytes(gradients: Gradients) -> int:
-    grads, row_grads = gradients
-    return sum(g.nbytes for g in grads) + sum(r.nbytes + v.nbytes for t in row_grads for r, v in t)
+Handler = Callable[["ParameterServer", Request, Any], None]
+"""A ParameterServer's handler of one request type, given the request and its decoded message."""
 
 
 class ParameterServer:
@@ -49,38 +54,19 @@ class ParameterServer:
         self.server = server
         self.index = index
         self.name = f"ps:{index}"
-        self.dtypes: list[str] = []
-        self.params: list[torch.nn.Parameter] = []
-        self.optimizer: torch.optim.Optimizer | None = None
-        # Row-sparse pieces (embedding tables), each a tensor of its own, read and updated a few rows at a time.
-        self.tables: list[torch.nn.Parameter] = []
-        self.table_optimizer: torch.optim.Optimizer | None = None
-        self.optimizer_spec: OptimizerSpec | None = None
-        """The optimizer's spec with its learning-rate schedule and clipping; None until initialised."""
+        self.shards = Shards()
         self.norm_exchange: clipping.NormExchange | None = None
         """How this PS agrees a sync step's gradient norm with the others (clip_grad_norm); None: it is the only PS."""
         self.limits: protocol.Limits | None = None
         """What requests are checked against; None until the chief initialised this PS."""
         self.on_initialised: Callable[[], None] = lambda: None
         """Called once the chief's init is applied, before it is answered: no worker has pushed yet."""
-        self.updates: Updates[Request] = Updates(ApplyConfig(), 0, self._apply, self._answer)
-        self.stats: dict[str, float] = {
-            "apply_s": 0.0,
-            "malformed": 0,
-            "failed": 0,
-            "repeated": 0,
-            "refused": 0,
-            "expired": 0,
-            "lane_pushes": 0,
-            "lanes_refused": 0,
-        }
-        """Counters; "refused" and "expired" count requests this PS would not hold and held ones past their
-        deadline (see apply.Updates); "lane_pushes" the pushes whose gradients came through a shared-memory lane,
-        "lanes_refused" the lanes this PS could not map (their workers use the socket)."""
+        self.updates: Updates[Received] = Updates(ApplyConfig(), 0, self._apply, self._answer)
+        self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        """Counters; see COUNTERS."""
         self.lanes: dict[str, Lane] = {}
         """The shared-memory lanes of this machine's workers (ps/lanes.py), by sender: at most one per worker."""
         self._lane_senders: dict[int, str] = {}
-        self._snapshot: list[torch.Tensor] | None = None
         # Checkpoint snapshots taken at exact steps, until the chief saved them, with the input positions.
         self.snapshots = Snapshots()
         # Per worker, the last of its steps this PS had and (by "worker:<index>") its input position after it: a
@@ -91,28 +77,11 @@ class ParameterServer:
         # belong to the state before the restore and are refused.
         self.generation = 0
         self.rejoined: set[int] = set()
-        self._deferred_pushes: list[tuple[Request, protocol.Push | protocol.NonFinite]] = []
+        self._deferred_pushes: list[Received] = []
         self._handling_since = 0
         self._shutdown = False
         # A flood of bad requests must not flood the log: see LogLimiter.
         self._log_limiter = LogLimiter()
-        self._handlers: dict[type[protocol.PSRequest], Callable[[Request, Any], None]] = {
-            protocol.Init: self._on_init,
-            protocol.Attach: self._on_attach,
-            protocol.Pull: self._on_pull,
-            protocol.Rows: self._on_rows,
-            protocol.Push: self._on_push,
-            protocol.NonFinite: self._on_nonfinite,
-            protocol.Done: self._on_done,
-            protocol.Rejoin: self._on_rejoin,
-            protocol.Lost: self._on_lost,
-            protocol.Status: self._on_status,
-            protocol.GetState: self._on_state,
-            protocol.SnapshotAt: self._on_snapshot_at,
-            protocol.ReleaseSnapshots: self._on_release_snapshots,
-            protocol.Stop: self._on_stop,
-            protocol.Shutdown: self._on_shutdown,
-        }
 
     # -- loop ---------------------------------------------------------------------------------
 
@@ -147,7 +116,7 @@ class ParameterServer:
         self._handling_since = time.perf_counter_ns()
         try:
             message = protocol.decode_request(request.header, request.tensors, self.limits, request.sender)
-            self._check_slots(request, message)
+            self._check_slots(request.sender, message)
         except PSProtocolError as error:
             self.stats["malformed"] += 1
             self._log("malformed", request.sender, error.op, f"ps:{self.index} refused a malformed request: {error}")
@@ -156,38 +125,45 @@ class ParameterServer:
         if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
             self.server.reply_error(request, f"ps:{self.index} is not initialised yet; the chief sends 'init' first")
             return
-        if self.generation and type(message) in _FENCED and self._not_rejoined(message):
+        if self.generation and isinstance(message, _FENCED) and message.worker_index not in self.rejoined:
             # A request of the training before this PS was restored: its worker has not heard of the restore.
             self.server.reply_error(request, f"{RESTORED} (recovery {self.generation}); rejoin first")
             return
+        if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
+            self._guarded(request, message, ParameterServer._defer)
+        else:
+            self._guarded(request, message, HANDLERS[type(message)])
+
+    def _guarded(self, request: Request, message: protocol.PSRequest, handler: Handler) -> None:
+        """Run `handler`; a request it cannot hold or serve is answered with an error and counted."""
         try:
-            if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
-                self._defer(request, message)
-            else:
-                self._handlers[type(message)](request, message)
+            handler(self, request, message)
         except Refused as refused:
-            self._refuse_to_hold(request, message.op, refused)
+            self.stats["refused"] += 1
+            line = f"ps:{self.index} refused {message.op!r} from {request.sender}: {refused}"
+            self._log("refused", request.sender, message.op, line)
+            self.server.reply_error(request, f"ps:{self.index} refused {message.op!r}: {refused}")
         except Exception as error:  # answered and counted: one bad request must not end the job
             self.stats["failed"] += 1
             line = f"ps:{self.index} failed on {message.op!r} from {request.sender}: {error}"
             self._log("failed", request.sender, message.op, line)
             self.server.reply_error(request, f"ps:{self.index} failed on {message.op!r}: {error}")
 
-    def _check_slots(self, request: Request, message: protocol.PSRequest) -> None:
+    def _check_slots(self, sender: str, message: protocol.PSRequest) -> None:
         """A request that names lane slots must name slots of its sender's lane."""
-        slot: int | None = getattr(message, "slot", None)
-        reply_slot: int | None = getattr(message, "reply_slot", None)
+        slot = message.slot if isinstance(message, protocol.Push) else None
+        reply_slot = message.reply_slot if isinstance(message, _WITH_PARAMS) else None
         if slot is None and reply_slot is None:
             return
-        lane = self.lanes.get(request.sender)
+        lane = self.lanes.get(sender)
         for name, value, limit in (("slot", slot, "push_slots"), ("reply_slot", reply_slot, "reply_slots")):
             if value is None:
                 continue
             if lane is None:
-                raise PSProtocolError(message.op, name, request.sender, "names a lane slot, but no lane is attached")
+                raise PSProtocolError(message.op, name, sender, "names a lane slot, but no lane is attached")
             if value >= getattr(lane, limit):
                 raise PSProtocolError(
-                    message.op, name, request.sender, f"is {value}, but the lane has {getattr(lane, limit)} of them"
+                    message.op, name, sender, f"is {value}, but the lane has {getattr(lane, limit)} of them"
                 )
 
     def _defer(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
@@ -197,24 +173,15 @@ class ParameterServer:
                 f"{len(self._deferred_pushes)} pushes wait already for the chief to save this PS's snapshots, the "
                 "most a PS holds (ApplyConfig.max_held_requests)"
             )
-        self._deferred_pushes.append((request, push))
-
-    def _refuse_to_hold(self, request: Request, op: str, refused: Refused) -> None:
-        self.stats["refused"] += 1
-        self._log("refused", request.sender, op, f"ps:{self.index} refused {op!r} from {request.sender}: {refused}")
-        self.server.reply_error(request, f"ps:{self.index} refused {op!r}: {refused}")
+        self._deferred_pushes.append(Received(request, push))
 
     def _expire_held(self) -> None:
         """Answer the held requests past their deadline with an error saying what each waited for."""
-        for request, waited_for in self.updates.expire():
+        for (request, message), waited_for in self.updates.expire():
             self.stats["expired"] += 1
-            line = f"ps:{self.index} gave up on {request.op!r} from {request.sender}: {waited_for}"
-            self._log("expired", request.sender, request.op, line)
-            self.server.reply_error(request, f"ps:{self.index} gave up on {request.op!r}: {waited_for}")
-
-    def _not_rejoined(self, message: protocol.PSRequest) -> bool:
-        worker_index: int = getattr(message, "worker_index", -1)
-        return worker_index not in self.rejoined
+            line = f"ps:{self.index} gave up on {message.op!r} from {request.sender}: {waited_for}"
+            self._log("expired", request.sender, message.op, line)
+            self.server.reply_error(request, f"ps:{self.index} gave up on {message.op!r}: {waited_for}")
 
     def _log(self, kind: str, peer: str, op: object, line: str) -> None:
         """Log `line`, the latest `kind` (a key of the stats) of problem with `peer`'s `op`, rate-limited."""
@@ -243,154 +210,68 @@ class ParameterServer:
     def finished(self) -> bool:
         return self.updates.finished
 
-    def _reply(
-        self,
-        request: Request,
-        tensors: list[torch.Tensor] | tuple[()] = (),
-        *,
-        stale: bool = False,
-        nonfinite: int = 0,
-        duplicate: bool = False,
-    ) -> None:
-        reply = StepReply(step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite, duplicate=duplicate)
-        self.server.reply(request, reply.header(), tensors)
+    def _reply(self, request: Request, tensors: list[torch.Tensor] | tuple[()] = ()) -> None:
+        self.server.reply(request, StepReply(step=self.step, stop=self.finished).header(), tensors)
 
     def _reply_params(
-        self, request: Request, *, stale: bool = False, nonfinite: int = 0, duplicate: bool = False
+        self, received: Received, *, stale: bool = False, nonfinite: int = 0, duplicate: bool = False
     ) -> None:
         """Reply with the current parameters: into the reply slot the request named, or as frames."""
-        reply_slot: int | None = request.header.get("reply_slot")  # checked against the lane by `_check_slots`
+        request, reply_slot = received.request, received.message.reply_slot  # checked by `_check_slots`
         lane = self.lanes.get(request.sender) if reply_slot is not None else None
-        if lane is None or reply_slot is None:
-            self._reply(request, self._params_snapshot(), stale=stale, nonfinite=nonfinite, duplicate=duplicate)
-            return
-        for view, param in zip(lane.reply[reply_slot], self.params, strict=True):
-            view.copy_(param)
+        if lane is not None and reply_slot is not None:
+            self.shards.copy_params_into(lane.reply[reply_slot])
         reply = StepReply(
-            step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite, duplicate=duplicate, lane=True
+            step=self.step,
+            stop=self.finished,
+            stale=stale,
+            nonfinite=nonfinite,
+            duplicate=duplicate,
+            lane=lane is not None,
         )
-        self.server.reply(request, reply.header())
+        self.server.reply(request, reply.header(), () if lane is not None else self.shards.params_snapshot())
 
-    def _params_snapshot(self) -> list[torch.Tensor]:
-        # Replies go out zero-copy while the next update changes the buffers in place, so they carry a copy,
-        # made once per version and shared by every reply of that version.
-        if self._snapshot is None:
-            self._snapshot = [p.detach().clone() for p in self.params]
-        return self._snapshot
-
-    def _answer(self, request: Request, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
+    def _answer(self, received: Received, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
         """The update rule's reply to a push or pull: the current parameters, or none for a dropped push."""
         if dropped:
-            self.server.reply(request, StepReply(step=self.step, stop=self.finished, dropped=True).header())
+            reply = StepReply(step=self.step, stop=self.finished, dropped=True)
+            self.server.reply(received.request, reply.header())
             return
         started = time.perf_counter_ns()
-        self._reply_params(request, stale=stale, nonfinite=nonfinite)
+        self._reply_params(received, stale=stale, nonfinite=nonfinite)
         if (recorder := get_recorder()) is not None:
-            worker = request.header.get("worker_index", -1)  # decoded already; pulls carry none
+            message = received.message
+            worker = -1 if isinstance(message, protocol.Pull) else message.worker_index
             recorder.end(spans.REPLY, self.step - 1, started, worker)
 
-    def _parts(self) -> list[Part]:
-        """Every tensor this PS holds with the optimizer that updates it: the dtype buffers, then the tables."""
-        return [(p, self.optimizer) for p in self.params] + [(t, self.table_optimizer) for t in self.tables]
-
-    def _apply(self, gradients: Gradients, pushes: list[Request]) -> None:
+    def _apply(self, gradients: Gradients, pushes: list[Received]) -> None:
         """One update: the mean of the dense gradients and of the row-sparse ones of `len(pushes)` pushes."""
-        grads, row_grads = gradients
         started = time.perf_counter_ns()
         recorder = get_recorder()
         if recorder is not None:
-            for request in pushes:
+            for request, _ in pushes:
                 recorder.flow(spans.APPLY, self.step, flow_id(request.sender, request.seq), start=False)
-        count = len(pushes)
-        dense = [grad.div_(count) if count != 1 else grad for grad in grads] if self.optimizer is not None else []
-        # Every table gets a gradient, empty if no row of it was looked up: as a whole table does in one process,
-        # so step counts (Adam's bias correction) stay those of single-process training.
-        sparse = [row_gradient(t, g, count) for t, g in zip(self.tables, row_grads, strict=True)]
-        self._clip_and_schedule(dense + sparse, pushes)
-        # A PS that holds no variables still counts steps, so every PS agrees on the global step.
-        if self.optimizer is not None:
-            for param, grad in zip(self.params, dense, strict=True):
-                param.grad = grad
-            self.optimizer.step()
-            for param in self.params:
-                param.grad = None
-        if self.table_optimizer is not None:
-            for table, grad in zip(self.tables, sparse, strict=True):
-                table.grad = grad
-            self.table_optimizer.step()
-            for table in self.tables:
-                table.grad = None
+        first = pushes[0].message
+        lr = first.lr if isinstance(first, protocol.Push) else None
+        self.shards.apply(gradients, len(pushes), self.step, lr, self.norm_exchange)
         faults.reached("apply", self.name, self.step + 1)
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
-            worker = pushes[0].header["worker_index"] if count == 1 else -1
-            recorder.end(spans.APPLY, self.step, started, worker, _nbytes(gradients))
-        self._snapshot = None
+            worker = first.worker_index if len(pushes) == 1 and not isinstance(first, protocol.Pull) else -1
+            recorder.end(spans.APPLY, self.step, started, worker, nbytes(gradients))
         new_step = self.step + 1  # the update rule counts it once this returns
         if self.snapshots.due(new_step):
             # Held until the chief has saved it; see state.MAX_SNAPSHOTS for what happens when it falls behind.
-            self.snapshots.held[new_step] = capture(new_step, self._parts(), self.iterators, self.worker_steps)
+            self.snapshots.held[new_step] = self._capture(new_step)
 
-    def _clip_and_schedule(self, grads: list[torch.Tensor], pushes: list[Request]) -> None:
-        """Clip this step's gradient (by value, then in sync mode by the global norm agreed with the other PS; see
-        ps/clipping.py) and set the learning rate of this global step's update."""
-        spec = self.optimizer_spec
-        if spec is None:
-            return
-        if spec.clip_grad_value is not None:
-            clipping.clamp_(grads, spec.clip_grad_value)
-        if spec.clip_grad_norm is not None and self.config.mode == "sync":
-            squared = clipping.squared_norm(grads)
-            total = self.norm_exchange(self.step, squared) if self.norm_exchange is not None else squared
-            clipping.scale_(grads, clipping.clip_coefficient(total**0.5, spec.clip_grad_norm))
-        if spec.schedule is not None:
-            for optimizer in (self.optimizer, self.table_optimizer):
-                if optimizer is not None:
-                    if spec.schedule.from_workers:  # a function of the step: its value came with the push(es)
-                        lr = float(pushes[0].header["lr"])
-                    else:
-                        lr = spec.lr(self.step, optimizer.defaults["lr"])
-                    for group in optimizer.param_groups:
-                        group["lr"] = lr
+    def _capture(self, step: int) -> ShardState:
+        """This PS's state now, as of global step `step`."""
+        return capture(step, self.shards.parts(), self.iterators, self.worker_steps)
 
-    def _gradients(self, request: Request, push: protocol.Push) -> Gradients:
-        """A push's dense gradients, one fresh tensor per dtype buffer, and its row-sparse ones, checked against
-        the tables before anything is applied."""
-        frames, buffers, start = request.tensors, [], 0
-        if push.slot is not None:
-            # The PS's until it replies: applied in place, or (sync) summed into, as a fresh tensor would be. A
-            # sync push's reply may come after its deadline while its gradient stays in the sum: that one is copied.
-            self.stats["lane_pushes"] += 1
-            views = self.lanes[request.sender].push[push.slot]
-            buffers = [view.clone() for view in views] if self.config.mode == "sync" else list(views)
-        for count in push.frame_counts:
-            pieces = frames[start : start + count]
-            if push.slot is None:
-                buffers.append(torch.cat(pieces) if pieces else torch.empty(0))
-            start += count
-        row_grads: list[list[RowGrad]] = []
-        for index, table in enumerate(self.tables):
-            rows, values = frames[start + 2 * index], frames[start + 2 * index + 1]
-            check_row_grad(rows, values, table, f"push from {request.sender} for table {index} of ps:{self.index}")
-            row_grads.append([(rows, values)])
-        return buffers, row_grads
-
-    # -- handlers -----------------------------------------------------------------------------
+    # -- handlers of the chief's requests -------------------------------------------------------------
 
     def _on_init(self, request: Request, init: protocol.Init) -> None:
-        frames, buffers, start = request.tensors, [], 0
-        for count in init.frame_counts:
-            buffers.append(torch.cat(frames[start : start + count]) if count else torch.empty(0))
-            start += count
-        self.dtypes = list(init.dtypes)
-        self.params = [torch.nn.Parameter(t, requires_grad=False) for t in buffers]
-        tables = frames[start : start + init.num_tables]
-        self.tables = [torch.nn.Parameter(t.clone(), requires_grad=False) for t in tables]
-        self.optimizer = init.optimizer.build(list(self.params)) if self.params else None
-        self.table_optimizer = init.optimizer.build_sparse(list(self.tables)) if self.tables else None
-        self.optimizer_spec = init.optimizer
-        if init.slots:
-            load_slots(self._parts(), list(init.slots), list(init.scalars), frames[start + init.num_tables :])
+        self.shards = Shards.from_init(init, request.tensors)
         self.iterators = dict(init.iterators)
         self.worker_steps = dict(init.worker_steps)
         self.generation = init.generation
@@ -401,14 +282,67 @@ class ParameterServer:
         self.rejoined = set()
         self.updates = Updates(init.apply, init.step, self._apply, self._answer)
         self.snapshots = Snapshots(init.apply.snapshot_every_n_steps)
-        self.limits = protocol.Limits(
-            num_workers=init.apply.num_workers,
-            buffers=tuple((p.dtype, p.numel()) for p in self.params),
-            num_tables=len(self.tables),
-        )
-        self._snapshot = None
+        self.limits = self.shards.limits(init.apply.num_workers)
         self.on_initialised()
         self._reply(request)
+
+    def _on_status(self, request: Request, _: protocol.Status) -> None:
+        reply = StatusReply(
+            step=self.step,
+            stop=self.finished,
+            initialized=self.limits is not None,
+            snapshots=tuple(sorted(self.snapshots.held)),
+            stats=self._stats(),
+            generation=self.generation,
+        )
+        self.server.reply(request, reply.header())
+
+    def _on_state(self, request: Request, get: protocol.GetState) -> None:
+        """Parameters, optimizer slots and input positions: now, or as snapshotted (for checkpoints)."""
+        state = self._capture(self.step) if get.snapshot_step is None else self.snapshots.get(get.snapshot_step)
+        reply = protocol.StateReply(
+            step=self.step,
+            stop=self.finished,
+            state_step=state.step,
+            dtypes=tuple(self.shards.dtypes),
+            slots=tuple(state.slots),
+            scalars=tuple(state.scalars),
+            iterators=state.iterators,
+            worker_steps=state.worker_steps,
+            stats=self._stats(),
+        )
+        self.server.reply(request, reply.header(), state.tensors())
+
+    def _on_snapshot_at(self, request: Request, snapshot_at: protocol.SnapshotAt) -> None:
+        step = snapshot_at.step
+        if step < self.step:
+            raise ValueError(f"snapshot step {step} already passed; ps:{self.index} is at {self.step}")
+        if step == self.step:
+            self.snapshots.held[step] = self._capture(self.step)
+        else:
+            self.snapshots.at = step
+        self._reply(request)
+
+    def _on_release_snapshots(self, request: Request, release: protocol.ReleaseSnapshots) -> None:
+        self.snapshots.release(release.through_step)
+        self._reply(request)
+        while self._deferred_pushes and not self.snapshots.full:
+            request, push = self._deferred_pushes.pop(0)
+            self._guarded(request, push, HANDLERS[type(push)])
+
+    def _on_lost(self, request: Request, lost: protocol.Lost) -> None:
+        self._reply(request)
+        self.updates.lost(lost.worker_index)
+
+    def _on_stop(self, request: Request, _: protocol.Stop) -> None:
+        self._reply(request)
+        self.updates.stop()
+
+    def _on_shutdown(self, request: Request, _: protocol.Shutdown) -> None:
+        self._reply(request)
+        self._shutdown = True
+
+    # -- handlers of the workers' requests ------------------------------------------------------------
 
     def _on_attach(self, request: Request, attach: protocol.Attach) -> None:
         assert self.limits is not None  # Attach is served after init only
@@ -435,25 +369,20 @@ class ParameterServer:
             self.lanes.pop(sender, None)  # gone already if that sender attached again as another worker
 
     def _on_pull(self, request: Request, pull: protocol.Pull) -> None:
-        self.updates.pull(request, pull.min_step)
+        self.updates.pull(Received(request, pull), pull.min_step)
 
     def _on_rows(self, request: Request, rows: protocol.Rows) -> None:
         """The rows a worker's batch looks up: for each table named, the rows its frame lists."""
-        values = []
-        for index, row_numbers in zip(rows.table_indices, request.tensors, strict=True):
-            table = self.tables[index]
-            check_rows(row_numbers, table, f"'rows' from {request.sender} for table {index} of ps:{self.index}")
-            # A copy, so the reply can go out zero-copy while later updates change the table.
-            values.append(table.detach().index_select(0, row_numbers))
-        self._reply(request, values)
+        what = f"'rows' from {request.sender} of ps:{self.index}"
+        self._reply(request, self.shards.rows(rows.table_indices, request.tensors, what))
 
-    def _repeated(self, request: Request, worker_index: int, local_step: int) -> bool:
+    def _repeated(self, received: Received, worker_index: int, local_step: int) -> bool:
         """Whether this PS already had this step of this worker: a restarted worker repeats the steps that some PS
         missed when it died (the others had them), and each PS takes every step once. Answered here if so."""
         if local_step > self.worker_steps.get(f"worker:{worker_index}", 0):
             return False
         self.stats["repeated"] += 1
-        self._reply_params(request, duplicate=True)
+        self._reply_params(received, duplicate=True)
         return True
 
     def _had(self, worker_index: int, local_step: int, input_state: dict[str, Any] | None) -> None:
@@ -464,38 +393,50 @@ class ParameterServer:
             self.iterators[f"worker:{worker_index}"] = input_state
 
     def _on_push(self, request: Request, push: protocol.Push) -> None:
-        started = self._handling_since
-        schedule = self.optimizer_spec.schedule if self.optimizer_spec is not None else None
+        started, received = self._handling_since, Received(request, push)
+        schedule = self.shards.spec.schedule if self.shards.spec is not None else None
         if schedule is not None and schedule.from_workers and push.lr is None:
             problem = "its learning-rate schedule is a function of the step, so every push must carry its lr"
             self.server.reply_error(request, f"ps:{self.index} refused a push of worker:{push.worker_index}: {problem}")
             return
-        if self._repeated(request, push.worker_index, push.local_step):
+        if self._repeated(received, push.worker_index, push.local_step):
             return
         # A push dropped (after max_steps, or stale in sync) is not had: its batch is read again after a restore.
-        if not self.updates.admit(request, push.base_step):
+        if not self.updates.admit(received, push.base_step):
             return
         self._had(push.worker_index, push.local_step, push.input_state)
         gradients = self._gradients(request, push)
         if (recorder := get_recorder()) is not None:
-            recorder.end(spans.RECEIVE, self.step, started, push.worker_index, _nbytes(gradients))
+            recorder.end(spans.RECEIVE, self.step, started, push.worker_index, nbytes(gradients))
         # Checked before it is applied or (sync) accumulated, so a NaN never reaches the parameters, the optimizer
         # slots or the sum of the other replicas. A shardflow worker checks first and sends `NonFinite` to every
         # PS instead (ps/client.py); this is the last guard, for a push that only this PS would refuse.
-        if not _finite(gradients):
-            self._refuse(request, push.worker_index, push.base_step, "gradients")
+        if not finite(gradients):
+            self._refuse(received, push.worker_index, push.base_step, "gradients")
             return
-        self.updates.push(request, push.worker_index, gradients)
+        self.updates.push(received, push.worker_index, gradients)
+
+    def _gradients(self, request: Request, push: protocol.Push) -> Gradients:
+        lane_slot = None
+        if push.slot is not None:
+            # The PS's until it replies: applied in place, or (sync) summed into, as a fresh tensor would be. A
+            # sync push's reply may come after its deadline while its gradient stays in the sum: that one is copied.
+            self.stats["lane_pushes"] += 1
+            views = self.lanes[request.sender].push[push.slot]
+            lane_slot = [view.clone() for view in views] if self.config.mode == "sync" else list(views)
+        what = f"push from {request.sender} of ps:{self.index}"
+        return self.shards.gradients(push, request.tensors, lane_slot, what)
 
     def _on_nonfinite(self, request: Request, nonfinite: protocol.NonFinite) -> None:
-        if self._repeated(request, nonfinite.worker_index, nonfinite.local_step):
+        received = Received(request, nonfinite)
+        if self._repeated(received, nonfinite.worker_index, nonfinite.local_step):
             return
         # The refused batch was read: a restore goes on after it, as after an applied one.
         self._had(nonfinite.worker_index, nonfinite.local_step, nonfinite.input_state)
-        self._refuse(request, nonfinite.worker_index, nonfinite.base_step, nonfinite.found_in)
+        self._refuse(received, nonfinite.worker_index, nonfinite.base_step, nonfinite.found_in)
 
-    def _refuse(self, request: Request, worker_index: int, base_step: int, found_in: str) -> None:
-        self.updates.refuse(request, worker_index)
+    def _refuse(self, received: Received, worker_index: int, base_step: int, found_in: str) -> None:
+        self.updates.refuse(received, worker_index)
         self._log(
             "nonfinite",
             f"worker:{worker_index}",
@@ -524,71 +465,22 @@ class ParameterServer:
         )
         self.server.reply(request, reply.header())
 
-    def _on_lost(self, request: Request, lost: protocol.Lost) -> None:
-        self._reply(request)
-        self.updates.lost(lost.worker_index)
 
-    def _on_status(self, request: Request, _: protocol.Status) -> None:
-        reply = StatusReply(
-            step=self.step,
-            stop=self.finished,
-            initialized=self.limits is not None,
-            snapshots=tuple(sorted(self.snapshots.held)),
-            stats=self._stats(),
-            generation=self.generation,
-        )
-        self.server.reply(request, reply.header())
-
-    def _on_state(self, request: Request, get: protocol.GetState) -> None:
-        """Parameters, optimizer slots and input positions: now, or as snapshotted (for checkpoints)."""
-        if get.snapshot_step is None:
-            state = capture(self.step, self._parts(), self.iterators, self.worker_steps)
-        else:
-            state = self.snapshots.get(get.snapshot_step)
-        reply = protocol.StateReply(
-            step=self.step,
-            stop=self.finished,
-            state_step=state.step,
-            dtypes=tuple(self.dtypes),
-            slots=tuple(state.slots),
-            scalars=tuple(state.scalars),
-            iterators=state.iterators,
-            worker_steps=state.worker_steps,
-            stats=self._stats(),
-        )
-        self.server.reply(request, reply.header(), state.tensors())
-
-    def _on_snapshot_at(self, request: Request, snapshot_at: protocol.SnapshotAt) -> None:
-        step = snapshot_at.step
-        if step < self.step:
-            raise ValueError(f"snapshot step {step} already passed; ps:{self.index} is at {self.step}")
-        if step == self.step:
-            self.snapshots.held[step] = capture(self.step, self._parts(), self.iterators, self.worker_steps)
-        else:
-            self.snapshots.at = step
-        self._reply(request)
-
-    def _on_release_snapshots(self, request: Request, release: protocol.ReleaseSnapshots) -> None:
-        self.snapshots.release(release.through_step)
-        self._reply(request)
-        while self._deferred_pushes and not self.snapshots.full:
-            self._handle_deferred(*self._deferred_pushes.pop(0))
-
-    def _handle_deferred(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
-        try:
-            self._handlers[type(push)](request, push)
-        except Refused as refused:
-            self._refuse_to_hold(request, push.op, refused)
-        except Exception as error:  # as in handle(): answered and counted
-            self.stats["failed"] += 1
-            line = f"ps:{self.index} failed on a deferred push from {request.sender}: {error}"
-            self._log("failed", request.sender, push.op, line)
-            self.server.reply_error(request, f"ps:{self.index} failed on {push.op!r}: {error}")
-
-    def _on_stop(self, request: Request, _: protocol.Stop) -> None:
-        self._reply(request)
-        self.updates.stop()
-
-    def _on_shutdown(self, request: Request, _: protocol.Shutdown) -> None:
-        self._reply(request)
-        self._shutdown = True
+HANDLERS: dict[type[protocol.PSRequest], Handler] = {
+    protocol.Init: ParameterServer._on_init,
+    protocol.Status: ParameterServer._on_status,
+    protocol.GetState: ParameterServer._on_state,
+    protocol.SnapshotAt: ParameterServer._on_snapshot_at,
+    protocol.ReleaseSnapshots: ParameterServer._on_release_snapshots,
+    protocol.Lost: ParameterServer._on_lost,
+    protocol.Stop: ParameterServer._on_stop,
+    protocol.Shutdown: ParameterServer._on_shutdown,
+    protocol.Attach: ParameterServer._on_attach,
+    protocol.Pull: ParameterServer._on_pull,
+    protocol.Rows: ParameterServer._on_rows,
+    protocol.Push: ParameterServer._on_push,
+    protocol.NonFinite: ParameterServer._on_nonfinite,
+    protocol.Done: ParameterServer._on_done,
+    protocol.Rejoin: ParameterServer._on_rejoin,
+}
+"""The handler of each request type of protocol.PSRequest (a test checks that every one has one)."""
