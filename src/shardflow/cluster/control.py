@@ -17,16 +17,15 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
-import re
 import threading
 import time
 from collections.abc import Callable
-from typing import Annotated, Any, ClassVar, Generic, TypeVar, get_args, get_type_hints
+from typing import Annotated, Any, ClassVar, Generic, TypeVar, get_args
 
 import msgspec
 import torch
 
-from shardflow.comm.envelope import OP, message_fields, short
+from shardflow.comm.envelope import OP, explain, message_fields, short
 from shardflow.comm.server import Request, secure_server
 
 log = logging.getLogger(__name__)
@@ -142,7 +141,7 @@ OPS: dict[str, type[ControlOp[Any]]] = {kind.__struct_config__.tag: kind for kin
 
 def _check_printable(field: str, key: str) -> None:
     if not key.isprintable():
-        raise ValueError(f"field {field!r} must hold printable text of 1..{MAX_KEY} characters, got {short(key)}")
+        raise ValueError(f"{field} must hold printable text of 1..{MAX_KEY} characters, got {short(key)}")
 
 
 def decode(request: Request) -> ControlRequest:
@@ -155,7 +154,8 @@ def decode(request: Request) -> ControlRequest:
     try:
         message: ControlRequest = msgspec.convert(message_fields(header), ControlRequest, strict=True)
     except msgspec.ValidationError as error:
-        raise ControlRequestError(f"{op!r} from {sender}: {_problem(kind, header, error)}") from None
+        field, problem = explain(error, header, kind)
+        raise ControlRequestError(f"{op!r} from {sender}: {field} {problem}") from None
     if len(request.tensors) != kind.frames:
         raise ControlRequestError(f"{op!r} from {sender}: expected {kind.frames} frames, got {len(request.tensors)}")
     if isinstance(message, Set):
@@ -163,24 +163,6 @@ def decode(request: Request) -> ControlRequest:
         if frame.dtype != torch.uint8 or frame.dim() != 1 or frame.numel() > MAX_VALUE:
             raise ControlRequestError(f"'set' from {sender}: the value must be one uint8 frame of <= {MAX_VALUE} bytes")
     return message
-
-
-def _problem(kind: type[ControlOp[Any]], header: dict[str, Any], error: msgspec.ValidationError) -> str:
-    """msgspec's complaint in the words of this protocol: the field, what it must be, and what came."""
-    text = str(error)
-    fields = ", ".join(kind.__struct_fields__)
-    if found := re.match(r"Object missing required field `(.+)`", text):
-        return f"field {found[1]!r} is missing"
-    if found := re.match(r"Object contains unknown field `(.+)`", text):
-        return f"{short(found[1])} is not a field (it has {fields})"
-    if found := re.search(r" - at `\$\.(\w+)", text):
-        field = found[1]
-        rules = [
-            meta.description for meta in getattr(get_type_hints(kind, include_extras=True)[field], "__metadata__", ())
-        ]
-        rule = rules[0] if rules else text.partition(" - at")[0]
-        return f"field {field!r} must be {rule}, got {short(header.get(field))}"
-    return text
 
 
 def value_of(request: Request) -> bytes:

@@ -13,8 +13,9 @@ from typing import Annotated, Any, ClassVar, Self, get_args
 import msgspec
 import torch
 
+from shardflow.comm.envelope import short
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.fields import Count, Invalid, Message, short
+from shardflow.ps.fields import Count, Invalid, Message
 from shardflow.ps.fields import PSProtocolError as PSProtocolError
 from shardflow.ps.lanes import MAX_SLOTS
 from shardflow.ps.optimizers import OptimizerSpec
