@@ -25,7 +25,7 @@ from shardflow.train.job import JobConfig
 from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.recovery import Recovery, restore_latest
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
 
 log = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ from shardflow.train import checkpoint
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 from shardflow.train.summaries import Summaries
 
 if TYPE_CHECKING:

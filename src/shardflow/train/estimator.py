@@ -30,10 +30,12 @@ from shardflow.ps.optimizers import SGD, OptimizerLike, as_optimizer_spec
 from shardflow.ps.schedules import ScheduleLike, as_schedule
 from shardflow.train import checkpoint
 from shardflow.train.chief import run_chief
+from shardflow.train.evaluator import run_evaluator
 from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
 from shardflow.train.preemption import Preemption, tell_chief
 from shardflow.train.progress import chief_prefix
-from shardflow.train.roles import RoleContext, run_evaluator, run_ps
+from shardflow.train.ps_role import run_ps
+from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
 from shardflow.train.worker import JobOver, PSRestored, recovery_generation, run_worker

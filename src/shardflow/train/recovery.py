@@ -24,7 +24,7 @@ from shardflow.ps.client import ParameterClient
 from shardflow.train import checkpoint
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from shardflow.train.input import InputPosition
 from shardflow.train.job import JobConfig
 from shardflow.train.precision import autocast
 from shardflow.train.profiling import RoleProfiler
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 
 log = logging.getLogger(__name__)
