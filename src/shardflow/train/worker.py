@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -14,6 +15,7 @@ import torch
 
 from shardflow import env
 from shardflow.cluster import control_keys
+from shardflow.cluster.spec import TaskSpec
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
 from shardflow.data.torch_edge import to_torch
@@ -129,6 +131,61 @@ def _resume(role: RoleContext, params: ParameterClient) -> dict[str, Any] | None
         else "",
     )
     return rejoined.input_state if rejoined.local_step else _restored_position(role)
+
+
+def run_worker_role(
+    job: JobConfig, role: RoleContext, on_connect: Callable[[ParameterClient | None], None] = lambda _: None
+) -> None:
+    """The worker's main. Train; then stay until the chief says the job is over, reading the shards of workers lost
+    for good that the chief hands over. Whenever the PS are restored after one was lost, even once this worker has
+    finished its input, it starts again from where the PS now say it stands."""
+    adopted: list[RoleContext] = []
+    finished: set[str] = set()
+    """Of this worker and those it adopted, the ones done with the current recovery generation."""
+    while True:
+        generation = recovery_generation(role)
+        try:
+            for each in (role, *adopted):
+                if each.task.name not in finished:
+                    run_worker(job, each, on_connect=on_connect)
+                    finished.add(each.task.name)
+        except PSRestored as restored:
+            log.warning("%s", restored)
+            finished.clear()  # every one of them goes on from where the restored PS say it stands
+            continue
+        except JobOver as over:
+            log.warning("%s", over)
+            return
+        progress = control_keys.progress(role.task.name)
+        handover = control_keys.handover(role.task.name)
+        try:
+            while not role.control.is_set(control_keys.SHUTDOWN):
+                if recovery_generation(role) > generation:
+                    finished.clear()
+                    break
+                if role.last_report is not None and not role.control.is_set(progress):
+                    role.control.set(progress, role.last_report)  # a restarted chief learns this worker is done
+                if role.control.is_set(handover):
+                    names = json.loads(role.control.get(handover, waiting_for="the handed-over workers"))
+                    new = [name for name in names if name not in {each.task.name for each in adopted}]
+                    if new:
+                        for name in new:
+                            log.warning("%s reads the rest of %s's shard, as %s", role.task.name, name, name)
+                            task = TaskSpec("worker", int(name.rpartition(":")[2]))
+                            adopted.append(dataclasses.replace(role, task=task, last_report=None))
+                        break
+                _wait_for_the_end(role)
+            else:
+                return
+        except RuntimeError:  # the chief's control plane closed: the job is over, or the chief's failure says why
+            log.info("%s: the chief is gone after this worker finished; exiting", role.task.name)
+            return
+
+
+def _wait_for_the_end(role: RoleContext, timeout_s: float = 0.2) -> None:
+    """Until the chief says the job is over, or `timeout_s` passed: the chief's control service holds the request,
+    so a worker that is done exits as soon as it is told. Raises ControlPlaneError when the chief did not answer."""
+    role.control.set_within(control_keys.SHUTDOWN, timeout_s, waiting_for="the end of the job")
 
 
 def run_worker(
