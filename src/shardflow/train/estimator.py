@@ -11,7 +11,7 @@ import torch
 
 from shardflow import env
 from shardflow.profile.capture import check_steps
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.connection import PSConnection
 from shardflow.ps.optimizers import SGD, OptimizerLike, OptimizerSpec, as_optimizer_spec
 from shardflow.ps.schedules import ScheduleLike, as_schedule
 from shardflow.train import checkpoint
@@ -87,7 +87,7 @@ class Estimator:
         self.keep_checkpoint_max = keep_checkpoint_max
         """Keep only the newest checkpoints; None keeps all."""
         # The client of this process's role while it trains, so that global_step reads the live value.
-        self._live_parameters: ParameterClient | None = None
+        self._live_parameters: PSConnection | None = None
 
     def build_model(self) -> torch.nn.Module:
         """The model as model_fn builds it, with the same initial values in every process."""
@@ -112,7 +112,7 @@ class Estimator:
             save_summary_steps=self.save_summary_steps,
         )
 
-    def _set_live(self, client: ParameterClient | None) -> None:
+    def _set_live(self, client: PSConnection | None) -> None:
         self._live_parameters = client
 
     def train(self, input_fn: Any, max_steps: int | None = None, epochs: int | None = None) -> TrainResult:

@@ -24,7 +24,7 @@ from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
 from shardflow.comm.security import new_secret
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.connection import PSConnection
 from shardflow.train import checkpoint
 from shardflow.train.chief import run_chief
 from shardflow.train.evaluator import run_evaluator
@@ -38,7 +38,7 @@ from shardflow.train.worker import run_worker_role
 
 log = logging.getLogger(__name__)
 
-OnConnect = Callable[[ParameterClient | None], None]
+OnConnect = Callable[[PSConnection | None], None]
 """Told the role's client to the PS while it exists, then None."""
 
 

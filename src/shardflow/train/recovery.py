@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.ps.admin import PSAdmin
 from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.checkpointing import ModelState, init_servers
-from shardflow.ps.client import ParameterClient
 from shardflow.train import checkpoint
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
@@ -63,7 +63,7 @@ class Recovery:
 
     job: JobConfig
     role: RoleContext
-    client: ParameterClient
+    client: PSAdmin
     model: torch.nn.Module
     apply: ApplyConfig
     initial: ModelState
