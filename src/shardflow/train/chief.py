@@ -1,4 +1,6 @@
-"""The chief: places variables, initialises (or restores) the PS, runs the chief loop, writes the final checkpoint."""
+"""The chief's role, in phases: start (place the variables, restore the latest checkpoint) or adopt the live PS,
+initialise them, run the chief loop (train/chief_loop.py) while the workers train, finish (the final checkpoint
+and evaluation, the end of the job)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -147,30 +147,41 @@ def run_worker_role(
         except JobOver as over:
             log.warning("%s", over)
             return
-        progress = control_keys.progress(role.task.name)
-        handover = control_keys.handover(role.task.name)
-        try:
-            while not role.control.is_set(control_keys.SHUTDOWN):
-                if recovery_generation(role) > generation:
-                    finished.clear()
-                    break
-                if role.last_report is not None and not role.control.is_set(progress):
-                    role.control.set(progress, role.last_report)  # a restarted chief learns this worker is done
-                if role.control.is_set(handover):
-                    names = json.loads(role.control.get(handover, waiting_for="the handed-over workers"))
-                    new = [name for name in names if name not in {each.task.name for each in adopted}]
-                    if new:
-                        for name in new:
-                            log.warning("%s reads the rest of %s's shard, as %s", role.task.name, name, name)
-                            task = TaskSpec("worker", int(name.rpartition(":")[2]))
-                            adopted.append(dataclasses.replace(role, task=task, last_report=None))
-                        break
-                _wait_for_the_end(role)
-            else:
-                return
-        except RuntimeError:  # the chief's control plane closed: the job is over, or the chief's failure says why
-            log.info("%s: the chief is gone after this worker finished; exiting", role.task.name)
+        outcome = _stay_until_the_end(role, generation, adopted)
+        if outcome == "over":
             return
+        if outcome == "restored":
+            finished.clear()
+        else:
+            adopted += outcome
+
+
+def _stay_until_the_end(
+    role: RoleContext, generation: int, adopted: list[RoleContext]
+) -> Literal["over", "restored"] | list[RoleContext]:
+    """Once this worker and those it `adopted` are done: wait until the job is over, telling a restarted chief that
+    this worker is done. Returns "over"; "restored" when the PS were restored past `generation` meanwhile; or the
+    workers lost for good whose shards the chief handed over to this one since."""
+    progress = control_keys.progress(role.task.name)
+    handover = control_keys.handover(role.task.name)
+    try:
+        while not role.control.is_set(control_keys.SHUTDOWN):
+            if recovery_generation(role) > generation:
+                return "restored"
+            if role.last_report is not None and not role.control.is_set(progress):
+                role.control.set(progress, role.last_report)  # a restarted chief learns this worker is done
+            if role.control.is_set(handover):
+                names = json.loads(role.control.get(handover, waiting_for="the handed-over workers"))
+                new = [name for name in names if name not in {each.task.name for each in adopted}]
+                if new:
+                    for name in new:
+                        log.warning("%s reads the rest of %s's shard, as %s", role.task.name, name, name)
+                    tasks = [TaskSpec("worker", int(name.rpartition(":")[2])) for name in new]
+                    return [dataclasses.replace(role, task=task, last_report=None) for task in tasks]
+            _wait_for_the_end(role)
+    except RuntimeError:  # the chief's control plane closed: the job is over, or the chief's failure says why
+        log.info("%s: the chief is gone after this worker finished; exiting", role.task.name)
+    return "over"
 
 
 def _wait_for_the_end(role: RoleContext, timeout_s: float = 0.2) -> None:
