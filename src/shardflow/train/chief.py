@@ -222,14 +222,14 @@ def _chief_loop(
         step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()}
     )
     recovery = Recovery(job, role, admin, model, apply, initial, start.generation)
-    loop = ChiefLoop(job, role, admin, model, profiler, manifest, start.step, heartbeats, failures, recovery)
-    loop.generation = start.generation
-    if start.adopted:
-        # Snapshots the PS took for the chief that died are checkpointed now, oldest first; without any, one is
-        # asked for at once: what a PS lost from now on is restored to.
-        loop.last_snapshot_step = _last_checkpoint_step(job)
-        if not start.snapshots_held:
-            loop.request_snapshot(start.step)
+    # A chief that adopts the live PS checkpoints the snapshots they took for the chief that died now, oldest
+    # first; without any, it asks for one at once: what a PS lost from now on is restored to.
+    last_snapshot_step = _last_checkpoint_step(job) if start.adopted else None
+    loop = ChiefLoop(
+        job, role, admin, model, profiler, manifest, start.step, heartbeats, failures, recovery, last_snapshot_step
+    )
+    if start.adopted and not start.snapshots_held:
+        loop.request_snapshot(start.step)
     return loop
 
 

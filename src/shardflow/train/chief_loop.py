@@ -52,7 +52,9 @@ class ChiefLoop:
         heartbeats: Heartbeats,
         failures: Sequence[RoleExit] = (),
         recovery: Recovery | None = None,
+        last_snapshot_step: int | None = None,
     ) -> None:
+        """`last_snapshot_step`: the step of the latest PS snapshot already checkpointed (default `start_step`)."""
         self.job, self.role, self.client, self.model = job, role, client, model
         self.recovery = recovery
         self.failures = failures
@@ -69,7 +71,7 @@ class ChiefLoop:
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
         self.preempted = False
-        self.last_snapshot_step = start_step
+        self.last_snapshot_step = start_step if last_snapshot_step is None else last_snapshot_step
         self.requested_snapshot: int | None = None
         self.last_checkpoint_time = time.monotonic()
         self.last_eval_time = time.monotonic()
@@ -85,10 +87,13 @@ class ChiefLoop:
         self.handed_over: dict[str, str] = {}
         """Workers lost for good whose remaining shards another worker reads (see _hand_over), to whom."""
         self._refused_request: str | None = None
-        self.generation = 0
-        """How many times every PS was restored after one was lost (train/recovery.py)."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
+
+    @property
+    def generation(self) -> int:
+        """How many times every PS was restored after one was lost (train/recovery.py)."""
+        return self.recovery.generation if self.recovery is not None else 0
 
     def run(self, preemption: Preemption | None = None) -> None:
         """Until every worker is done; or, once `preemption` is requested, until they finished their step in flight
@@ -154,7 +159,6 @@ class ChiefLoop:
             name = f"ps:{k}"
             if self.heartbeats.check(name) and self.recovery is not None:
                 state = self.recovery.restore(name, self.global_step)
-                self.generation = self.recovery.generation
                 self.global_step = self.last_snapshot_step = state.step
                 self.requested_snapshot = None
 
@@ -211,7 +215,7 @@ class ChiefLoop:
         # The one furthest along finishes its own shard first.
         adopter = max(adopters, key=lambda w: self.progress.get(w, {}).get("local_step", 0))
         self.handed_over[lost] = adopter
-        self.heartbeats.lost.pop(lost, None)
+        self.heartbeats.handed_over(lost)
         mine = [name for name, to in self.handed_over.items() if to == adopter]
         self.control.set(control_keys.handover(adopter), json.dumps(mine))
         log.warning(

@@ -79,6 +79,10 @@ class Heartbeats:
         beat = self.control.get_if_set(control_keys.heartbeat(name))
         return beat is not None and beat.decode().partition(":")[0] != last[0].partition(":")[0]
 
+    def handed_over(self, name: str) -> None:
+        """`name` was lost for good and another worker reads its shard: it is no longer awaited."""
+        self.lost.pop(name, None)
+
     def raise_if_restarted(self, names: Sequence[str]) -> None:
         """Raises PSRestarted if one of `names` (PS) beats from another process than at its last check()."""
         for name in names:

@@ -231,7 +231,7 @@ def _train(worker: WorkerStep, hooks: StepHooks, profiler: RoleProfiler) -> int:
         step_started = time.perf_counter_ns()
         batch = position.next()
         recorder.end(spans.INPUT_WAIT, step, step_started)
-        report.input_wait_ns += time.perf_counter_ns() - step_started
+        report.input_waited(time.perf_counter_ns() - step_started)
         if batch is None:
             break
         loss, pushed = worker.run(batch, step)

@@ -57,6 +57,10 @@ class Report:
                 del self.summary_losses[k], self._completed[k]
         self.summary_interval = interval
 
+    def input_waited(self, ns: int) -> None:
+        """This worker waited `ns` nanoseconds for its input."""
+        self.input_wait_ns += ns
+
     def due(self) -> bool:
         return time.monotonic() - self.last_sent >= _REPORT_EVERY_S
 

@@ -104,7 +104,7 @@ class WorkerStep:
                 break
             waited = time.perf_counter_ns()
             batch = position.next()
-            self.report.input_wait_ns += time.perf_counter_ns() - waited
+            self.report.input_waited(time.perf_counter_ns() - waited)
             if batch is None:
                 with torch.no_grad():
                     for param in model.parameters():
