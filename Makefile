@@ -27,6 +27,7 @@ demo: $(BASE)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Every benchmark beside its peers; stores each result in benchmarks/results/ and rewrites BENCHMARKS.md.
 bench: $(STAMP)
 	$(PY) benchmarks/run_all.py
 

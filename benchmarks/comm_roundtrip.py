@@ -7,7 +7,6 @@ as the floor under shardflow's own cost. Repeats alternate between peers; the be
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing
 import socket
 import statistics
@@ -18,6 +17,7 @@ from multiprocessing.connection import Connection
 
 import torch
 import zmq
+from result_line import print_result, row
 
 from shardflow.comm import Client, Server
 
@@ -177,21 +177,25 @@ def main() -> None:
     for process in (raw_process, bare_process, shardflow_process):
         process.join(timeout=10)
 
+    report(bandwidth, latency, repeats, quick=args.quick)
+
+
+def report(bandwidth: dict[str, float], latency: dict[str, float], repeats: int, *, quick: bool) -> None:
+    """The table of both measures, then the RESULT line."""
     bandwidth_ratio = bandwidth["shardflow"] / bandwidth["raw TCP"]
     latency_ratio = latency["shardflow"] / latency["raw TCP"]
-    print(f"{'loopback, best of ' + str(repeats):<30}" + "".join(f"{name:>12}" for name in peers) + f"{'ratio':>8}")
+    print(f"{'loopback, best of ' + str(repeats):<30}" + "".join(f"{name:>12}" for name in bandwidth) + f"{'ratio':>8}")
     for label, figures, ratio, target, digits in (
         ("4 MB push+pull, GB/s", bandwidth, bandwidth_ratio, ">= 0.80", 2),
         ("1 KB round trip, median us", latency, latency_ratio, "<= 2.00", 1),
     ):
         print(
             f"{label:<30}"
-            + "".join(f"{figures[name]:>12.{digits}f}" for name in peers)
+            + "".join(f"{figures[name]:>12.{digits}f}" for name in figures)
             + f"{ratio:>8.2f}   target {target}"
         )
-    result = {
-        "benchmark": "comm_roundtrip",
-        "quick": args.quick,
+    figures = {
+        "quick": quick,
         "raw_tcp_gbps": round(bandwidth["raw TCP"], 3),
         "bare_pyzmq_gbps": round(bandwidth["bare pyzmq"], 3),
         "shardflow_gbps": round(bandwidth["shardflow"], 3),
@@ -201,7 +205,11 @@ def main() -> None:
         "shardflow_rtt_1kb_us": round(latency["shardflow"], 1),
         "rtt_ratio": round(latency_ratio, 3),
     }
-    print("RESULT " + json.dumps(result))
+    rows = [
+        row("4 MB push+pull, GB/s", bandwidth["shardflow"], "raw TCP socket", bandwidth["raw TCP"], target=">= 0.8"),
+        row("1 KB round trip, median us", latency["shardflow"], "raw TCP socket", latency["raw TCP"], target="<= 2"),
+    ]
+    print_result("comm_roundtrip", figures, rows)
 
 
 if __name__ == "__main__":

@@ -187,13 +187,7 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
     run = Run(workdir, config, env)
     fired_at: float | None = None
     if fault.sigterm:
-        job_file = workdir / "model" / "job.json"
-        deadline = time.monotonic() + 120
-        while not job_file.exists() and run.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(rng.uniform(0.5, 2.5))  # of about 3 s of training
-        fired_at = time.time()
-        run.proc.send_signal(signal.SIGTERM)
+        fired_at = _sigterm_during_training(run, workdir, rng)
     returncode = run.wait()
     if marker.exists():
         fired_at = marker.stat().st_mtime + 0.1  # the process sleeps 0.1 s, then SIGKILLs itself
@@ -230,6 +224,18 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
     if not exact:
         how += f"; audit failed: {why}"
     return Outcome(fault.name, step, exact, how, twice, never, steps_lost, detect_s, recover_s)
+
+
+def _sigterm_during_training(run: Run, workdir: Path, rng: random.Random) -> float:
+    """SIGTERM to the job at a random moment once training has started; returns that moment."""
+    job_file = workdir / "model" / "job.json"
+    deadline = time.monotonic() + 120
+    while not job_file.exists() and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.5, 2.5))  # of about 3 s of training
+    fired_at = time.time()
+    run.proc.send_signal(signal.SIGTERM)
+    return fired_at
 
 
 def _refused_batch(fault: Fault, batch: int | None, workdir: Path, returncode: int, out: str) -> Outcome:
@@ -310,7 +316,7 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         )
     lines += [
         "",
-        "What the job does after each fault is described in the README's failure model. The chief cannot be",
+        "What the job does after each fault is described in docs/reliability-and-faults.md. The chief cannot be",
         "restarted into a running job yet (its control plane lives in its process); a killed chief ends the job,",
         "and the next run resumes from the newest intact checkpoint.",
         "",

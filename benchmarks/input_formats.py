@@ -10,13 +10,13 @@ Usage: python benchmarks/input_formats.py [--quick] [--repeats R] [--data-dir DI
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+from result_line import print_result, row
 
 from shardflow.data.example import FixedLenFeature, make_example, parse_example
 from shardflow.data.sources import TFRecordDataset, TFRecordWriter
@@ -137,9 +137,18 @@ def main() -> None:
         mine, theirs = best.get(("shardflow", name)), best.get(("tf.data", name))
         ratio = f"{mine / theirs:>8.2f}" if mine and theirs else ""
         print(f"{name:<34}{f'{mine:,.0f}' if mine else '-':>12}{f'{theirs:,.0f}' if theirs else '-':>12}{ratio}")
-    result = {"benchmark": "input_formats", "quick": args.quick, "num_records": num_records}
-    result.update({f"{peer}:{name}": round(rate) for (peer, name), rate in best.items()})
-    print("RESULT " + json.dumps(result))
+    figures = {"quick": args.quick, "num_records": num_records}
+    figures.update({f"{peer}:{name}": round(rate) for (peer, name), rate in best.items()})
+    mine, theirs = "read+batch+parse", "read+batch+parse, AUTOTUNE"
+    rows = [
+        row(f"{name}, records/s", best["shardflow", name], "tf.data, one core", best["tf.data", name])
+        for name in names
+        if ("tf.data", name) in best and ("shardflow", name) in best
+    ]
+    rows.append(
+        row(f"{mine}, records/s", best["shardflow", mine], "tf.data, AUTOTUNE on every core", best["tf.data", theirs])
+    )
+    print_result("input_formats", figures, rows)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import psutil
+import result_line
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
@@ -354,13 +355,34 @@ def main() -> None:
         print(row + "   " + ", ".join(f"{peer} {cpu:.1f}" for (peer, of), cpu in cpu_per_record.items() if of == name))
     state_ratio = state["shardflow"] / state["tf.data"]
     print(f"{'state':<10}{state['shardflow']:>11,}B{state['tf.data']:>11,}B{state_ratio:>8.5f}")
-    result: dict[str, Any] = {"benchmark": "input_pipeline", "quick": args.quick, "num_records": num_records}
-    result["others_cores_median"] = round(float(np.median(others)), 2)
-    result["python_loop_s"] = [round(seconds, 2) for seconds in speed]
-    result.update({f"{peer}:{name}": round(rate) for (peer, name), rate in best.items()})
-    result.update({f"{peer}:{name}:cpu_us_per_record": round(cpu, 1) for (peer, name), cpu in cpu_per_record.items()})
-    result.update({f"{peer}:state_bytes": size for peer, size in state.items()})
-    print("RESULT " + json.dumps(result))
+    figures: dict[str, Any] = {"quick": args.quick, "num_records": num_records}
+    figures["others_cores_median"] = round(float(np.median(others)), 2)
+    figures["python_loop_s"] = [round(seconds, 2) for seconds in speed]
+    figures.update({f"{peer}:{name}": round(rate) for (peer, name), rate in best.items()})
+    figures.update({f"{peer}:{name}:cpu_us_per_record": round(cpu, 1) for (peer, name), cpu in cpu_per_record.items()})
+    figures.update({f"{peer}:state_bytes": size for peer, size in state.items()})
+    result_line.print_result("input_pipeline", figures, result_rows(best, state))
+
+
+def result_rows(best: dict[tuple[str, str], float], state: dict[str, int]) -> list[dict[str, Any]]:
+    """BENCHMARKS.md's rows: each pipeline against its peers, and the iterator state against tf.data's checkpoint."""
+    targets = {("tf.data", "tfrecord"): ">= 1", ("tf.data", "csv"): ">= 1", ("tf.data", "python"): ">= 1.5"}
+    targets["DataLoader", "python"] = ">= 1"
+    rows = [
+        result_line.row(f"{name} pipeline, records/s", best["shardflow", name], peer, best[peer, name], target=target)
+        for (peer, name), target in targets.items()
+    ]
+    rows.append(
+        result_line.row(
+            "iterator state, bytes",
+            state["shardflow"],
+            "tf.data checkpoint",
+            state["tf.data"],
+            target="shardflow's state <= 1 KB",
+            met=state["shardflow"] <= 1024,
+        )
+    )
+    return rows
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import result_line
 
 JOB_FLAG = "--job"
 TARGET_ERROR = 0.25
@@ -87,7 +88,7 @@ def main() -> int:
 
 
 def validate(sizes: list[int], steps: int, args: argparse.Namespace, out: Path) -> int:
-    from shardflow.tools.plan_model import PlanConfig, predict
+    from shardflow.planning.plan_model import PlanConfig, predict
 
     runs = {n: fastest([measure(n, steps, args, out / f"repeat-{r}") for r in range(args.repeats)]) for n in sizes}
     base = runs[sizes[0]]["calibration"]
@@ -141,13 +142,32 @@ def validate(sizes: list[int], steps: int, args: argparse.Namespace, out: Path) 
     calibration = {**vars(base), "capture": str(base.capture)}
     report = {"steps": steps, "cores": args.cores, "calibration": calibration, "rows": rows}
     (out / "plan_validation.json").write_text(json.dumps(report, indent=1))
+    result_line.print_result("plan_validation", report, result_rows(rows, sizes[0]))
     return 0 if min(worst, worst_left) <= TARGET_ERROR else 1
+
+
+def result_rows(rows: list[dict[str, Any]], calibrated_on: int) -> list[dict[str, Any]]:
+    """BENCHMARKS.md's rows: each predicted size against its measured rate (the calibration run is not a test)."""
+    return [
+        result_line.row(
+            f"plan's global steps/s for {size['workers']} worker{'s' if size['workers'] != 1 else ''}, "
+            f"calibrated on {calibrated_on}",
+            size["predicted"],
+            "measured steady rate",
+            size["measured"],
+            target=f"within {TARGET_ERROR:.0%}",
+            # As the script's exit status: met with all the cores or with those other programs left the job.
+            met=min(abs(size["error"]), abs(size["error_cores_left"])) <= TARGET_ERROR,
+        )
+        for size in rows
+        if size["workers"] != calibrated_on
+    ]
 
 
 def measure(num_workers: int, steps: int, args: argparse.Namespace, out: Path) -> dict[str, Any]:
     """One profiled run, with the CPU that other processes used meanwhile (machine busy time minus the job's)."""
-    from shardflow.tools.calibrate import calibrate
-    from shardflow.tools.scaling import ScaleConfig, run_size
+    from shardflow.planning.calibrate import calibrate
+    from shardflow.planning.scaling import ScaleConfig, run_size
 
     # Profile the middle of each run: past the start-up ramp, before the first workers finish.
     window = (int(steps * 0.4), int(steps * 0.7))

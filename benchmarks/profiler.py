@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from result_line import print_result, row
 
 from shardflow.profile.analysis import memory, top
 from shardflow.profile.diagnose import steps
@@ -210,7 +211,25 @@ def main(argv: list[str] | None = None) -> int:
         result["analysis"] = analysis_time(num_events)
     json.dump(result, sys.stdout, indent=2)
     print()
+    print_result("profiler", result, result_rows(result))
     return 0
+
+
+def result_rows(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """BENCHMARKS.md's rows: the recorder's cost in a step, and analysis speed against torch.profiler's."""
+    rows = []
+    if overhead := result.get("recorder_overhead"):
+        with_, without = overhead["step_ms_with"], overhead["step_ms_without"]
+        measure = "training-like step, ms (recorder in-process, alternating blocks of 10)"
+        rows.append(row(measure, with_, "no recorder", without, ratio=overhead["ratio"], target="<= 1.02"))
+    if analysis := result.get("analysis"):
+        seconds = sum(analysis[f"{name}_s"] for name in ("to_parquet", "top", "steps", "memory"))
+        measure = "capture analysis, events/s (Parquet + top + steps + memory)"
+        peer = "torch.profiler key_averages()"
+        rows.append(
+            row(measure, analysis["rows"] / seconds, peer, analysis["torch_events"] / analysis["torch_key_averages_s"])
+        )
+    return rows
 
 
 if __name__ == "__main__":

@@ -26,6 +26,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
+
+from result_line import print_result, row
 
 from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
@@ -152,23 +155,50 @@ def main() -> None:
         f"capture of 5 steps on 7 processes: collect {timing.get('collect_s', float('nan')):.2f}s, "
         f"merge {timing.get('merge_s', float('nan')):.2f}s"
     )
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "recorder_on_steps_per_s": [r["steps_per_s"] for r in on],
-                "recorder_off_steps_per_s": [r["steps_per_s"] for r in off],
-                "recorder_overhead_median": overhead,
-                "within_run_overheads": within_overheads,
-                "recorder_call_ns": cost_ns,
-                "worker_calls_per_step": worker_calls,
-                "ps_calls_per_update": ps_calls,
-                "worker_share": worker_share,
-                "ps_share": ps_share,
-                **{f"capture_{k}": v for k, v in timing.items()},
-            }
-        )
-    )
+    figures = {
+        "recorder_on_steps_per_s": [r["steps_per_s"] for r in on],
+        "recorder_off_steps_per_s": [r["steps_per_s"] for r in off],
+        "recorder_overhead_median": overhead,
+        "within_run_overheads": within_overheads,
+        "recorder_call_ns": cost_ns,
+        "worker_calls_per_step": worker_calls,
+        "ps_calls_per_update": ps_calls,
+        "worker_share": worker_share,
+        "ps_share": ps_share,
+        **{f"capture_{k}": v for k, v in timing.items()},
+    }
+    print_result("profiler_overhead", figures, result_rows(figures))
+
+
+def result_rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    """BENCHMARKS.md's rows: the recorder's step-time overhead measured between runs, within runs and by
+    attribution (target: at most 2% of step time)."""
+    on, off = (statistics.median(figures[f"recorder_{side}_steps_per_s"]) for side in ("on", "off"))
+    within = 1 + statistics.median(figures["within_run_overheads"])
+    return [
+        row(
+            "global steps/s, recorder on (median of runs; ratio: step time, median of pairs)",
+            on,
+            "recorder off (SHARDFLOW_RECORDER=off)",
+            off,
+            ratio=1 + figures["recorder_overhead_median"],
+            target="<= 1.02",
+        ),
+        row(
+            "worker step time, blocks with the recorder over blocks without (median of runs)",
+            within,
+            "blocks without the recorder",
+            1.0,
+            target="<= 1.02",
+        ),
+        row(
+            "recorder calls x cost per call, share of a worker step",
+            figures["worker_share"],
+            "the worker's step time",
+            1.0,
+            target="<= 0.02",
+        ),
+    ]
 
 
 if __name__ == "__main__":

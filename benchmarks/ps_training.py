@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from mlp import BATCH, NUM_EXAMPLES, mlp, synthetic_data
+from result_line import print_result, row
 
 HERE = Path(__file__).parent
 
@@ -95,7 +96,10 @@ def features_side_by_side(steps: int, repeats: int) -> None:
     print(f"2w+1PS clip_grad_norm + bf16, steps/s: {', '.join(f'{v:.0f}' for v in featured)}")
     ratio = statistics.median(featured) / statistics.median(plain)
     print(f"clip + bf16 vs plain (medians): {ratio:.2f}x")
-    print("RESULT " + json.dumps({"plain_steps_per_s": plain, "clip_bf16_steps_per_s": featured, "ratio": ratio}))
+    figures = {"plain_steps_per_s": plain, "clip_bf16_steps_per_s": featured, "ratio": ratio}
+    measure = "2w+1PS global steps/s, clip_grad_norm + bf16 (medians)"
+    rows = [row(measure, statistics.median(featured), "the same job without", statistics.median(plain))]
+    print_result("ps_features", figures, rows)
 
 
 def auth_side_by_side(steps: int, repeats: int) -> None:
@@ -108,7 +112,13 @@ def auth_side_by_side(steps: int, repeats: int) -> None:
     print(f"2w+1PS authentication on (default), steps/s: {', '.join(f'{v:.0f}' for v in on)}")
     ratio = statistics.median(on) / statistics.median(off)
     print(f"on vs off (medians): {ratio:.2f}x")
-    print("RESULT " + json.dumps({"auth_on_steps_per_s": on, "auth_off_steps_per_s": off, "ratio": ratio}))
+    figures = {"auth_on_steps_per_s": on, "auth_off_steps_per_s": off, "ratio": ratio}
+    measure = "2w+1PS global steps/s, authentication on (medians)"
+    print_result(
+        "ps_authentication",
+        figures,
+        [row(measure, statistics.median(on), "SHARDFLOW_INSECURE=1", statistics.median(off))],
+    )
 
 
 def on_off_side_by_side(steps: int, repeats: int, variable: str, labels: dict[str, str]) -> None:
@@ -133,10 +143,18 @@ def on_off_side_by_side(steps: int, repeats: int, variable: str, labels: dict[st
         key = labels[f"{setting}_key"]
         result[f"{key}_steps_per_s"] = [r for r, _ in runs[setting]]
         result[f"{key}_cpu_s_per_1000_steps"] = [c for _, c in runs[setting]]
-    print("RESULT " + json.dumps(result))
+    measure = f"2w+1PS global steps/s, {labels['on']} (medians)"
+    on, off = (statistics.median(r for r, _ in runs[setting]) for setting in ("on", "off"))
+    print_result(labels["benchmark"], result, [row(measure, on, labels["off"], off)])
 
 
-LOCAL_SOCKETS = {"off": "loopback TCP", "on": "UNIX socket (default)", "off_key": "tcp", "on_key": "unix"}
+LOCAL_SOCKETS = {
+    "off": "loopback TCP",
+    "on": "UNIX socket (default)",
+    "off_key": "tcp",
+    "on_key": "unix",
+    "benchmark": "ps_local_sockets",
+}
 """The PS over a UNIX socket (SHARDFLOW_LOCAL_SOCKETS=on, the default) against loopback TCP (with
 SHARDFLOW_SHARED_MEMORY=on, the worker then uses no lanes: they need the UNIX socket)."""
 SHARED_MEMORY = {
@@ -144,6 +162,7 @@ SHARED_MEMORY = {
     "on": "shared-memory lanes (default)",
     "off_key": "socket",
     "on_key": "lanes",
+    "benchmark": "ps_shared_memory",
 }
 """Gradients and parameters through shared-memory lanes (SHARDFLOW_SHARED_MEMORY=on, the default) against through
 the UNIX socket."""
@@ -164,7 +183,10 @@ def sync_side_by_side(steps: int, repeats: int) -> None:
     ratio = max(shardflow) / max(ddp)
     print(f"sync 2 workers vs DDP (best against best): {ratio:.2f}x (target >= 1.0x)")
     result = {"sf_sync_2w1ps_steps_per_s": shardflow, "ddp_gloo_2_steps_per_s": ddp, "ratio": ratio}
-    print("RESULT " + json.dumps(result))
+    measure = "sync 2 workers + 1 PS, global steps/s (best against best)"
+    print_result(
+        "ps_sync", result, [row(measure, max(shardflow), "PyTorch DDP (gloo), 2 processes", max(ddp), target=">= 1")]
+    )
 
 
 def best(runs: list[dict]) -> dict:
@@ -285,7 +307,28 @@ def main() -> None:
     print(f"sync 2 workers + 1 PS vs DDP: {result['ratio_sync_2w_vs_ddp']:.2f}x (target >= 1.0x)")
     if "ratio_2w1ps_vs_tf" in result:
         print(f"async 2 workers + 1 PS vs TF: {result['ratio_2w1ps_vs_tf']:.2f}x (target >= 3x)")
-    print("RESULT " + json.dumps(result))
+    print_result("ps_training", result, result_rows(result))
+
+
+def result_rows(result: dict) -> list[dict]:
+    """BENCHMARKS.md's rows: async against TF and the local loop, sync against DDP, frequent checkpoints."""
+    rows = []
+    if "tf_2w1ps_steps_per_s" in result:
+        measure = "async 2 workers + 1 PS, global steps/s"
+        peer = "TF ParameterServerStrategy 2 workers + 1 PS"
+        rows.append(row(measure, result["sf_2w1ps_steps_per_s"], peer, result["tf_2w1ps_steps_per_s"], target=">= 3"))
+    measure = "async 1 worker + 1 PS, global steps/s"
+    peer = "single-process PyTorch loop"
+    rows.append(row(measure, result["sf_1w1ps_steps_per_s"], peer, result["local_steps_per_s"], target=">= 0.7"))
+    measure = "sync 2 workers + 1 PS, global steps/s"
+    peer = "PyTorch DDP (gloo), 2 processes"
+    rows.append(
+        row(measure, result["sf_sync_2w1ps_steps_per_s"], peer, result["ddp_gloo_2_steps_per_s"], target=">= 1")
+    )
+    measure = "async 2w+1PS with a checkpoint every 100 steps, global steps/s"
+    peer = "the same job without"
+    rows.append(row(measure, result["sf_2w1ps_checkpoint_every_100_steps_per_s"], peer, result["sf_2w1ps_steps_per_s"]))
+    return rows
 
 
 if __name__ == "__main__":

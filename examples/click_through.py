@@ -44,6 +44,7 @@ from summary import print_summary
 
 import shardflow as sf
 from shardflow import data
+from shardflow.train.checkpoints import store
 
 # Categorical features: (ids, embedding size). Item ids decide the category.
 VOCABULARIES = {"user_id": (10_000, 16), "item_id": (2_000, 16), "category": (50, 8), "hour": (24, 4), "device": (3, 2)}
@@ -238,7 +239,7 @@ def main(args: argparse.Namespace) -> None:
 
 def _table_placement(checkpoint: Path) -> list[str]:
     """Where the checkpoint says each embedding table's rows live, and which tables are row-sparse."""
-    pieces = json.loads((checkpoint / "manifest.json").read_text())["placement"]["pieces"]
+    pieces = store.read_manifest(checkpoint)["placement"]["pieces"]
     lines = []
     for name in VOCABULARIES:
         slices = [p for p in pieces if p["name"] == f"embeddings.{name}.weight"]

@@ -4,15 +4,15 @@ import torch
 from safetensors.torch import load_file
 
 from shardflow.cli.main import main
-from shardflow.ps.checkpointing import ModelState
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.model_state import ModelState
 
 
 def test_export_writes_the_parameters_without_optimizer_slots(tmp_path, capsys):
     model = torch.nn.Linear(3, 2)
     params = {k: v.detach().clone() for k, v in model.state_dict().items()}
     state = ModelState(step=7, params=params, slots={"exp_avg": {k: torch.zeros_like(v) for k, v in params.items()}})
-    checkpoint.save_state(tmp_path / "model", state, {})
+    store.save_state(tmp_path / "model", state, {})
     assert main(["export", str(tmp_path / "model"), str(tmp_path / "out.safetensors")]) == 0
     exported = load_file(str(tmp_path / "out.safetensors"))
     assert set(exported) == {"weight", "bias"}

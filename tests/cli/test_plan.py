@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from shardflow.cli.main import main
-from shardflow.tools.calibrate import calibrate
+from shardflow.planning.calibrate import calibrate
 
 JOB = Path(__file__).parent / "jobs" / "tiny_classifier.py"
 # The job's MLP 16-32-4: (16·32 + 32 + 32·4 + 4) float32 parameters.

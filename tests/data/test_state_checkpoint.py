@@ -19,7 +19,7 @@ MakePipeline = Callable[[], data.Dataset[Any]]
 
 
 def json_round_trip(state: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(state))  # type: ignore[no-any-return]
+    return json.loads(json.dumps(state))
 
 
 def resumed_sequence(make: MakePipeline, k: int) -> tuple[list[Any], list[Any]]:

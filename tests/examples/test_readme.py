@@ -1,7 +1,8 @@
 """The README runs as written: its Python programs run on a local cluster, and its commands exist with the flags shown.
 
-A ```python block is a complete program unless the line before it is `<!-- fragment -->` (a snippet showing an API
-call). Commands that need a running job or a capture are checked against their subcommand's --help; the quick,
+The same holds for the docs pages that hold what used to be the README's manual (DOCUMENTS). A ```python block is a
+complete program unless the line before it is `<!-- fragment -->` (a snippet showing an API call). Commands that need
+a running job or a capture are checked against their subcommand's --help; the quick,
 harmless ones (--help, --version, plan) are run.
 """
 
@@ -19,6 +20,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+DOCUMENTS = [
+    README,
+    *(
+        ROOT / "docs" / f"{page}.md"
+        for page in ("training", "data", "embeddings", "reliability-and-faults", "security", "profiling", "cli")
+    ),
+    ROOT / "docs" / "examples.md",
+]
+"""The README and the docs pages that hold its former sections: their code blocks and commands are checked."""
 FRAGMENT_MARKER = "<!-- fragment -->"
 SHARDFLOW = [sys.executable, "-m", "shardflow"]
 
@@ -27,12 +37,14 @@ SHARDFLOW = [sys.executable, "-m", "shardflow"]
 class CodeBlock:
     language: str
     code: str
+    document: str
+    """The file, relative to the repository's root."""
     line: int
     """1-based line of the opening fence, to name the block in failures."""
     fragment: bool
 
 
-def code_blocks(text: str) -> list[CodeBlock]:
+def code_blocks(text: str, document: str = "README.md") -> list[CodeBlock]:
     blocks = []
     lines = text.splitlines()
     index = 0
@@ -44,7 +56,7 @@ def code_blocks(text: str) -> list[CodeBlock]:
         end = lines.index("```", index + 1)
         fragment = index > 0 and lines[index - 1].strip() == FRAGMENT_MARKER
         code = "\n".join(lines[index + 1 : end]) + "\n"
-        blocks.append(CodeBlock(language=opening[1], code=code, line=index + 1, fragment=fragment))
+        blocks.append(CodeBlock(language=opening[1], code=code, document=document, line=index + 1, fragment=fragment))
         index = end + 1
     return blocks
 
@@ -62,10 +74,10 @@ def shell_commands(text: str) -> list[str]:
     return list(dict.fromkeys(commands))
 
 
-BLOCKS = code_blocks(README.read_text())
+BLOCKS = [block for path in DOCUMENTS for block in code_blocks(path.read_text(), str(path.relative_to(ROOT)))]
 PROGRAMS = [block for block in BLOCKS if block.language == "python" and not block.fragment]
 FRAGMENTS = [block for block in BLOCKS if block.language == "python" and block.fragment]
-COMMANDS = shell_commands(README.read_text())
+COMMANDS = list(dict.fromkeys(command for path in DOCUMENTS for command in shell_commands(path.read_text())))
 
 
 def shardflow(*args: str) -> subprocess.CompletedProcess[str]:
@@ -87,13 +99,13 @@ def subcommands(help_text: str) -> set[str]:
 
 
 def test_the_readme_has_a_complete_program_and_its_fragments_are_marked():
-    assert PROGRAMS, "the Quickstart should be a complete program"
+    assert any(block.document == "README.md" for block in PROGRAMS), "the Quickstart should be a complete program"
     assert all(block.language for block in BLOCKS if block.code.lstrip().startswith(("import ", "shardflow "))), (
         "a code block without a language is not tested"
     )
 
 
-@pytest.mark.parametrize("block", PROGRAMS, ids=lambda block: f"line-{block.line}")
+@pytest.mark.parametrize("block", PROGRAMS, ids=lambda block: f"{block.document}-line-{block.line}")
 def test_python_program_runs_as_a_script_on_a_local_cluster(block: CodeBlock, tmp_path: Path):
     script = tmp_path / "train.py"
     script.write_text(block.code)
@@ -101,14 +113,14 @@ def test_python_program_runs_as_a_script_on_a_local_cluster(block: CodeBlock, tm
         [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False
     )
     assert done.returncode == 0, (
-        f"README.md line {block.line}: the program exited {done.returncode} (if it is a snippet, put "
+        f"{block.document} line {block.line}: the program exited {done.returncode} (if it is a snippet, put "
         f"{FRAGMENT_MARKER} on the line before it)\n{done.stdout}{done.stderr}"
     )
 
 
-@pytest.mark.parametrize("block", FRAGMENTS, ids=lambda block: f"line-{block.line}")
+@pytest.mark.parametrize("block", FRAGMENTS, ids=lambda block: f"{block.document}-line-{block.line}")
 def test_python_fragment_is_valid_python(block: CodeBlock):
-    compile(block.code, f"README.md:{block.line}", "exec")
+    compile(block.code, f"{block.document}:{block.line}", "exec")
 
 
 def test_quickstart_data_is_seeded_so_every_role_sees_the_same():
@@ -125,7 +137,7 @@ def test_shell_command_exists_with_every_flag_it_uses(command: str):
         for target in args:
             assert re.search(rf"^{re.escape(target)}:", makefile, flags=re.MULTILINE), f"no make target {target}"
         return
-    assert program == "shardflow", f"a README command this test does not know how to check: {command}"
+    assert program == "shardflow", f"a documented command this test does not know how to check: {command}"
     if args in (["--version"], ["--help"]):
         done = shardflow(*args)
         assert done.returncode == 0 and done.stdout.startswith(("shardflow", "usage: shardflow")), done.stderr

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 
 JOB = Path(__file__).parent / "jobs" / "resumable.py"
 NUM_RECORDS = 240
@@ -48,9 +48,9 @@ def batches(log: Path, worker: int) -> list[list[int]]:
 
 
 def final_state(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    latest = checkpoint.latest(model_dir)
+    latest = store.latest(model_dir)
     assert latest is not None, f"no checkpoint in {model_dir}"
-    state, manifest = checkpoint.load_state(latest)
+    state, manifest = store.load_state(latest)
     return {**state.params, **{f"{k}/{n}": t for k, d in state.slots.items() for n, t in d.items()}}, manifest
 
 
@@ -88,7 +88,7 @@ def test_periodic_checkpoints_are_taken_at_exact_steps_and_only_the_newest_kept(
     run(tmp_path, data_dir, "periodic", num_ps=2, max_steps=25, save_checkpoints_steps=5, keep_checkpoint_max=3)
     names = sorted(p.name for p in (tmp_path / "periodic" / "checkpoints").glob("ckpt-*"))
     assert names == ["ckpt-000000015", "ckpt-000000020", "ckpt-000000025"]
-    state, _ = checkpoint.load_state(tmp_path / "periodic" / "checkpoints" / "ckpt-000000015")
+    state, _ = store.load_state(tmp_path / "periodic" / "checkpoints" / "ckpt-000000015")
     # Each worker's input position belongs to the same step: 15 batches of each worker were trained on.
     assert {w: s["consumed"] for w, s in state.iterators.items()} == {"worker:0": 15, "worker:1": 15}
 
@@ -166,11 +166,11 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
     script = tmp_path / "saver.py"
     script.write_text(
         "import sys, torch\n"
-        "from shardflow.train import checkpoint\n"
+        "from shardflow.train.checkpoints import store\n"
         "step = 0\n"
         "while True:\n"
         "    step += 1\n"
-        "    checkpoint.save(sys.argv[1], step, {'w': torch.full((1_000_000,), float(step))}, {}, keep=2)\n"
+        "    store.save(sys.argv[1], step, {'w': torch.full((1_000_000,), float(step))}, {}, keep=2)\n"
         "    print(step, flush=True)\n"
     )
     for delay in (0.9, 1.3, 1.7):
@@ -184,7 +184,7 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         finally:
             os.kill(proc.pid, 9)
             proc.wait()
-        latest = checkpoint.latest(tmp_path / "m")
+        latest = store.latest(tmp_path / "m")
         assert latest is not None
-        tensors, manifest = checkpoint.load(latest)
+        tensors, manifest = store.load(latest)
         assert torch.all(tensors["w"] == manifest["global_step"])

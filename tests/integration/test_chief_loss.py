@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 
 from .conftest import TFConfigJob
 
@@ -32,7 +32,7 @@ def test_a_chief_killed_mid_checkpoint_and_restarted_resumes_from_the_live_ps_ex
         first_out, _ = roles.procs["chief", 0].communicate(timeout=120)
         assert roles.procs["chief", 0].returncode == -signal.SIGKILL, first_out
         # The checkpoint being saved is not there; the one before is intact.
-        intact = checkpoint.latest(model_dir)
+        intact = store.latest(model_dir)
         assert intact is not None and intact.name.endswith("16"), intact
         roles.start("chief", 0)
         outputs = roles.finish()

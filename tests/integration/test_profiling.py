@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shardflow.cluster.control_keys import capture_done, capture_part
-from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.profile import set_recorder
 from shardflow.profile.spans import STEP
 from shardflow.profile.trace import check_legal, read_trace
@@ -175,11 +175,11 @@ def test_the_chief_merges_its_own_part_from_memory_and_the_others_from_the_contr
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    chief_control = ControlPlane(f"127.0.0.1:{port}", is_chief=True, timeout_s=10.0)
+    chief_control = ControlPlane.serve(f"127.0.0.1:{port}", timeout_s=10.0)
     chief = ChiefProfiler(chief_control, "127.0.0.1", tmp_path)
     try:
-        worker = RoleProfiler("worker:0", ControlPlane(f"127.0.0.1:{port}", is_chief=False, timeout_s=10.0))
-        name = chief.request(0, 2)["name"]
+        worker = RoleProfiler("worker:0", ControlPlane(f"127.0.0.1:{port}", timeout_s=10.0))
+        name = chief.request(0, 2).name
         worker.check_requests()
         for step in range(3):
             for profiler in (chief, worker):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 
 JOB = Path(__file__).parent / "jobs" / "embedding.py"
 _spec = importlib.util.spec_from_file_location("embedding_job", JOB)
@@ -21,9 +21,9 @@ _spec.loader.exec_module(job)
 
 
 def final_state(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    latest = checkpoint.latest(model_dir)
+    latest = store.latest(model_dir)
     assert latest is not None, f"no checkpoint in {model_dir}"
-    state, manifest = checkpoint.load_state(latest)
+    state, manifest = store.load_state(latest)
     return {**state.params, **{f"{k}/{n}": t for k, d in state.slots.items() for n, t in d.items()}}, manifest
 
 

@@ -15,7 +15,7 @@ import torch
 import zmq
 from safetensors.torch import load_file
 
-from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
+from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.comm.client import Client
 from shardflow.comm.errors import CommError
 from shardflow.comm.security import Credentials, job_credentials
@@ -89,7 +89,7 @@ def test_a_stranger_without_the_secret_can_do_nothing_and_the_job_ends_exact(sta
     # The control plane: neither this process's own credentials nor a guess get in.
     for credentials in (job_credentials(), Credentials("a guess")):
         with pytest.raises(ControlPlaneError, match="job's secret"):
-            ControlPlane(chief, is_chief=False, timeout_s=3, credentials=credentials)
+            ControlPlane(chief, timeout_s=3, credentials=credentials)
 
     # Each PS: a stop, a pull and a push of NaN, with credentials and with none.
     nan_push = protocol.Push(worker_index=0, local_step=10_000, base_step=0, frame_counts=(1,)).header()

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardflow.cluster.zygote import role_of
+from shardflow.train import job_keys
 
 from .test_cluster_environments import _free_ports
 
@@ -222,8 +223,9 @@ def test_a_ps_killed_mid_apply_is_restarted_and_every_ps_resumes_from_the_latest
 
 
 def test_a_malformed_capture_request_on_the_control_plane_is_refused_and_the_job_goes_on(tmp_path):
-    from shardflow.cluster import control_keys
-    from shardflow.cluster.rendezvous import ControlPlane
+    import msgspec
+
+    from shardflow.cluster.control_plane import ControlPlane
     from shardflow.comm.security import job_credentials
 
     path = _write_config(tmp_path, mode="async", step_delay_s=0.03)
@@ -237,16 +239,15 @@ def test_a_malformed_capture_request_on_the_control_plane_is_refused_and_the_job
         # own validation is what refuses it.
         member = job_credentials(tmp_path / "model")
         assert member.secret is not None
-        outsider = ControlPlane(job["control"], is_chief=False, timeout_s=10, credentials=member)
+        outsider = ControlPlane(job["control"], timeout_s=10, credentials=member)
         escape = tmp_path / "escaped"
-        outsider.set(
-            control_keys.CAPTURE_REQUEST,
-            json.dumps({"name": f"../../../{escape.relative_to('/')}", "first": 5, "last": 8}),
-        )
+        request = {"name": f"../../../{escape.relative_to('/')}", "first": 5, "last": 8}
+        outsider.set(job_keys.CAPTURE_REQUEST.name, msgspec.msgpack.encode(request))
         out, _ = proc.communicate(timeout=120)
     finally:
         _kill_if_running(proc)
     assert proc.returncode == 0, out
-    assert "refused a capture request on the control plane: a capture name is" in out, out
+    assert "refused a capture request on the control plane: the value of 'capture/request'" in out, out
+    assert "a capture name is" in out, out
     assert not escape.exists() and not (tmp_path / "model" / "profile").exists()
     _audit(tmp_path)

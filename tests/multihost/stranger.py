@@ -20,7 +20,7 @@ import torch
 import zmq
 
 from shardflow.cluster import control_keys
-from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.comm.framing import NOBLOCK, decode, encode, send_frames
 from shardflow.comm.security import Credentials
 from shardflow.ps import protocol
@@ -89,7 +89,7 @@ def try_control_plane(credentials: Credentials | None) -> str:
     """Fail the job by saying worker:0 failed: the chief ends a job once a worker's `failed` key appears."""
     key = control_keys.failed("worker:0")
     try:
-        control = ControlPlane(config["chief"], is_chief=False, timeout_s=3, credentials=credentials)
+        control = ControlPlane(config["chief"], timeout_s=3, credentials=credentials)
         control.set(key, "RuntimeError: written by a stranger")
     except RuntimeError as error:  # ControlPlaneError (and CommError) are RuntimeErrors
         return f"refused: {type(error).__name__}: {error}"

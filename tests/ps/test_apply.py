@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from shardflow.ps.apply import ApplyConfig, Gradients, UpdateRule, Updates
-from shardflow.ps.checkpointing import fetch_state, init_servers
 from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
+from shardflow.train.checkpoints.servers import fetch_state, init_servers
 from shardflow.train.strategy import ParameterServerStrategy
 
 

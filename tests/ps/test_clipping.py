@@ -9,13 +9,13 @@ import socket
 import pytest
 import torch
 
-from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import init_servers
 from shardflow.ps.client import PushRequest
 from shardflow.ps.clipping import StoreNormExchange, clip_local_gradients
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.placement import place
+from shardflow.train.checkpoints.servers import init_servers
 
 
 def _model() -> torch.nn.Module:
@@ -48,8 +48,8 @@ def _loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> t
 )
 def test_sync_on_two_ps_equals_one_process_clipping_the_averaged_gradient(start_cluster, clipping, clip_in_one_process):
     cluster = start_cluster(2)
-    chief_store = ControlPlane(f"127.0.0.1:{_free_port()}", is_chief=True, timeout_s=10)
-    stores = [ControlPlane(chief_store.address, is_chief=False, timeout_s=10) for _ in cluster.ps]
+    chief_store = ControlPlane.serve(f"127.0.0.1:{_free_port()}", timeout_s=10)
+    stores = [ControlPlane(chief_store.address, timeout_s=10) for _ in cluster.ps]
     for k, ps in enumerate(cluster.ps):
         ps.norm_exchange = StoreNormExchange(stores[k], k, 2, timeout_s=10)
     model = _model()
@@ -80,15 +80,15 @@ def test_sync_on_two_ps_equals_one_process_clipping_the_averaged_gradient(start_
 
 
 def test_the_ps_agree_the_norm_over_every_ps_in_ps_order():
-    chief = ControlPlane(f"127.0.0.1:{_free_port()}", is_chief=True, timeout_s=10)
+    chief = ControlPlane.serve(f"127.0.0.1:{_free_port()}", timeout_s=10)
     first = StoreNormExchange(chief, 0, 2, timeout_s=10)
-    second = StoreNormExchange(ControlPlane(chief.address, is_chief=False), 1, 2, timeout_s=10)
+    second = StoreNormExchange(ControlPlane(chief.address), 1, 2, timeout_s=10)
     second.store.set(second._key(7, 1), repr(2.5))
     assert first(7, 1.25) == 3.75
 
 
 def test_a_ps_waiting_for_a_norm_that_never_comes_names_the_step():
-    chief = ControlPlane(f"127.0.0.1:{_free_port()}", is_chief=True, timeout_s=10)
+    chief = ControlPlane.serve(f"127.0.0.1:{_free_port()}", timeout_s=10)
     with pytest.raises(RuntimeError, match="gradient norms of global step 4"):
         StoreNormExchange(chief, 0, 2, timeout_s=0.2)(4, 1.0)
 

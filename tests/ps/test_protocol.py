@@ -16,11 +16,11 @@ from shardflow.comm.errors import CommError
 from shardflow.comm.framing import decode, encode
 from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import init_servers
 from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
 from shardflow.ps.protocol import PSProtocolError, RejoinReply, StateReply, StatusReply, StepReply
+from shardflow.train.checkpoints.servers import init_servers
 
 SENDER = "worker:1#0badcafe"
 # A PS holding one float32 buffer of 5 elements and one table of 2 columns, in a job of 2 workers.

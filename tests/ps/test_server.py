@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import fetch_state, init_servers
 from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
+from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 
 def _model() -> torch.nn.Module:

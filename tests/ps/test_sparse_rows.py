@@ -11,12 +11,12 @@ import torch
 from shardflow.comm.errors import CommError
 from shardflow.profile.recorder import SpanRecorder, set_recorder
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import fetch_state, init_servers
 from shardflow.ps.client import ParameterClient, PushRequest, StepReply
 from shardflow.ps.optimizers import SGD, Adagrad, Adam, AdamW, OptimizerSpec, RMSprop
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.protocol import Push, Rows
 from shardflow.ps.sparse import sparse_variables
+from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 NUM_ROWS = 40
 # Each batch looks up some rows more than once; row 30 and up are never looked up.

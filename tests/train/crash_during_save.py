@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 
 CRASHED = 17
 # Each is wrapped so that the process can die on either side of it; rmtree's own unlink and rmdir calls count too.
@@ -32,7 +32,7 @@ OPERATIONS: list[tuple[Any, str]] = [
     (os, "unlink"),
     (os, "rmdir"),
     (shutil, "rmtree"),
-    (checkpoint, "save_file"),
+    (store, "save_file"),
 ]
 
 
@@ -65,12 +65,12 @@ def run_once(mode: str, model_dir: Path, k: int) -> str | None:
     pid = os.fork()
     if pid == 0:
         try:
-            checkpoint.save(model_dir, 1, {"w": torch.full((64,), 1.0)}, {"written": "first"})
+            store.save(model_dir, 1, {"w": torch.full((64,), 1.0)}, {"written": "first"})
             crash_at(k, note)
             if mode == "new-step":
-                checkpoint.save(model_dir, 2, {"w": torch.full((64,), 2.0)}, {"written": "second"})
+                store.save(model_dir, 2, {"w": torch.full((64,), 2.0)}, {"written": "second"})
             else:
-                checkpoint.save(model_dir, 1, {"w": torch.full((64,), 3.0)}, {"written": "second"})
+                store.save(model_dir, 1, {"w": torch.full((64,), 3.0)}, {"written": "second"})
         except BaseException as error:  # an error is a failure of the test, not a crash
             print(f"save failed: {error!r}", file=sys.stderr)
             os._exit(1)

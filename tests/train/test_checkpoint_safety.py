@@ -17,14 +17,14 @@ import psutil
 import pytest
 import torch
 
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 
 HERE = Path(__file__).parent
 REGRESSION_JOB = HERE.parent / "integration" / "jobs" / "regression.py"
 
 
 def save(model_dir: Path, step: int, value: float, **manifest: Any) -> Path:
-    return checkpoint.save(model_dir, step, {"w": torch.full((64,), value)}, manifest)
+    return store.save(model_dir, step, {"w": torch.full((64,), value)}, manifest)
 
 
 def names(model_dir: Path) -> list[str]:
@@ -34,12 +34,12 @@ def names(model_dir: Path) -> list[str]:
 def test_manifest_lists_each_file_with_its_size_and_crc32c(tmp_path):
     path = save(tmp_path, 3, 1.5, mode="sync")
     data = (path / "model.safetensors").read_bytes()
-    manifest = checkpoint.read_manifest(path)
+    manifest = store.read_manifest(path)
     assert manifest["files"] == {
         "model.safetensors": {"bytes": len(data), "crc32c": f"{google_crc32c.value(data):08x}"}
     }
-    assert checkpoint.latest(tmp_path) == path
-    tensors, loaded = checkpoint.load(path)
+    assert store.latest(tmp_path) == path
+    tensors, loaded = store.load(path)
     assert torch.equal(tensors["w"], torch.full((64,), 1.5))
     assert (loaded["global_step"], loaded["mode"]) == (3, "sync")
     assert names(tmp_path) == ["ckpt-000000003", "latest"]
@@ -70,25 +70,25 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_for_the_one_befor
     intact = save(tmp_path, 1, 1.0)
     damaged = save(tmp_path, 2, 2.0)
     damage(damaged)
-    with caplog.at_level(logging.WARNING, logger="shardflow.train.checkpoint"):
-        assert checkpoint.latest(tmp_path) == intact
+    with caplog.at_level(logging.WARNING, logger="shardflow.train.checkpoints.store"):
+        assert store.latest(tmp_path) == intact
     (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert str(damaged) in warning and problem in warning
     # The evaluator asks every 0.5 s: the same damage is reported once.
     caplog.clear()
-    assert checkpoint.latest(tmp_path) == intact
+    assert store.latest(tmp_path) == intact
     assert not caplog.records
 
 
 def test_a_checkpoint_written_before_the_manifest_listed_files_still_loads(tmp_path, caplog):
     path = save(tmp_path, 4, 1.0)
-    manifest = checkpoint.read_manifest(path)
+    manifest = store.read_manifest(path)
     del manifest["files"]
     (path / "manifest.json").write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING):
-        assert checkpoint.latest(tmp_path) == path
+        assert store.latest(tmp_path) == path
     assert not caplog.records
-    assert checkpoint.load_state(path)[0].step == 4
+    assert store.load_state(path)[0].step == 4
 
 
 def test_resaving_a_step_replaces_the_first_copy_only_after_latest_moved_to_the_second(tmp_path):
@@ -97,10 +97,10 @@ def test_resaving_a_step_replaces_the_first_copy_only_after_latest_moved_to_the_
     second = save(tmp_path, 5, 2.0)
     # The new copy was written beside the first as ckpt-000000005.1, and took the plain name once the first was gone.
     assert second.name == "ckpt-000000005" and second.stat().st_ino != inode
-    assert checkpoint.latest(tmp_path) == second
+    assert store.latest(tmp_path) == second
     assert (tmp_path / "checkpoints" / "latest").read_text() == second.name
     assert names(tmp_path) == ["ckpt-000000005", "latest"]
-    assert torch.equal(checkpoint.load(second)[0]["w"], torch.full((64,), 2.0))
+    assert torch.equal(store.load(second)[0]["w"], torch.full((64,), 2.0))
 
 
 def test_resaving_an_identical_checkpoint_keeps_the_one_there(tmp_path):
@@ -117,14 +117,14 @@ def test_resaving_over_a_damaged_copy_of_the_step_replaces_it(tmp_path):
     inode = (damaged / "model.safetensors").stat().st_ino
     # Not identical to the damaged copy, so the new one is written and replaces it.
     path = save(tmp_path, 5, 1.0)
-    assert checkpoint.latest(tmp_path) == path
+    assert store.latest(tmp_path) == path
     assert (path / "model.safetensors").stat().st_ino != inode
     assert names(tmp_path) == ["ckpt-000000005", "latest"]
 
 
 def test_keep_retires_the_oldest_checkpoints(tmp_path):
     for step in range(1, 6):
-        checkpoint.save(tmp_path, step, {"w": torch.zeros(2)}, {}, keep=2)
+        store.save(tmp_path, step, {"w": torch.zeros(2)}, {}, keep=2)
     assert names(tmp_path) == ["ckpt-000000004", "ckpt-000000005", "latest"]
 
 
@@ -148,9 +148,9 @@ def test_a_crash_at_any_point_of_a_save_leaves_the_newest_complete_checkpoint(tm
         model_dir = Path(run["model_dir"])
         where = f"after a crash {run['crashed_at']} (point {k})"
         with caplog.at_level(logging.WARNING):
-            path = checkpoint.latest(model_dir)
+            path = store.latest(model_dir)
         assert path is not None, where
-        tensors, manifest = checkpoint.load(path)
+        tensors, manifest = store.load(path)
         written = manifest["written"]
         assert (manifest["global_step"], tensors["w"][0].item()) == expected[written], where
         assert torch.equal(tensors["w"], torch.full((64,), expected[written][1])), where
@@ -159,9 +159,9 @@ def test_a_crash_at_any_point_of_a_save_leaves_the_newest_complete_checkpoint(tm
         second_seen = written == "second"
 
         # A new start removes what the crash left, and finds the same checkpoint.
-        checkpoint.clean(model_dir)
+        store.clean(model_dir)
         assert not [name for name in names(model_dir) if name.startswith(".")], where
-        assert checkpoint.latest(model_dir) == path, where
+        assert store.latest(model_dir) == path, where
     assert second_seen
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
@@ -177,9 +177,9 @@ def test_a_save_after_a_crash_and_clean_completes(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     for line in out.stdout.splitlines():
         model_dir = Path(json.loads(line)["model_dir"])
-        checkpoint.clean(model_dir)
+        store.clean(model_dir)
         path = save(model_dir, 2, 4.0)
-        assert checkpoint.latest(model_dir) == path
+        assert store.latest(model_dir) == path
         assert names(model_dir) == [path.name, "latest"] or names(model_dir) == ["ckpt-000000001", path.name, "latest"]
 
 

@@ -16,12 +16,12 @@ import shardflow as sf
 from shardflow.comm.client import Client
 from shardflow.data.torch_edge import to_torch
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import init_servers
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.staging import HostStaging
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.servers import init_servers
 from shardflow.train.worker_step import batch_to_device
 
 from ..integration.conftest import JobRun
@@ -148,8 +148,8 @@ def test_a_job_on_device_cpu_trains_dense_and_row_sparse_variables_like_one_proc
 
     # One process, the same model and torch.optim.Adagrad (the job's default), on both workers' batches at once.
     model = embedding_job.one_process(steps, batch)
-    latest = checkpoint.latest(tmp_path / "model")
+    latest = store.latest(tmp_path / "model")
     assert latest is not None
-    trained = checkpoint.load_state(latest)[0].params
+    trained = store.load_state(latest)[0].params
     for name, expected in model.state_dict().items():
         torch.testing.assert_close(trained[name], expected, atol=1e-5, rtol=0, msg=name)

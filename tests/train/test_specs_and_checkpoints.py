@@ -9,7 +9,7 @@ import torch
 
 import shardflow as sf
 from shardflow.data.torch_edge import to_torch
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 
 
 def test_train_spec_needs_a_length():
@@ -40,10 +40,10 @@ def test_unknown_optimizer_lists_the_choices():
 
 def test_checkpoint_round_trip_and_latest_pointer(tmp_path):
     tensors = {"w": torch.randn(3, 4), "b": torch.zeros(4)}
-    checkpoint.save(tmp_path, 7, tensors, {"mode": "sync"})
-    path = checkpoint.save(tmp_path, 9, {k: v + 1 for k, v in tensors.items()}, {"mode": "sync"})
-    assert checkpoint.latest(tmp_path) == path
-    loaded, manifest = checkpoint.load(path)
+    store.save(tmp_path, 7, tensors, {"mode": "sync"})
+    path = store.save(tmp_path, 9, {k: v + 1 for k, v in tensors.items()}, {"mode": "sync"})
+    assert store.latest(tmp_path) == path
+    loaded, manifest = store.load(path)
     assert manifest["global_step"] == 9
     assert torch.equal(loaded["w"], tensors["w"] + 1)
     # Nothing temporary is left behind.
@@ -55,18 +55,18 @@ def test_checkpoint_round_trip_and_latest_pointer(tmp_path):
 
 
 def test_a_half_written_checkpoint_is_never_the_latest(tmp_path):
-    good = checkpoint.save(tmp_path, 1, {"w": torch.ones(2)}, {})
+    good = store.save(tmp_path, 1, {"w": torch.ones(2)}, {})
     # A crash during a save leaves only a temporary directory, which `latest` never points to.
     partial = tmp_path / "checkpoints" / f".tmp-ckpt-000000002-{os.getpid()}"
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"\x00" * 10)
-    assert checkpoint.latest(tmp_path) == good
+    assert store.latest(tmp_path) == good
     assert json.loads((good / "manifest.json").read_text())["global_step"] == 1
 
 
 def test_estimator_state_dict_loads_into_a_fresh_model(tmp_path):
     model = torch.nn.Linear(3, 2)
-    checkpoint.save(tmp_path, 5, {k: v.detach() for k, v in model.state_dict().items()}, {})
+    store.save(tmp_path, 5, {k: v.detach() for k, v in model.state_dict().items()}, {})
     est = sf.Estimator(lambda: torch.nn.Linear(3, 2), lambda m, b: m(b).sum(), model_dir=tmp_path)
     fresh = torch.nn.Linear(3, 2)
     fresh.load_state_dict(est.state_dict())

@@ -20,23 +20,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from safetensors.torch import save_file
 
-    from shardflow.train import checkpoint
+    from shardflow.train.checkpoints import store
 
+    where = store.directory(args.model_dir)
     if args.checkpoint:
-        path = args.model_dir / "checkpoints" / args.checkpoint
-        if not (path / "manifest.json").exists():
-            print(
-                f"shardflow export: no checkpoint {args.checkpoint!r} in {args.model_dir / 'checkpoints'}",
-                file=sys.stderr,
-            )
+        path = store.named(args.model_dir, args.checkpoint)
+        if path is None:
+            print(f"shardflow export: no checkpoint {args.checkpoint!r} in {where}", file=sys.stderr)
             return 2
     else:
-        latest = checkpoint.latest(args.model_dir)
-        if latest is None:
-            print(f"shardflow export: no checkpoint in {args.model_dir / 'checkpoints'}; train first", file=sys.stderr)
+        path = store.latest(args.model_dir)
+        if path is None:
+            print(f"shardflow export: no checkpoint in {where}; train first", file=sys.stderr)
             return 2
-        path = latest
-    state, _ = checkpoint.load_state(path)
+    state, _ = store.load_state(path)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     save_file(
         {name: tensor.contiguous() for name, tensor in state.params.items()},

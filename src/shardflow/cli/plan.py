@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING
 from shardflow.cli.tables import print_table
 
 if TYPE_CHECKING:
-    from shardflow.tools.calibrate import Calibration
-    from shardflow.tools.plan_model import PlanConfig
+    from shardflow.planning.calibrate import Calibration
+    from shardflow.planning.plan_model import PlanConfig, Prediction
 
 EPILOG = """\
 examples:
@@ -65,14 +65,14 @@ def _calibration(args: argparse.Namespace) -> Calibration | None:
         if args.capture is not None:
             raise ValueError("--capture needs --calibrate MODEL_DIR")
         return None
-    from shardflow.tools.calibrate import calibrate
+    from shardflow.planning.calibrate import calibrate
 
     return calibrate(args.calibrate, args.capture)
 
 
 def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanConfig:
-    from shardflow.tools.plan_model import PlanConfig
-    from shardflow.tools.units import parse_bandwidth, parse_count, parse_duration
+    from shardflow.planning.plan_model import PlanConfig
+    from shardflow.planning.units import parse_bandwidth, parse_count, parse_duration
 
     if calibration is None:
         examples = {
@@ -122,7 +122,7 @@ def _apply_s(calibration: Calibration | None) -> float:
 
 
 def _print_calibration(c: Calibration) -> None:
-    from shardflow.tools.units import format_bandwidth, format_bytes, format_duration
+    from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
 
     print(f"measured in {c.capture} ({_plural(c.num_workers, 'worker')}, {c.num_ps} PS):")
     rows = [
@@ -148,10 +148,20 @@ def _print_calibration(c: Calibration) -> None:
 
 
 def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
-    from shardflow.tools.plan_model import TERMS, num_ps_needed, predict, predict_allreduce
-    from shardflow.tools.units import format_bandwidth, format_bytes, format_duration
+    from shardflow.planning.plan_model import predict
 
-    p = predict(config)
+    prediction = predict(config)
+    _print_parts(config, prediction)
+    _print_speed(config, prediction)
+    _print_bottleneck(config, prediction)
+    _print_allreduce(config, prediction, allreduce)
+
+
+def _print_parts(config: PlanConfig, p: Prediction) -> None:
+    """The cluster, then each part of a step with what it is."""
+    from shardflow.planning.plan_model import TERMS
+    from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
+
     n, k = config.num_workers, config.num_ps
     print(
         f"{config.num_params:.4g} parameters x {config.bytes_per_param:g} B = {format_bytes(config.model_bytes)}; "
@@ -179,6 +189,11 @@ def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
     if config.cores:
         print("  (local run: a worker's link time adds to its compute, a PS's to its apply, as both are CPU work)")
     print()
+
+
+def _print_speed(config: PlanConfig, p: Prediction) -> None:
+    from shardflow.planning.units import format_duration
+
     per_round = "every worker update is one" if config.mode == "async" else "one per round of all workers"
     print_table(
         None,
@@ -191,6 +206,14 @@ def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
         ],
         right={"value"},
     )
+
+
+def _print_bottleneck(config: PlanConfig, p: Prediction) -> None:
+    """What limits the step and why, and how many PS would stop the PS limiting it."""
+    from shardflow.planning.plan_model import num_ps_needed, predict
+    from shardflow.planning.units import format_bytes, format_duration
+
+    n, k = config.num_workers, config.num_ps
     why = {
         "compute": "forward and backward take longer than moving the model; with overlap, communication hides",
         "worker link": f"every worker moves the whole model ({format_bytes(config.model_bytes)}) each way per step;"
@@ -208,6 +231,13 @@ def _print_prediction(config: PlanConfig, allreduce: bool) -> None:
         print(f"PS needed: {needed} would do; with {k} the PS is not the bottleneck ", end="")
     step, overlap = format_duration(at_needed.step_s), format_duration(at_needed.overlap_step_s)
     print(f"(with {needed}: step {step}, overlap {overlap})")
+
+
+def _print_allreduce(config: PlanConfig, p: Prediction, allreduce: bool) -> None:
+    """Ring all-reduce's step for comparison; with --allreduce, which of the two is faster."""
+    from shardflow.planning.plan_model import predict_allreduce
+    from shardflow.planning.units import format_duration
+
     ring = predict_allreduce(config)
     print(
         f"all-reduce (sync, 2(n-1)/n·M/B = {format_duration(ring.communication_s)} per step): "

@@ -45,9 +45,9 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from shardflow.tools.scale_report import explain, plot, table_rows, write_html
-    from shardflow.tools.scaling import ScaleConfig, ScaleRunError, run_size, summarize
-    from shardflow.tools.target import TargetError, parse_target
+    from shardflow.planning.scale_report import explain, plot, table_rows, write_html
+    from shardflow.planning.scaling import ScaleConfig, ScaleRunError, run_size, summarize
+    from shardflow.planning.target import TargetError, parse_target
 
     try:
         script, script_args = _split_command(args)

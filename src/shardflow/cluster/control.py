@@ -1,19 +1,15 @@
 """The control service: a small key-value store the chief serves to the roles of its job, over the same ZeroMQ
 transport and the same authentication as the data plane (comm/security.py).
 
-It replaces torch's TCPStore, which cannot authenticate and listens on every interface. Operations, each one
-request and one reply (comm/ framing; a value travels as one raw frame, never in the header):
+It replaces torch's TCPStore, which cannot authenticate and listens on every interface. Each operation is one
+request and one reply, declared below once as a typed struct: the union `ControlRequest` decodes every request
+and keys the service's handler table. A value travels as one raw frame, never in the header. A `wait` is held
+by the service, at most MAX_HELD at once, for at most MAX_WAIT_S; a client waits longer by asking again, so it
+also rides out a restart of the chief.
 
-- `set` k, frame v -> {}. `get` k -> {"found": bool}, frame v when found. `delete` k -> {"found": bool}.
-- `check` ks -> {"set": bool}: whether every key of ks is set.
-- `add` k, n -> {"value": int}: an atomic counter (its value is stored as decimal text, as TCPStore does).
-- `wait` ks, w -> {"set": bool} once every key of ks is set, or with false after w seconds (w <= 10): held by
-  the service, at most MAX_HELD at once; a client waits longer by asking again, so it also rides out a
-  restart of the chief.
-
-Every request is validated before use; a malformed one gets an error reply and is counted, never an exception
-out of the service's loop. Keys are printable text of at most MAX_KEY characters, values at most MAX_VALUE bytes,
-and the store at most MAX_STORED bytes in all.
+Every request is validated before use; a malformed one gets an error reply naming the op, the field and the
+sender, and is counted, never an exception out of the service's loop. Keys are printable text of at most MAX_KEY
+characters, values at most MAX_VALUE bytes, and the store at most MAX_STORED bytes in all.
 """
 
 from __future__ import annotations
@@ -21,15 +17,17 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import re
 import threading
 import time
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Annotated, Any, ClassVar, Generic, TypeVar, get_args, get_type_hints
 
+import msgspec
 import torch
 
+from shardflow.comm.envelope import OP, message_fields, short
 from shardflow.comm.server import Request, secure_server
-from shardflow.ps.fields import ENVELOPE, short
 
 log = logging.getLogger(__name__)
 
@@ -39,78 +37,160 @@ MAX_VALUE = 64 * 2**20
 MAX_STORED = 1024 * 2**20
 MAX_HELD = 10_000
 MAX_WAIT_S = 10.0
-OPS = ("set", "get", "delete", "check", "add", "wait")
-_FIELDS = {"set": ("k",), "get": ("k",), "delete": ("k",), "check": ("ks",), "add": ("k", "n"), "wait": ("ks", "w")}
-_FRAMES = {"set": 1}
+MAX_AMOUNT = 2**62
+
+KeyName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=MAX_KEY, description=f"printable text of 1..{MAX_KEY} characters")
+]
+KeyNames = Annotated[
+    tuple[KeyName, ...],
+    msgspec.Meta(
+        min_length=1,
+        max_length=MAX_KEYS,
+        description=f"a list of 1..{MAX_KEYS} keys, each printable text of 1..{MAX_KEY} characters",
+    ),
+]
 
 
 class ControlRequestError(ValueError):
     """A control request that breaks the protocol; the message names the op, the field and the sender."""
 
 
-@dataclass(frozen=True)
-class ControlRequest:
-    op: str
-    keys: tuple[str, ...]
-    amount: int = 0
-    timeout_s: float = 0.0
-    value: bytes = b""
+# -- replies --------------------------------------------------------------------------------------------------
 
 
-def request(op: str, **fields: Any) -> dict[str, Any]:
-    """A control request's header, as `decode` reads it (the client side of the protocol)."""
-    if set(fields) != set(_FIELDS[op]):
-        raise ValueError(f"{op!r} takes the fields {_FIELDS[op]}, got {sorted(fields)}")
-    return {"op": op, **fields}
+class ControlReply(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What the service answers; `set` answers this, with no field."""
+
+
+class Found(ControlReply, frozen=True, kw_only=True):
+    found: bool
+    """Whether the key was set (a `get` also carries its value as one frame)."""
+
+
+class AllSet(ControlReply, frozen=True, kw_only=True):
+    all_set: bool
+    """Whether every key asked about is set."""
+
+
+class Counted(ControlReply, frozen=True, kw_only=True):
+    value: int
+    """The counter after the addition."""
+
+
+Answer = TypeVar("Answer", bound=ControlReply)
+
+
+# -- requests -------------------------------------------------------------------------------------------------
+
+
+class ControlOp(msgspec.Struct, Generic[Answer], frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field=OP):
+    """A request to the control service, answered by an `Answer`."""
+
+    frames: ClassVar[int] = 0
+    """How many raw frames follow the header."""
+
+
+class _OneKey(ControlOp[Answer], frozen=True, kw_only=True):
+    key: KeyName
+
+    def __post_init__(self) -> None:
+        _check_printable("key", self.key)
+
+
+class _SomeKeys(ControlOp[Answer], frozen=True, kw_only=True):
+    keys: KeyNames
+
+    def __post_init__(self) -> None:
+        for key in self.keys:
+            _check_printable("keys", key)
+
+
+class Set(_OneKey[ControlReply], tag="set", frozen=True, kw_only=True):
+    """Store the one frame that follows as the value of `key`."""
+
+    frames: ClassVar[int] = 1
+
+
+class Get(_OneKey[Found], tag="get", frozen=True, kw_only=True):
+    """The value of `key`, as one frame when it is set."""
+
+
+class Delete(_OneKey[Found], tag="delete", frozen=True, kw_only=True):
+    """Remove `key`; found says whether it was set."""
+
+
+class Check(_SomeKeys[AllSet], tag="check", frozen=True, kw_only=True):
+    """Whether every key of `keys` is set, now."""
+
+
+class Add(_OneKey[Counted], tag="add", frozen=True, kw_only=True):
+    """Add `amount` to the counter `key` (stored as decimal text, as TCPStore does; unset counts as 0)."""
+
+    amount: Annotated[int, msgspec.Meta(ge=-MAX_AMOUNT, le=MAX_AMOUNT, description="an int within ±2**62")]
+
+
+class Wait(_SomeKeys[AllSet], tag="wait", frozen=True, kw_only=True):
+    """Answered once every key of `keys` is set, or with false after `timeout_s`."""
+
+    timeout_s: Annotated[float, msgspec.Meta(ge=0, le=MAX_WAIT_S, description=f"seconds in [0, {MAX_WAIT_S}]")]
+
+
+ControlRequest = Set | Get | Delete | Check | Add | Wait
+OPS: dict[str, type[ControlOp[Any]]] = {kind.__struct_config__.tag: kind for kind in get_args(ControlRequest)}
+
+
+def _check_printable(field: str, key: str) -> None:
+    if not key.isprintable():
+        raise ValueError(f"field {field!r} must hold printable text of 1..{MAX_KEY} characters, got {short(key)}")
 
 
 def decode(request: Request) -> ControlRequest:
     """The request, checked against the protocol above; raises ControlRequestError naming what is wrong."""
     header, sender = request.header, request.sender
-    op = header.get("op")
-    if op not in _FIELDS:
+    op = header.get(OP)
+    kind = OPS.get(op) if isinstance(op, str) else None
+    if kind is None:
         raise ControlRequestError(f"unknown op {short(op)} from {sender}; the control service knows {', '.join(OPS)}")
-    fields = _FIELDS[op]
-    unknown = [key for key in header if key not in fields and key not in ENVELOPE]
-    if unknown:
-        raise ControlRequestError(f"{op!r} from {sender}: {short(unknown[0])} is not a field (it has {fields})")
-    missing = [name for name in fields if name not in header]
-    if missing:
-        raise ControlRequestError(f"{op!r} from {sender}: field {missing[0]!r} is missing")
-    if len(request.tensors) != _FRAMES.get(op, 0):
-        raise ControlRequestError(f"{op!r} from {sender}: expected {_FRAMES.get(op, 0)} frames")
-    keys = _keys(op, sender, header["ks"]) if "ks" in fields else (_key(op, sender, header["k"]),)
-    amount = header.get("n", 0)
-    if type(amount) is not int or abs(amount) > 2**62:
-        raise ControlRequestError(f"{op!r} from {sender}: n must be an int within ±2**62, got {short(amount)}")
-    timeout_s = header.get("w", 0.0)
-    if type(timeout_s) not in (int, float) or not 0 <= timeout_s <= MAX_WAIT_S:
-        problem = f"w must be seconds in [0, {MAX_WAIT_S}], got {short(timeout_s)}"
-        raise ControlRequestError(f"{op!r} from {sender}: {problem}")
-    value = b""
-    if op == "set":
+    try:
+        message: ControlRequest = msgspec.convert(message_fields(header), ControlRequest, strict=True)
+    except msgspec.ValidationError as error:
+        raise ControlRequestError(f"{op!r} from {sender}: {_problem(kind, header, error)}") from None
+    if len(request.tensors) != kind.frames:
+        raise ControlRequestError(f"{op!r} from {sender}: expected {kind.frames} frames, got {len(request.tensors)}")
+    if isinstance(message, Set):
         frame = request.tensors[0]
         if frame.dtype != torch.uint8 or frame.dim() != 1 or frame.numel() > MAX_VALUE:
             raise ControlRequestError(f"'set' from {sender}: the value must be one uint8 frame of <= {MAX_VALUE} bytes")
-        value = frame.numpy().tobytes()
-    return ControlRequest(op, keys, amount, float(timeout_s), value)
+    return message
+
+
+def _problem(kind: type[ControlOp[Any]], header: dict[str, Any], error: msgspec.ValidationError) -> str:
+    """msgspec's complaint in the words of this protocol: the field, what it must be, and what came."""
+    text = str(error)
+    fields = ", ".join(kind.__struct_fields__)
+    if found := re.match(r"Object missing required field `(.+)`", text):
+        return f"field {found[1]!r} is missing"
+    if found := re.match(r"Object contains unknown field `(.+)`", text):
+        return f"{short(found[1])} is not a field (it has {fields})"
+    if found := re.search(r" - at `\$\.(\w+)", text):
+        field = found[1]
+        rules = [
+            meta.description for meta in getattr(get_type_hints(kind, include_extras=True)[field], "__metadata__", ())
+        ]
+        rule = rules[0] if rules else text.partition(" - at")[0]
+        return f"field {field!r} must be {rule}, got {short(header.get(field))}"
+    return text
+
+
+def value_of(request: Request) -> bytes:
+    """The value a decoded `set` carries."""
+    return bytes(request.tensors[0].numpy().tobytes())
 
 
 def as_frame(value: bytes) -> torch.Tensor:
     """A value as the one raw frame that carries it (torch.frombuffer refuses an empty buffer)."""
     return torch.frombuffer(bytearray(value), dtype=torch.uint8) if value else torch.empty(0, dtype=torch.uint8)
-
-
-def _key(op: str, sender: str, key: object) -> str:
-    if not isinstance(key, str) or not 0 < len(key) <= MAX_KEY or not key.isprintable():
-        raise ControlRequestError(f"{op!r} from {sender}: a key must be printable text of 1..{MAX_KEY} characters")
-    return key
-
-
-def _keys(op: str, sender: str, keys: object) -> tuple[str, ...]:
-    if not isinstance(keys, list) or not 0 < len(keys) <= MAX_KEYS:
-        raise ControlRequestError(f"{op!r} from {sender}: ks must be a list of 1..{MAX_KEYS} keys")
-    return tuple(_key(op, sender, key) for key in keys)
 
 
 class ControlService:
@@ -124,9 +204,17 @@ class ControlService:
         self.stats = {"requests": 0, "malformed": 0, "refused": 0, "expired": 0}
         self._values: dict[str, bytes] = {}
         self._stored = 0
-        self._held: list[tuple[float, int, Request, ControlRequest]] = []  # a heap by deadline
+        self._held: list[tuple[float, int, Request, Wait]] = []  # a heap by deadline
         self._order = itertools.count()
         self._last_logged: dict[str, float] = {}
+        self._handlers: dict[type[ControlOp[Any]], Callable[[Request, Any], None]] = {
+            Set: self._set,
+            Get: self._get,
+            Delete: self._delete,
+            Check: self._check,
+            Add: self._add,
+            Wait: self._wait,
+        }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="control-service", daemon=True)
         self._thread.start()
@@ -154,39 +242,54 @@ class ControlService:
             self.server.reply_error(request, f"malformed control request: {error}")
             return
         try:
-            self._dispatch(request, message)
+            self._handlers[type(message)](request, message)
         except ControlRequestError as error:
             self.stats["refused"] += 1
-            self._log(request.sender, f"the control service refused {message.op!r} from {request.sender}: {error}")
+            op = message.__struct_config__.tag
+            self._log(request.sender, f"the control service refused {op!r} from {request.sender}: {error}")
             self.server.reply_error(request, str(error))
 
-    def _dispatch(self, request: Request, message: ControlRequest) -> None:
-        op, keys = message.op, message.keys
-        if op == "set":
-            self._store(keys[0], message.value)
-            self.server.reply(request, {})
-            self._release()
-        elif op == "get":
-            found = self._values.get(keys[0])
-            frames = [] if found is None else [as_frame(found)]
-            self.server.reply(request, {"found": found is not None}, frames)
-        elif op == "delete":
-            removed = self._values.pop(keys[0], None)
-            self._stored -= len(removed) if removed is not None else 0
-            self.server.reply(request, {"found": removed is not None})
-        elif op == "check":
-            self.server.reply(request, {"set": all(key in self._values for key in keys)})
-        elif op == "add":
-            value = self._add(keys[0], message.amount)
-            self.server.reply(request, {"value": value})
-            self._release()
-        elif all(key in self._values for key in keys) or message.timeout_s == 0:
-            self.server.reply(request, {"set": all(key in self._values for key in keys)})
+    def _reply(self, request: Request, reply: ControlReply, frames: list[torch.Tensor] | None = None) -> None:
+        self.server.reply(request, msgspec.structs.asdict(reply), frames or ())
+
+    def _set(self, request: Request, message: Set) -> None:
+        self._store(message.key, value_of(request))
+        self._reply(request, ControlReply())
+        self._release()
+
+    def _get(self, request: Request, message: Get) -> None:
+        found = self._values.get(message.key)
+        self._reply(request, Found(found=found is not None), [] if found is None else [as_frame(found)])
+
+    def _delete(self, request: Request, message: Delete) -> None:
+        removed = self._values.pop(message.key, None)
+        self._stored -= len(removed) if removed is not None else 0
+        self._reply(request, Found(found=removed is not None))
+
+    def _check(self, request: Request, message: Check) -> None:
+        self._reply(request, AllSet(all_set=self._all_set(message.keys)))
+
+    def _add(self, request: Request, message: Add) -> None:
+        old = self._values.get(message.key, b"0")
+        try:
+            value = int(old) + message.amount
+        except ValueError:
+            raise ControlRequestError(f"{message.key!r} holds {short(old)}, not a counter") from None
+        self._store(message.key, str(value).encode())
+        self._reply(request, Counted(value=value))
+        self._release()
+
+    def _wait(self, request: Request, message: Wait) -> None:
+        if self._all_set(message.keys) or message.timeout_s == 0:
+            self._reply(request, AllSet(all_set=self._all_set(message.keys)))
         elif len(self._held) >= MAX_HELD:
             raise ControlRequestError(f"{MAX_HELD} waits are held already; ask again later")
         else:
             deadline = time.monotonic() + message.timeout_s
             heapq.heappush(self._held, (deadline, next(self._order), request, message))
+
+    def _all_set(self, keys: tuple[str, ...]) -> bool:
+        return all(key in self._values for key in keys)
 
     def _store(self, key: str, value: bytes) -> None:
         old = self._values.get(key)
@@ -196,23 +299,14 @@ class ControlService:
         self._values[key] = value
         self._stored += grown
 
-    def _add(self, key: str, amount: int) -> int:
-        old = self._values.get(key, b"0")
-        try:
-            value = int(old) + amount
-        except ValueError:
-            raise ControlRequestError(f"{key!r} holds {short(old)}, not a counter") from None
-        self._store(key, str(value).encode())
-        return value
-
     def _release(self) -> None:
         """Answer the held waits whose keys are now all set."""
         if not self._held:
             return
         still = []
         for held in self._held:
-            if all(key in self._values for key in held[3].keys):
-                self.server.reply(held[2], {"set": True})
+            if self._all_set(held[3].keys):
+                self._reply(held[2], AllSet(all_set=True))
             else:
                 still.append(held)
         if len(still) != len(self._held):
@@ -224,7 +318,7 @@ class ControlService:
         while self._held and self._held[0][0] <= now:
             _, _, request, _ = heapq.heappop(self._held)
             self.stats["expired"] += 1
-            self.server.reply(request, {"set": False})
+            self._reply(request, AllSet(all_set=False))
 
     def _log(self, peer: str, line: str) -> None:
         """At most one line per peer every 10 s, with the count of what was not logged."""

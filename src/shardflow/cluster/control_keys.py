@@ -1,58 +1,78 @@
 """The control-plane protocol: every key and counter the roles of one job share through the chief's control
 plane, who writes it, who reads it and what it means. No key is spelled anywhere else.
 
-Values are UTF-8 text (JSON where structured) unless a key says bytes. Each entry reads
-`key`: writer -> readers. Meaning.
+Two modules declare them, one per layer. This one holds the keys whose value is plain text or bytes, which the
+cluster layer and the PS use, and `Key`, the declaration of a key whose value is typed. train/job_keys.py holds
+the job's structured keys (progress, recovery, placement, handover, restored input, captures, the final
+evaluation), each a `Key` with the frozen type of its value: the placement's type lives in ps/, which `cluster`
+never imports, so the typed keys live where training meets the PS.
 
-Start-up, in order:
+Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless a key says bytes.
 
 - `ps/<k>/address`: ps:k -> chief, workers, `shardflow profile capture`. Where ps:k serves.
-- `restore/iterators`: chief, when it restored a checkpoint -> workers. JSON: each worker's input position.
-- `placement`: chief -> workers. JSON: which PS holds which piece of which variable.
 - `ready`: chief -> workers. The PS are initialised; workers may pull.
-
-While training:
-
 - `heartbeat/<role>`: each worker and PS, every second from its start, from a thread of its own -> chief.
   `<pid>:<count>`, changing with every beat; a role whose beat stops changing for the strategy's
   heartbeat_timeout_s is lost (the chief then waits up to worker_rejoin_timeout_s for it to be restarted), and
   a new pid means it was restarted.
 - `clip_norm/<generation>/<step>/ps:<k>`: ps:k -> every other PS, in sync mode with clip_grad_norm on several PS.
   The squared norm of ps:k's shard of that step's gradient (ps/clipping.py); ps:k deletes it a step later.
-- `recovery`: chief, when it restored every PS after one was lost -> workers. JSON: {"generation", "step",
-  "checkpoint"}; a worker whose generation is older drops what it was doing and rejoins.
-- `progress/<role>`: each worker, about once a second -> chief. JSON progress report; its last one says
-  `"done": true`.
-- `handover/<role>`: chief -> that worker. JSON list of workers lost for good (not back within
-  worker_rejoin_timeout_s) whose remaining shards it reads once its own is done, as each of them (their worker
-  index and step count): every record is still applied once (async mode with epochs; see chief_loop.py).
 - `failed/<role>`: a worker that raised -> chief. The error, as `Type: message`.
 - `preempted/<role>`: a worker, PS or evaluator sent SIGTERM -> chief. Why (e.g. `SIGTERM`); the chief then ends
   the whole job at the current step, checkpointed, within the strategy's termination_grace_s.
 - `chief/clock/address`: chief -> every role handing over a capture. The clock service.
-- `capture/current`: chief -> every role. JSON: the capture being recorded (name, first, last, ops).
-- `capture/request`: `shardflow profile capture` -> chief. JSON: a capture asked for from outside the job.
 - `capture/<name>/part/<role>`: each role but the chief -> chief. Its gzipped trace of the capture (bytes).
 - `capture/<name>/done`: chief -> `shardflow profile capture`. The merged capture's directory.
-
-The end:
-
 - `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
 - `goodbye/<role>`: each role but the chief, when it saw the end -> chief. A chief in a process of its own
   serves the control plane until every role said it (or 10 s).
-- `eval/final`: evaluator -> chief. JSON: the side-car evaluator's last checkpoint and metrics.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import msgspec
+
+Value = TypeVar("Value")
+
+
+class ControlValueError(ValueError):
+    """A typed key's value that does not decode to its type; names the key and who writes it."""
+
+
+@dataclass(frozen=True)
+class Key(Generic[Value]):
+    """A control-plane key whose value is a `value_type` (a frozen msgspec Struct or dataclass), carried as
+    msgpack: JSON cannot carry the NaN loss a worker may report. Validated when read."""
+
+    name: str
+    value_type: type[Value]
+    writer: str
+    """Who writes it, named when its value is malformed."""
+
+    def encode(self, value: Value) -> bytes:
+        if not isinstance(value, self.value_type):
+            raise TypeError(f"{self.name!r} holds a {self.value_type.__name__}, not a {type(value).__name__}")
+        return msgspec.msgpack.encode(value)
+
+    def decode(self, data: bytes) -> Value:
+        try:
+            return msgspec.msgpack.decode(data, type=self.value_type, strict=True)
+        except (msgspec.DecodeError, ValueError, TypeError) as error:
+            raise ControlValueError(
+                f"the value of {self.name!r} on the control plane, written by {self.writer}, is not a "
+                f"{self.value_type.__name__}: {error}"
+            ) from None
+
+
+def key_name(key: str | Key[Any]) -> str:
+    return key.name if isinstance(key, Key) else key
+
+
 READY = "ready"
-PLACEMENT = "placement"
-RESTORE_ITERATORS = "restore/iterators"
 SHUTDOWN = "shutdown"
-RECOVERY = "recovery"
-EVAL_FINAL = "eval/final"
-CAPTURE_CURRENT = "capture/current"
-CAPTURE_REQUEST = "capture/request"
 CHIEF_CLOCK = "chief/clock"
 """An endpoint name: see `endpoint_address`."""
 
@@ -70,20 +90,12 @@ def goodbye(role: str) -> str:
     return f"goodbye/{role}"
 
 
-def handover(role: str) -> str:
-    return f"handover/{role}"
-
-
 def heartbeat(role: str) -> str:
     return f"heartbeat/{role}"
 
 
 def clip_norm(generation: int, step: int, ps: int) -> str:
     return f"clip_norm/{generation}/{step}/ps:{ps}"
-
-
-def progress(role: str) -> str:
-    return f"progress/{role}"
 
 
 def failed(role: str) -> str:

@@ -28,7 +28,8 @@ from shardflow.comm.security import new_secret
 
 RESTARTABLE = ("worker", "ps", "evaluator")
 """The roles a launcher restarts; not the chief, whose control plane every role hangs on. A worker resumes where
-the PS say it stopped; a restarted PS gets every PS restored from the latest checkpoint (train/recovery.py)."""
+the PS say it stopped; a restarted PS gets every PS restored from the latest checkpoint
+(train/checkpoints/restore.py)."""
 MAX_BACKOFF_S = 30.0
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 """How a preempted job's chief exits, checkpointed or not: the status SIGTERM gives (143)."""

@@ -8,6 +8,7 @@ from shardflow._lazy import lazy_getattr
 from shardflow.data import errors
 from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator, State
+from shardflow.data.element_spec import TensorSpec
 from shardflow.data.options import (
     AUTOTUNE,
     AutoShardPolicy,
@@ -17,7 +18,6 @@ from shardflow.data.options import (
     ThreadingOptions,
 )
 from shardflow.data.sharding import auto_shard, auto_shard_for
-from shardflow.data.sources_basic import TensorSpec
 
 # tf.data's names of the iterator classes: one class here, whether elements are tensors or numpy in tf.data.
 Iterator = DatasetIterator

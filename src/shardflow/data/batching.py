@@ -7,7 +7,9 @@ from typing import Any
 import numpy as np
 
 from shardflow.data import structure
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator, has_bulk_next
+from shardflow.data.element_spec import TensorSpec, map_leaves, resized
 from shardflow.data.errors import InvalidArgumentError
 from shardflow.data.sparse import SparseTensor, stack_sparse
 
@@ -82,6 +84,23 @@ class BatchDataset(UnaryDataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _BatchIterator(iter(self._input), self)
 
+    def _cardinality(self) -> int:
+        known = self._input._cardinality()
+        if known < 0:
+            return known
+        return known // self._batch_size if self._drop_remainder else -(-known // self._batch_size)
+
+    def _element_spec(self) -> Any | None:
+        spec = self._row_spec()
+        if spec is None:
+            return None
+        size = self._batch_size if self._drop_remainder else None
+        return map_leaves(spec, lambda leaf: resized(leaf, None if leaf.shape is None else (size, *leaf.shape)))
+
+    def _row_spec(self) -> Any | None:
+        """The static spec of one element as it goes into a batch."""
+        return self._input._element_spec()
+
 
 class _BatchIterator(UnaryIterator[Any]):
     def __init__(self, input_iterator: DatasetIterator[Any], dataset: BatchDataset) -> None:
@@ -140,6 +159,18 @@ class PaddedBatchDataset(BatchDataset):
         if self._padding_values is not None:
             values = structure.flatten_up_to(treedef, self._padding_values, "padded_batch padding_values", True)
         padded = [_pad(*args) for args in zip(columns, shapes, values, paths, strict=True)]
+        return structure.pack(treedef, padded)
+
+    def _row_spec(self) -> Any | None:
+        spec = super()._row_spec()
+        if spec is None or self._padded_shapes is None:
+            return spec
+        leaves, treedef = structure.flatten(spec)
+        wanted = structure.flatten_up_to(treedef, self._padded_shapes, "padded_batch padded_shapes")
+        padded = [
+            TensorSpec(shape=tuple(None if size in (None, -1) else int(size) for size in shape), dtype=leaf.dtype)
+            for leaf, shape in zip(leaves, wanted, strict=True)
+        ]
         return structure.pack(treedef, padded)
 
 
@@ -203,6 +234,27 @@ class UnbatchDataset(UnaryDataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _UnbatchIterator(iter(self._input))
 
+    def _cardinality(self) -> int:
+        # Only a batch dimension fixed in the input's static spec (from_tensors of an array, batch with
+        # drop_remainder) tells how many rows each element holds.
+        known = self._input._cardinality()
+        spec = self._input._element_spec()
+        if known < 0 or spec is None:
+            return UNKNOWN_CARDINALITY if known != INFINITE_CARDINALITY else INFINITE_CARDINALITY
+        leaves, _ = structure.flatten(spec)
+        rows = {leaf.shape[0] if leaf.shape else None for leaf in leaves}
+        (size,) = rows if len(rows) == 1 else (None,)
+        return UNKNOWN_CARDINALITY if size is None else known * size
+
+    def _element_spec(self) -> Any | None:
+        spec = self._input._element_spec()
+        if spec is None:
+            return None
+        leaves, _ = structure.flatten(spec)
+        if any(leaf.shape is None or not leaf.shape for leaf in leaves):
+            return None
+        return map_leaves(spec, lambda leaf: resized(leaf, (leaf.shape or ())[1:]))
+
 
 class _UnbatchIterator(UnaryIterator[Any]):
     """State: the input's state before the open batch and the position in it; a restore re-reads the batch."""
@@ -257,6 +309,12 @@ class RebatchDataset(UnaryDataset[Any]):
 
     def _iterator(self) -> DatasetIterator[Any]:
         return _RebatchIterator(iter(self._input), self._sizes, self._drop_remainder)
+
+    def _element_spec(self) -> Any | None:
+        spec = self._input._element_spec()
+        if spec is None:
+            return None
+        return map_leaves(spec, lambda leaf: resized(leaf, None if leaf.shape is None else (None, *leaf.shape[1:])))
 
 
 class _RebatchIterator(_UnbatchIterator):

@@ -37,6 +37,12 @@ class CacheDataset(UnaryDataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _CacheIterator(self)
 
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
+
     def _open_reader(self) -> _MemoryReader | _FileReader | None:
         if not self._path:
             with self._lock:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from shardflow.data.cardinality import INFINITE_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator, State, current_epochs
 from shardflow.data.randomness import RandomStream, resolve_seed
 
@@ -26,6 +27,9 @@ class CounterDataset(Dataset[Any]):
 
     def _iterator(self) -> DatasetIterator[Any]:
         return _CounterIterator(self)
+
+    def _cardinality(self) -> int:
+        return INFINITE_CARDINALITY
 
 
 class _CounterIterator(DatasetIterator[Any]):
@@ -63,6 +67,9 @@ class RandomDataset(Dataset[np.int64]):
     def _iterator(self) -> DatasetIterator[np.int64]:
         epochs = (current_epochs() or (next(self._passes),)) if self._rerandomize else ()
         return _RandomIterator((self._seed, *epochs))
+
+    def _cardinality(self) -> int:
+        return INFINITE_CARDINALITY
 
 
 class _RandomIterator(DatasetIterator[np.int64]):

@@ -8,7 +8,9 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shardflow._lazy import lazy_getattr
-from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY, assert_cardinality
+from shardflow.data import structure
+from shardflow.data.assert_cardinality import assert_cardinality
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator
 from shardflow.data.optional import Optional
 from shardflow.data.options import (
@@ -21,6 +23,7 @@ from shardflow.data.options import (
     OptimizationOptions,
     ThreadingOptions,
 )
+from shardflow.data.sources.in_memory import ElementsDataset
 
 if TYPE_CHECKING:
     from shardflow.data.dataset_writer import TFRecordWriter
@@ -92,10 +95,6 @@ def RandomDataset(seed: int | None = None, name: str | None = None) -> Dataset[A
 
 def from_list(elements: Sequence[Any], name: str | None = None) -> Dataset[Any]:
     """One element per item of `elements`, each a structure of arrays like the others."""
-    # Here, not at the top: structure checks are sources_basic's, which imports this package's Dataset.
-    from shardflow.data import structure
-    from shardflow.data.sources_basic import ElementsDataset
-
     if not elements:
         raise ValueError("from_list needs at least one element")
     normalized = [structure.normalize(element) for element in elements]

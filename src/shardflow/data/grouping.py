@@ -11,7 +11,7 @@ import numpy as np
 from shardflow.data import structure
 from shardflow.data.dataset import Dataset, DatasetIterator, IterationScope, State, UnaryDataset, UnaryIterator
 from shardflow.data.errors import InvalidArgumentError
-from shardflow.data.sources_basic import ElementsDataset
+from shardflow.data.sources.in_memory import ElementsDataset
 
 
 def _int_scalar(value: Any, what: str) -> int:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator
 
@@ -19,6 +19,9 @@ class IgnoreErrorsDataset(UnaryDataset[T]):
 
     def _iterator(self) -> DatasetIterator[T]:
         return IgnoreErrorsIterator(iter(self._input), self._log_warning)
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
 
 
 class IgnoreErrorsIterator(UnaryIterator[T]):

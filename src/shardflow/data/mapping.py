@@ -57,6 +57,9 @@ class MapDataset(UnaryDataset[Any]):
         autotuned = self._num_parallel_calls == AUTOTUNE
         return ThreadMapIterator(iter(self._input), self._map_func, parallelism, deterministic, autotuned)
 
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
 
 class _MapIterator(UnaryIterator[Any]):
     def __init__(self, input_iterator: DatasetIterator[Any], map_func: Callable[..., Any]) -> None:
@@ -82,6 +85,9 @@ class FilterDataset(UnaryDataset[T]):
 
     def _iterator(self) -> DatasetIterator[T]:
         return _FilterIterator(iter(self._input), self._predicate)
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
 
 
 class _FilterIterator(UnaryIterator[T]):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Generic, TypeVar
 
+from shardflow.data.element_spec import spec_of
 from shardflow.data.errors import InvalidArgumentError
 
 T = TypeVar("T")
@@ -39,9 +40,6 @@ class Optional(Generic[T]):
     def element_spec(self) -> Any:
         if self._value is _ABSENT:
             return self._element_spec
-        # Here, not at the top: element_spec imports every transformation module.
-        from shardflow.data.element_spec import spec_of
-
         return spec_of(self._value)
 
     def __repr__(self) -> str:

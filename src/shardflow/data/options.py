@@ -172,6 +172,12 @@ class OptionsDataset(UnaryDataset[T]):
     def _iterator(self) -> DatasetIterator[T]:
         return iter(self._input)
 
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
+
 
 def cpu_budget(options: Options | None = None) -> int:
     options = options or active_options()

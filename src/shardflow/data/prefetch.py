@@ -43,6 +43,12 @@ class PrefetchDataset(UnaryDataset[T]):
             return iter(self._input)
         return PrefetchIterator(iter(self._input), self._buffer_size)
 
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
+
 
 class _Sizing:
     """The list length and queue length that hold about `buffer_size` elements."""

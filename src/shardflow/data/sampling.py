@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator, State, current_epochs, has_bulk_next, replay
 from shardflow.data.errors import InvalidArgumentError
 from shardflow.data.randomness import RandomStream, resolve_seed
@@ -96,6 +97,11 @@ class DirectedDataset(Dataset[Any]):
             self,
             (self._seed, *epochs),
         )
+
+    def _cardinality(self) -> int:
+        # Infinite if an input is, whatever the choices or stop_on_empty_dataset say (tf.data's rule), else unknown.
+        counts = [dataset._cardinality() for dataset in self._datasets]
+        return INFINITE_CARDINALITY if INFINITE_CARDINALITY in counts else UNKNOWN_CARDINALITY
 
 
 class _Buffered:

@@ -94,6 +94,9 @@ class ScanDataset(UnaryDataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _ScanIterator(iter(self._input), self)
 
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
 
 class _ScanIterator(UnaryIterator[Any]):
     """Reads the input ahead in bulk (`ahead`, read from the input state `anchor`). State: the input position, the

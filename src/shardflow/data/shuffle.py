@@ -56,6 +56,12 @@ class ShuffleDataset(UnaryDataset[T]):
         epochs = current_epochs() or (next(self._passes),)
         return _ShuffleIterator(iter(self._input), self._buffer_size, self._seed, epochs if self._reshuffle else ())
 
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
+
 
 class _ShuffleIterator(UnaryIterator[T]):
     def __init__(

@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from shardflow.data import structure
+from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import (
     Dataset,
     DatasetIterator,
@@ -15,6 +16,7 @@ from shardflow.data.dataset import (
     UnaryDataset,
     UnaryIterator,
 )
+from shardflow.data.element_spec import INT64, most_specific_compatible
 from shardflow.data.errors import InvalidArgumentError
 
 T = TypeVar("T")
@@ -34,6 +36,18 @@ class RepeatDataset(UnaryDataset[T]):
 
     def _iterator(self) -> DatasetIterator[T]:
         return _RepeatIterator(self._input, self._count)
+
+    def _cardinality(self) -> int:
+        known = self._input._cardinality()
+        if self._count < 0:
+            # tf.data calls a repeat forever infinite even over an input of unknown count, which might be empty.
+            return 0 if known == 0 else INFINITE_CARDINALITY
+        if self._count == 0:
+            return 0
+        return known if known < 0 else known * self._count
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
 
 
 class _RepeatIterator(DatasetIterator[T]):
@@ -92,6 +106,17 @@ class TakeDataset(UnaryDataset[T]):
     def _iterator(self) -> DatasetIterator[T]:
         return _TakeSkipIterator(iter(self._input), take=self._count, skip=0)
 
+    def _cardinality(self) -> int:
+        known = self._input._cardinality()
+        if known == UNKNOWN_CARDINALITY:
+            return UNKNOWN_CARDINALITY  # even take(0): tf.data does not look at the count here
+        if self._count < 0:
+            return known
+        return self._count if known == INFINITE_CARDINALITY else min(known, self._count)
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
+
 
 class SkipDataset(UnaryDataset[T]):
     def __init__(self, input_dataset: Dataset[T], count: int) -> None:
@@ -100,6 +125,15 @@ class SkipDataset(UnaryDataset[T]):
 
     def _iterator(self) -> DatasetIterator[T]:
         return _TakeSkipIterator(iter(self._input), take=-1, skip=self._count)
+
+    def _cardinality(self) -> int:
+        known = self._input._cardinality()
+        if known < 0:
+            return known
+        return 0 if self._count < 0 else max(0, known - self._count)
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
 
 
 class _TakeSkipIterator(UnaryIterator[T]):
@@ -140,6 +174,15 @@ class ShardDataset(UnaryDataset[T]):
 
     def _iterator(self) -> DatasetIterator[T]:
         return _ShardIterator(iter(self._input), self._num_shards, self._index)
+
+    def _cardinality(self) -> int:
+        known = self._input._cardinality()
+        if known < 0:
+            return known
+        return known // self._num_shards + (1 if self._index < known % self._num_shards else 0)
+
+    def _element_spec(self) -> Any | None:
+        return self._input._element_spec()
 
 
 class _ShardIterator(UnaryIterator[T]):
@@ -182,14 +225,30 @@ class ConcatenateDataset(Dataset[Any]):
     def _iterator(self) -> DatasetIterator[Any]:
         return _ConcatenateIterator(self._datasets)
 
+    def _cardinality(self) -> int:
+        counts = [dataset._cardinality() for dataset in self._datasets]
+        if INFINITE_CARDINALITY in counts:
+            return INFINITE_CARDINALITY
+        return UNKNOWN_CARDINALITY if UNKNOWN_CARDINALITY in counts else sum(counts)
+
+    def _element_spec(self) -> Any | None:
+        first, second = (dataset._element_spec() for dataset in self._datasets)
+        if first is None or second is None:
+            return None
+        first_leaves, first_tree = structure.flatten(first)
+        second_leaves, second_tree = structure.flatten(second)
+        if first_tree != second_tree or any(
+            one.dtype != other.dtype for one, other in zip(first_leaves, second_leaves, strict=True)
+        ):
+            return None
+        leaves = [most_specific_compatible(one, other) for one, other in zip(first_leaves, second_leaves, strict=True)]
+        return structure.pack(first_tree, leaves)
+
 
 def _check_static_types(first: Dataset[Any], second: Dataset[Any]) -> None:
     """TypeError now, as tf.data raises, where both inputs define their element spec; the iterator checks the
     others on their first elements."""
-    # Here, not at the top: element_spec imports this module.
-    from shardflow.data.element_spec import static_spec
-
-    first_spec, second_spec = static_spec(first), static_spec(second)
+    first_spec, second_spec = first._element_spec(), second._element_spec()
     if first_spec is None or second_spec is None:
         return
     first_leaves, treedef = structure.flatten(first_spec)
@@ -278,6 +337,13 @@ class EnumerateDataset(UnaryDataset[tuple[np.int64, Any]]):
 
     def _iterator(self) -> DatasetIterator[tuple[np.int64, Any]]:
         return _EnumerateIterator(iter(self._input), self._start)
+
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
+
+    def _element_spec(self) -> Any | None:
+        spec = self._input._element_spec()
+        return None if spec is None else (INT64, spec)
 
 
 class _EnumerateIterator(UnaryIterator[tuple[np.int64, Any]]):

@@ -20,7 +20,7 @@ from shardflow.data.saved_format import (
     resolve_compression,
     write_manifest,
 )
-from shardflow.data.sources_basic import ElementsDataset
+from shardflow.data.sources.in_memory import ElementsDataset
 
 _BULK_ELEMENTS = 1024
 
@@ -236,6 +236,9 @@ class SnapshotDataset(UnaryDataset[Any]):
 
     def _iterator(self) -> DatasetIterator[Any]:
         return _SnapshotIterator(self)
+
+    def _cardinality(self) -> int:
+        return self._input._cardinality()
 
 
 class _SnapshotIterator(DatasetIterator[Any]):

@@ -47,3 +47,6 @@ class SparseBatchDataset(BatchDataset):
             values=np.concatenate(values),
             dense_shape=np.array([len(elements), *self._row_shape.tolist()], dtype=np.int64),
         )
+
+    def _element_spec(self) -> None:
+        return None  # a SparseTensor has no TensorSpec here

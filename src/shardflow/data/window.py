@@ -8,7 +8,7 @@ from typing import Any
 from shardflow.data import batching, structure
 from shardflow.data.dataset import Dataset, DatasetIterator, State, UnaryDataset, UnaryIterator
 from shardflow.data.errors import InvalidArgumentError
-from shardflow.data.sources_basic import ElementsDataset
+from shardflow.data.sources.in_memory import ElementsDataset
 
 
 def _positive(value: Any, argument: str) -> int:
@@ -32,6 +32,15 @@ class WindowDataset(UnaryDataset[Any]):
 
     def _iterator(self) -> DatasetIterator[Any]:
         return _WindowIterator(iter(self._input), self)
+
+    def _cardinality(self) -> int:
+        known = self._input._cardinality()
+        if known < 0:
+            return known
+        if not self._drop_remainder:
+            return -(-known // self._shift)
+        last_start = known - 1 - (self._size - 1) * self._stride
+        return last_start // self._shift + 1 if last_start >= 0 else 0
 
 
 class _WindowIterator(UnaryIterator[Any]):

@@ -20,7 +20,7 @@ CUDA_RESERVED = "memory.cuda_reserved"
 PINNED_HOST = "memory.pinned_host"
 CPU_CORES = "cpu.cores"
 """CPU seconds the process used since the previous sample, per second of wall time: the integral over a window is
-the CPU time spent in it (tools/calibrate.py relies on that)."""
+the CPU time spent in it (planning/calibrate.py relies on that)."""
 USABLE_CPUS_BUSY = "cpu.usable_busy"
 """How many of the CPUs the process may run on (its affinity) were busy, with any process, per second of wall time
 since the previous sample (Linux only): the cores other jobs take from it too."""

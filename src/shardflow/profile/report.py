@@ -42,59 +42,15 @@ def write_report(table: pa.Table, out_path: str | Path, title: str = "shardflow 
     import matplotlib
 
     matplotlib.use("Agg")
-    summaries = sorted(summarize(steps(table)), key=lambda s: role_sort_key(s.role))
-    findings = diagnose(table)
-    top_rows = top(table, shown=_ops_if_any(table))[:15]
     num_steps = len(set(table["step"].drop_null().to_pylist()))
     roles = sorted(set(table["role"].to_pylist()), key=role_sort_key)
     parts = [
         f"<h1>{html.escape(title)}</h1>",
         f'<p class="meta">{num_steps} global steps, {len(roles)} roles: {html.escape(", ".join(roles))}</p>',
-        "<h2>Diagnosis</h2>",
-        *(
-            f'<div class="finding{" first" if i == 0 else ""}">{html.escape(f.message)}</div>'
-            for i, f in enumerate(findings)
-            if i == 0 or f.fraction >= 0.25
-        ),
-        "<h2>Step time per role (mean per global step)</h2>",
-        _image(_step_bars(summaries)),
-        _table(
-            ["role", "steps", "step ms", *CATEGORIES, "idle"],
-            [
-                [
-                    s.role,
-                    s.num_steps,
-                    f"{s.step_us / 1000:.3f}",
-                    *(f"{s.fraction(p):.0%}" for p in (*CATEGORIES, "idle")),
-                ]
-                for s in summaries
-            ],
-        ),
-        "<h2>Memory over time</h2>",
-        _image(_memory_lines(table)) if _has_memory(table) else "<p>No memory counters in this capture.</p>",
-        _table(
-            ["role", "counter", "peak", "step", "running at the peak", "largest live at the peak"],
-            [
-                [
-                    p.role,
-                    p.counter,
-                    _size(p.peak),
-                    p.step if p.step is not None else "-",
-                    " > ".join(p.active),
-                    f"{_size(p.live[0].bytes)} from {p.live[0].op} {p.live[0].shape}" if p.live else "",
-                ]
-                for p in memory(table)
-            ],
-        ),
-        "<h2>Top by self time</h2>",
-        _image(_top_bars(top_rows)),
-        _table(
-            ["name", "calls", "self ms", "total ms", "share"],
-            [
-                [r.key, r.calls, f"{r.self_value / 1000:.3f}", f"{r.total_value / 1000:.3f}", f"{r.share:.1%}"]
-                for r in top_rows
-            ],
-        ),
+        *_diagnosis_section(table),
+        *_steps_section(table),
+        *_memory_section(table),
+        *_top_section(table),
     ]
     document = (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>'
@@ -103,6 +59,63 @@ def write_report(table: pa.Table, out_path: str | Path, title: str = "shardflow 
     out_path = Path(out_path)
     out_path.write_text(document, encoding="utf-8")
     return out_path
+
+
+def _diagnosis_section(table: pa.Table) -> list[str]:
+    """The first finding, highlighted, and any other that explains at least a quarter of the step."""
+    return [
+        "<h2>Diagnosis</h2>",
+        *(
+            f'<div class="finding{" first" if i == 0 else ""}">{html.escape(f.message)}</div>'
+            for i, f in enumerate(diagnose(table))
+            if i == 0 or f.fraction >= 0.25
+        ),
+    ]
+
+
+def _steps_section(table: pa.Table) -> list[str]:
+    summaries = sorted(summarize(steps(table)), key=lambda s: role_sort_key(s.role))
+    rows = [
+        [s.role, s.num_steps, f"{s.step_us / 1000:.3f}", *(f"{s.fraction(p):.0%}" for p in (*CATEGORIES, "idle"))]
+        for s in summaries
+    ]
+    return [
+        "<h2>Step time per role (mean per global step)</h2>",
+        _image(_step_bars(summaries)),
+        _table(["role", "steps", "step ms", *CATEGORIES, "idle"], rows),
+    ]
+
+
+def _memory_section(table: pa.Table) -> list[str]:
+    rows = [
+        [
+            p.role,
+            p.counter,
+            _size(p.peak),
+            p.step if p.step is not None else "-",
+            " > ".join(p.active),
+            f"{_size(p.live[0].bytes)} from {p.live[0].op} {p.live[0].shape}" if p.live else "",
+        ]
+        for p in memory(table)
+    ]
+    return [
+        "<h2>Memory over time</h2>",
+        _image(_memory_lines(table)) if _has_memory(table) else "<p>No memory counters in this capture.</p>",
+        _table(["role", "counter", "peak", "step", "running at the peak", "largest live at the peak"], rows),
+    ]
+
+
+def _top_section(table: pa.Table) -> list[str]:
+    top_rows = top(table, shown=_ops_if_any(table))[:15]
+    rows = [
+        [r.key, r.calls, f"{r.self_value / 1000:.3f}", f"{r.total_value / 1000:.3f}", f"{r.share:.1%}"]
+        for r in top_rows
+    ]
+    return [
+        "<h2>Top by self time</h2>",
+        _image(_top_bars(top_rows)),
+        _table(["name", "calls", "self ms", "total ms", "share"], rows),
+    ]
 
 
 def _ops_if_any(table: pa.Table) -> Any:

@@ -1,5 +1,5 @@
 """The chief's requests to every PS: their status, snapshots for checkpoints, a worker lost, the end of training
-and of the job. Initialising the PS and collecting their state is in ps/checkpointing.py."""
+and of the job. Initialising the PS and collecting their state is in train/checkpoints/servers.py."""
 
 from __future__ import annotations
 

@@ -59,7 +59,7 @@ def clip_local_gradients(model: torch.nn.Module, max_norm: float) -> None:
 
 
 class _Store(Protocol):
-    """What a NormExchange needs of the job's control plane (cluster/rendezvous.py ControlPlane)."""
+    """What a NormExchange needs of the job's control plane (cluster/control_plane.py ControlPlane)."""
 
     def set(self, key: str, value: str) -> None: ...
     def get(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> str: ...

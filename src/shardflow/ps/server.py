@@ -94,7 +94,7 @@ class ParameterServer:
         # restarted worker resumes from these (see `_on_rejoin`); ps:0's positions go into checkpoints.
         self.worker_steps: dict[str, int] = {}
         self.iterators: dict[str, Any] = {}
-        # Raised by every `init` after a PS was lost (ps/checkpointing.py): until a worker rejoins, its pushes
+        # Raised by every `init` after a PS was lost (train/checkpoints/restore.py): until a worker rejoins, its pushes
         # belong to the state before the restore and are refused.
         self.generation = 0
         self.rejoined: set[int] = set()

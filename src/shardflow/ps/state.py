@@ -1,4 +1,5 @@
-"""A PS's checkpointable state: its parameter buffers and tables and the optimizer slots that mirror them."""
+"""A PS's checkpointable state: its parameter buffers and tables and the optimizer slots that mirror them, and the
+snapshots it holds until the chief has saved them (the chief's side is train/checkpoints/)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import json
 import logging
-import math
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -20,28 +19,27 @@ from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
 from shardflow.comm.security import SECRET_FILE, is_loopback, job_credentials, write_secret
-from shardflow.ps.admin import PSAdmin
+from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import ModelState, fetch_state, init_servers
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.placement import Placement, place
 from shardflow.ps.sparse import sparse_variables
-from shardflow.train import checkpoint
+from shardflow.train import job_keys
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.manager import CheckpointManager, snapshot_every
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.restore import Recovery, restore_latest
+from shardflow.train.checkpoints.servers import fetch_state, init_servers
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.heartbeat import Heartbeats
 from shardflow.train.job import JobConfig
+from shardflow.train.job_keys import RecoveryNotice
 from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
-from shardflow.train.recovery import Recovery, restore_latest
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
 
 log = logging.getLogger(__name__)
-
-
-def _last_checkpoint_step(job: JobConfig) -> int:
-    path = checkpoint.latest(job.model_dir)
-    return int(json.loads((path / "manifest.json").read_text())["global_step"]) if path is not None else 0
 
 
 def _resumed_at(restored: ModelState | None, worker: str) -> int:
@@ -50,14 +48,6 @@ def _resumed_at(restored: ModelState | None, worker: str) -> int:
     if restored is None or not restored.ps_progress:
         return 0
     return min(int(progress.get("worker_steps", {}).get(worker, 0)) for progress in restored.ps_progress)
-
-
-def _snapshot_every(job: JobConfig, role: RoleContext) -> int | None:
-    """The PS snapshot at every step that is a checkpoint or an inline evaluation."""
-    eval_spec = job.eval_spec
-    every_eval = eval_spec.every_n_steps if eval_spec is not None and not role.spec.num("evaluator") else None
-    counts = [n for n in (job.save_checkpoints_steps, every_eval) if n]
-    return math.gcd(*counts) if counts else None
 
 
 def run_chief(
@@ -74,7 +64,7 @@ def run_chief(
     preemption = preemption or Preemption(job.strategy.termination_grace_s)
     started = time.monotonic()
     # The chief is the only role that saves, and none of its saves has started yet.
-    checkpoint.clean(job.model_dir)
+    store.clean(job.model_dir)
     heartbeats = Heartbeats(role.control, job.strategy)
     start = _start_or_adopt(job, role, heartbeats)
     on_connect(start.admin)
@@ -111,8 +101,8 @@ class _Start:
     """The live PS's state (adopted), or the latest checkpoint's; None: a fresh start."""
     adopted: bool
     """This chief was restarted and every PS kept its state: training goes on from it."""
-    snapshots_held: bool
-    """Some PS hold snapshots taken for the chief that died."""
+    replies: list[StatusReply]
+    """Every PS's status when the chief started: their snapshots taken for the chief that died."""
     generation: int
     """The recovery generation (train/recovery.py)."""
 
@@ -161,15 +151,14 @@ def _start_or_adopt(job: JobConfig, role: RoleContext, heartbeats: Heartbeats) -
     if generation:
         # Workers started from now on (and those that missed a restore) learn the current recovery generation.
         step = restored.step if restored else 0
-        control.set(control_keys.RECOVERY, json.dumps({"generation": generation, "step": step, "lost": "chief"}))
-    snapshots_held = any(reply.snapshots for reply in replies)
+        control.put(job_keys.RECOVERY, RecoveryNotice(generation=generation, step=step, lost="chief"))
     return _Start(
         admin=admin,
         model=model,
         placement=placement,
         restored=restored,
         adopted=live,
-        snapshots_held=snapshots_held,
+        replies=replies,
         generation=generation,
     )
 
@@ -184,7 +173,7 @@ def _initialise(job: JobConfig, role: RoleContext, start: _Start) -> ApplyConfig
         replicas_to_aggregate=strategy.replicas_to_aggregate,
         max_staleness=strategy.max_staleness,
         max_steps=job.train_spec.max_steps,
-        snapshot_every_n_steps=_snapshot_every(job, role),
+        snapshot_every_n_steps=snapshot_every(job, role),
         hold_timeout_s=strategy.request_timeout_s,
     )
     if not start.adopted:
@@ -196,7 +185,7 @@ def _initialise(job: JobConfig, role: RoleContext, start: _Start) -> ApplyConfig
             timeout_s=strategy.startup_timeout_s,
             generation=start.generation,
         )
-    role.control.set(control_keys.PLACEMENT, json.dumps(start.placement.to_json()))
+    role.control.put(job_keys.PLACEMENT, start.placement)
     return apply
 
 
@@ -209,27 +198,18 @@ def _chief_loop(
     heartbeats: Heartbeats,
     failures: Sequence[RoleExit],
 ) -> ChiefLoop:
-    """The chief's loop over training, with what each checkpoint's manifest says and how to restore every PS."""
-    manifest = {
-        "placement": start.placement.to_json(),
-        "mode": job.strategy.mode,
-        "num_workers": role.num_workers,
-        "num_ps": role.num_ps,
-        "optimizer": job.optimizer.to_json(),
-    }
+    """The chief's loop over training, with its checkpoints and how to restore every PS."""
     model, admin = start.model, start.admin
+    checkpoints = CheckpointManager(job, role, admin, start.placement, profiler.recorder, start.step)
     initial = start.restored or ModelState(
         step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()}
     )
     recovery = Recovery(job, role, admin, model, apply, initial, start.generation)
-    # A chief that adopts the live PS checkpoints the snapshots they took for the chief that died now, oldest
-    # first; without any, it asks for one at once: what a PS lost from now on is restored to.
-    last_snapshot_step = _last_checkpoint_step(job) if start.adopted else None
-    loop = ChiefLoop(
-        job, role, admin, model, profiler, manifest, start.step, heartbeats, failures, recovery, last_snapshot_step
-    )
-    if start.adopted and not start.snapshots_held:
-        loop.request_snapshot(start.step)
+    loop = ChiefLoop(job, role, admin, model, profiler, checkpoints, start.step, heartbeats, failures, recovery)
+    if start.adopted:
+        # Snapshots the PS took for the chief that died are checkpointed now, oldest first; without any, one is
+        # asked for at once: what a PS lost from now on is restored to.
+        checkpoints.adopt(start.replies, start.step)
     return loop
 
 
@@ -253,13 +233,8 @@ def _finish(
     """The final checkpoint and evaluation; then every PS and role is told the job is over, and the captures are
     collected."""
     control = role.control
-    state = fetch_state(admin)
+    state, path = loop.checkpoints.save_final(loop.preempted)
     loop.model.load_state_dict(state.params, strict=False)  # what a final inline evaluation evaluates
-    path = checkpoint.save_state(
-        job.model_dir, state, {**loop.manifest, "ps_stats": state.stats}, keep=job.keep_checkpoint_max
-    )
-    if loop.preempted:
-        log.warning("preempted: checkpoint %s at global step %d; the next run resumes from it", path, state.step)
     metrics: dict[str, float] = {}
     if loop.eval_spec is not None:
         last = loop.eval_history[-1] if loop.eval_history else None
@@ -270,16 +245,16 @@ def _finish(
     admin.shutdown()
     control.set(control_keys.SHUTDOWN, "1")
     if role.spec.num("evaluator") and job.eval_spec is not None and not loop.preempted:
-        final = control.get(control_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
-        metrics = json.loads(final)["metrics"]
+        final = control.read(job_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
+        metrics = final.metrics
     profiler.collect(loop.capture_roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
     return _Finished(state=state, path=path, metrics=metrics, captures=list(profiler.completed))
 
 
 def _result(finished: _Finished, loop: ChiefLoop, start: _Start, started: float, training_s: float) -> TrainResult:
     progress = loop.progress
-    first = [p["first_loss"] for p in progress.values() if p.get("first_loss") is not None]
-    final_losses = [p["loss"] for p in progress.values() if p.get("local_step")]
+    first = [p.first_loss for p in progress.values() if p.first_loss is not None]
+    final_losses = [p.loss for p in progress.values() if p.local_step]
     state, captures = finished.state, finished.captures
     return TrainResult(
         global_step=state.step,
@@ -290,7 +265,7 @@ def _result(finished: _Finished, loop: ChiefLoop, start: _Start, started: float,
         elapsed_s=_since_process_start(started),
         training_s=training_s,
         start_step=start.step,
-        worker_steps={name: int(p["local_step"]) - _resumed_at(start.restored, name) for name, p in progress.items()},
+        worker_steps={name: p.local_step - _resumed_at(start.restored, name) for name, p in progress.items()},
         ps_stats=state.stats,
         profile_dir=str(captures[-1]) if captures else None,
         eval_history=loop.eval_history,

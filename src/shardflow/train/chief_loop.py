@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Sequence
@@ -11,24 +10,27 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_keys import ControlValueError
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.launcher import RoleExit
-from shardflow.cluster.rendezvous import ControlPlane
 from shardflow.comm.errors import DeadlineExceeded
 from shardflow.profile import spans
-from shardflow.profile.capture import check_capture_name, check_steps
 from shardflow.ps.admin import PSAdmin, StatusReply
-from shardflow.ps.checkpointing import ModelState, fetch_state
-from shardflow.train import checkpoint
+from shardflow.train import job_keys
+from shardflow.train.checkpoints.servers import fetch_state
 from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.job_keys import Handover, ProgressReport
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
 from shardflow.train.role_context import RoleContext
 from shardflow.train.summaries import Summaries
 
 if TYPE_CHECKING:
+    from shardflow.train.checkpoints.manager import CheckpointManager
+    from shardflow.train.checkpoints.model_state import ModelState
+    from shardflow.train.checkpoints.restore import Recovery
     from shardflow.train.preemption import Preemption
-    from shardflow.train.recovery import Recovery
 
 log = logging.getLogger(__name__)
 
@@ -47,19 +49,17 @@ class ChiefLoop:
         client: PSAdmin,
         model: torch.nn.Module,
         profiler: ChiefProfiler,
-        manifest: dict[str, Any],
+        checkpoints: CheckpointManager,
         start_step: int,
         heartbeats: Heartbeats,
         failures: Sequence[RoleExit] = (),
         recovery: Recovery | None = None,
-        last_snapshot_step: int | None = None,
     ) -> None:
-        """`last_snapshot_step`: the step of the latest PS snapshot already checkpointed (default `start_step`)."""
         self.job, self.role, self.client, self.model = job, role, client, model
         self.recovery = recovery
         self.failures = failures
         self.profiler = profiler
-        self.manifest = manifest
+        self.checkpoints = checkpoints
         self.control: ControlPlane = role.control
         self.workers = [f"worker:{i}" for i in range(role.num_workers)]
         self.capture_roles = [t.name for t in role.spec.tasks() if t.type in ("chief", "ps", "worker")]
@@ -67,13 +67,10 @@ class ChiefLoop:
         self.eval_spec = None if role.spec.num("evaluator") else job.eval_spec
         self.started = time.monotonic()
         self.global_step = start_step
-        self.progress: dict[str, dict[str, Any]] = {}
+        self.progress: dict[str, ProgressReport] = {}
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
         self.preempted = False
-        self.last_snapshot_step = start_step if last_snapshot_step is None else last_snapshot_step
-        self.requested_snapshot: int | None = None
-        self.last_checkpoint_time = time.monotonic()
         self.last_eval_time = time.monotonic()
         self.summaries = Summaries(
             job.model_dir,
@@ -92,7 +89,7 @@ class ChiefLoop:
 
     @property
     def generation(self) -> int:
-        """How many times every PS was restored after one was lost (train/recovery.py)."""
+        """How many times every PS was restored after one was lost (train/checkpoints/restore.py)."""
         return self.recovery.generation if self.recovery is not None else 0
 
     def run(self, preemption: Preemption | None = None) -> None:
@@ -109,7 +106,7 @@ class ChiefLoop:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
                     replies = self.client.status()
                     self.global_step = replies[0].step  # the final summaries' step
-                    self._save_snapshots(replies)
+                    self.checkpoints.save_snapshots(replies, self._evaluate_snapshot)
                     return
                 if preemption is not None and not self.preempted and self._preempt(preemption, now >= next_ps_poll):
                     stop_waiting_at = now + preemption.remaining_s() / 2
@@ -153,14 +150,14 @@ class ChiefLoop:
     # -- workers ----------------------------------------------------------------------------------
 
     def _watch_servers(self) -> None:
-        """A PS that was restarted holds nothing: restore every PS (train/recovery.py). One lost for good (no
+        """A PS that was restarted holds nothing: restore every PS (train/checkpoints/restore.py). One lost for good (no
         beat within worker_rejoin_timeout_s) fails the job."""
         for k in range(self.role.num_ps):
             name = f"ps:{k}"
             if self.heartbeats.check(name) and self.recovery is not None:
                 state = self.recovery.restore(name, self.global_step)
-                self.global_step = self.last_snapshot_step = state.step
-                self.requested_snapshot = None
+                self.global_step = state.step
+                self.checkpoints.restored(state.step)
 
     def _watch_workers(self) -> bool:
         """Read progress reports and heartbeats; fail on a reported failure or a worker lost for good; True once
@@ -174,11 +171,11 @@ class ChiefLoop:
             failure = self.control.get_if_set(control_keys.failed(name))
             if failure is not None:
                 raise RoleFailedError(f"{name} failed: {failure.decode()}")
-            progress = self.control.get_if_set(control_keys.progress(name))
+            progress = self.control.read_if_set(job_keys.progress(name))
             if progress is not None:
-                self.progress[name] = json.loads(progress)
-            report = self.progress.get(name, {})
-            if report.get("done") and report.get("generation", 0) == self.generation:
+                self.progress[name] = progress
+            report = self.progress.get(name)
+            if report is not None and report.done and report.generation == self.generation:
                 continue
             all_done = False
             if name in self.handed_over:
@@ -213,11 +210,11 @@ class ChiefLoop:
         if not adopters:
             raise RoleFailedError(f"{lost} was lost for good and no worker is left to read its shard")
         # The one furthest along finishes its own shard first.
-        adopter = max(adopters, key=lambda w: self.progress.get(w, {}).get("local_step", 0))
+        adopter = max(adopters, key=lambda w: self.progress[w].local_step if w in self.progress else 0)
         self.handed_over[lost] = adopter
         self.heartbeats.handed_over(lost)
         mine = [name for name, to in self.handed_over.items() if to == adopter]
-        self.control.set(control_keys.handover(adopter), json.dumps(mine))
+        self.control.put(job_keys.handover(adopter), Handover(workers=tuple(mine)))
         log.warning(
             "%s did not come back within worker_rejoin_timeout_s=%gs: %s reads the rest of its shard once its own is "
             "done (every record is still applied once)",
@@ -243,44 +240,16 @@ class ChiefLoop:
     def _checkpoint_and_evaluate(self, replies: list[StatusReply]) -> None:
         self.global_step = replies[0].step
         self._ps_stats = [r.stats for r in replies]
-        by_time = self.job.save_checkpoints_secs is not None and not self.job.save_checkpoints_steps
-        if self._save_snapshots(replies):
-            pass
-        elif by_time and time.monotonic() - self.last_checkpoint_time >= (self.job.save_checkpoints_secs or 0):
-            self.request_snapshot(max(r.step for r in replies))
+        self.checkpoints.poll(replies, self._evaluate_snapshot)
         self._evaluate_if_due()
 
-    def _save_snapshots(self, replies: list[StatusReply]) -> bool:
-        """Checkpoint and evaluate, oldest first, every snapshot all PS hold that is not handled yet: so both
-        happen at exact multiples of their step counts, however late the chief looks."""
-        common = set.intersection(*(set(r.snapshots) for r in replies))
-        ready = sorted(s for s in common if s > self.last_snapshot_step)
-        every_checkpoint = self.job.save_checkpoints_steps
+    def _evaluate_snapshot(self, state: ModelState) -> None:
+        """Evaluate a snapshot the checkpoints hand over (CheckpointManager.save_snapshots) at a multiple of its
+        step count: exactly there, however late the chief looks."""
         every_eval = self.eval_spec.every_n_steps if self.eval_spec is not None else None
-        for step in ready:
-            state = fetch_state(self.client, step)
-            if (every_checkpoint and step % every_checkpoint == 0) or step == self.requested_snapshot:
-                self._save(state)
-            if every_eval is not None and step % every_eval == 0 and not self.stopped_early:
-                self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
-                self._evaluate_and_maybe_stop(step)
-            self.last_snapshot_step = step
-        if ready:
-            self.client.release_snapshots(ready[-1])
-        return bool(ready)
-
-    def request_snapshot(self, highest_step: int) -> None:
-        # Ahead of every PS, so each snapshots exactly this step (async PS may be a few updates apart).
-        target = highest_step + (1 if self.job.strategy.mode == "sync" else len(self.workers) + 1)
-        self.client.snapshot_at(target)
-        self.requested_snapshot = target
-        self.last_checkpoint_time = time.monotonic()
-
-    def _save(self, state: ModelState) -> str:
-        with self.profiler.recorder.span(spans.CHECKPOINT, state.step):
-            path = checkpoint.save_state(self.job.model_dir, state, self.manifest, keep=self.job.keep_checkpoint_max)
-        self.last_checkpoint_time = time.monotonic()
-        return str(path)
+        if every_eval is not None and state.step % every_eval == 0 and not self.stopped_early:
+            self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
+            self._evaluate_and_maybe_stop(state.step)
 
     def _evaluate_if_due(self) -> None:
         """Time-based evaluation, of the parameters as they are now (step-based ones use exact snapshots)."""
@@ -319,24 +288,15 @@ class ChiefLoop:
     def _pick_up_capture(self) -> None:
         """A tool asked for a capture of the running job through the control plane. A request that is not valid
         (anyone on the control plane can write it) is refused with one warning, never raised."""
-        if not self.control.is_set(control_keys.CAPTURE_REQUEST):
-            return
-        raw = self.control.get(control_keys.CAPTURE_REQUEST, waiting_for="the capture request")
-        if raw == self._refused_request:
-            return
         try:
-            request = json.loads(raw)
-            if not isinstance(request, dict) or not isinstance(request.get("ops", False), bool):
-                raise ValueError("expected a JSON object with name, first, last and ops (a bool)")
-            name = check_capture_name(request.get("name"))
-            first, last = request.get("first"), request.get("last")
-            if not (type(first) is int and type(last) is int):
-                raise ValueError(f"first and last must be ints, got {first!r} and {last!r}")
-            first, last = check_steps((first, last), what="the capture's steps")
-        except ValueError as error:  # json.JSONDecodeError is one
-            self._refused_request = raw
-            log.warning("refused a capture request on the control plane: %s", error)
+            request = self.control.read_if_set(job_keys.CAPTURE_REQUEST)
+        except ControlValueError as error:
+            if str(error) != self._refused_request:  # one warning per request, not one per poll
+                self._refused_request = str(error)
+                log.warning("refused a capture request on the control plane: %s", error)
             return
-        known = any(p["name"] == name for p in self.profiler.pending)
-        if not known and not self.control.is_set(control_keys.capture_done(name)):
-            self.profiler.request(first, last, ops=request.get("ops", False), name=name)
+        if request is None:
+            return
+        known = any(p.name == request.name for p in self.profiler.pending)
+        if not known and not self.control.is_set(control_keys.capture_done(request.name)):
+            self.profiler.request(request.first, request.last, ops=request.ops, name=request.name)

@@ -14,7 +14,7 @@ from shardflow.profile.capture import check_steps
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.optimizers import SGD, OptimizerLike, OptimizerSpec, as_optimizer_spec
 from shardflow.ps.schedules import ScheduleLike, as_schedule
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
 from shardflow.train.launch import run_process
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
@@ -124,15 +124,14 @@ class Estimator:
         """The latest global step: live from ps:0 while this process takes part in training, else the checkpoint's."""
         if self._live_parameters is not None:
             return self._live_parameters.global_step()
-        path = checkpoint.latest(self.model_dir)
-        return 0 if path is None else int(checkpoint.load(path)[1]["global_step"])
+        return store.latest_step(self.model_dir)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The trained parameters from the latest checkpoint in model_dir, as a plain state_dict."""
-        path = checkpoint.latest(self.model_dir)
+        path = store.latest(self.model_dir)
         if path is None:
-            raise FileNotFoundError(f"no checkpoint in {self.model_dir}/checkpoints; train first")
-        return checkpoint.load_state(path)[0].params
+            raise FileNotFoundError(f"no checkpoint in {store.directory(self.model_dir)}; train first")
+        return store.load_state(path)[0].params
 
     def evaluate(self, eval_spec: EvalSpec, checkpoint_path: str | os.PathLike[str] | None = None) -> dict[str, float]:
         """Evaluate a checkpoint (the latest by default) in this process."""
@@ -140,7 +139,7 @@ class Estimator:
         if checkpoint_path is None:
             model.load_state_dict(self.state_dict())
         else:
-            model.load_state_dict(checkpoint.load_state(checkpoint_path)[0].params)
+            model.load_state_dict(store.load_state(checkpoint_path)[0].params)
         return self.evaluate_model(model, eval_spec)
 
     def evaluate_model(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:

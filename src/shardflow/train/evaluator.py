@@ -7,8 +7,10 @@ import logging
 import time
 
 from shardflow.cluster import control_keys
-from shardflow.train import checkpoint
+from shardflow.train import job_keys
+from shardflow.train.checkpoints import store
 from shardflow.train.job import JobConfig
+from shardflow.train.job_keys import EvaluationResult
 from shardflow.train.role_context import RoleContext
 from shardflow.train.summaries import Summaries
 
@@ -23,12 +25,12 @@ def run_evaluator(job: JobConfig, role: RoleContext) -> None:
     history = job.model_dir / "eval" / "history.jsonl"
     while True:
         over = role.control.is_set(control_keys.SHUTDOWN)
-        path = checkpoint.latest(job.model_dir)
+        path = store.latest(job.model_dir)
         if eval_spec is not None and path is not None and path.name != evaluated:
             evaluated = path.name
-            step = int(json.loads((path / "manifest.json").read_text())["global_step"])
+            step = store.global_step(path)
             model = job.build_model()
-            model.load_state_dict(checkpoint.load_state(path)[0].params)
+            model.load_state_dict(store.load_state(path)[0].params)
             metrics = job.evaluate(model, eval_spec)
             history.parent.mkdir(parents=True, exist_ok=True)
             with open(history, "a") as f:
@@ -40,8 +42,12 @@ def run_evaluator(job: JobConfig, role: RoleContext) -> None:
             continue
         if over:
             # The chief writes its final checkpoint before it says the job is over, so this one is the last.
-            final = {"metrics": {}} if evaluated is None else {"checkpoint": evaluated, "metrics": metrics}
-            role.control.set(control_keys.EVAL_FINAL, json.dumps(final))
+            final = (
+                EvaluationResult(metrics={})
+                if evaluated is None
+                else EvaluationResult(checkpoint=evaluated, metrics=metrics)
+            )
+            role.control.put(job_keys.EVAL_FINAL, final)
             break
         time.sleep(0.5)
     if summaries is not None:

@@ -10,7 +10,7 @@ import time
 from collections.abc import Sequence
 
 from shardflow.cluster import control_keys
-from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.comm.errors import CommError
 from shardflow.train.job import RoleFailedError
 from shardflow.train.strategy import ParameterServerStrategy
@@ -25,7 +25,7 @@ class Heartbeat:
     def __init__(self, name: str, control: ControlPlane, interval_s: float = 1.0) -> None:
         """Beats as role `name` on a connection of its own to the control plane `control` reaches."""
         self._key = control_keys.heartbeat(name)
-        self._control = ControlPlane(control.address, is_chief=False, timeout_s=control.timeout_s)
+        self._control = ControlPlane(control.address, timeout_s=control.timeout_s)
         self._interval_s = interval_s
         self._stopped = threading.Event()
         self._beat(0)

@@ -18,14 +18,14 @@ import torch
 
 from shardflow import env
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
-from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
 from shardflow.comm.security import new_secret
 from shardflow.ps.connection import PSConnection
-from shardflow.train import checkpoint
+from shardflow.train.checkpoints import store
 from shardflow.train.chief import run_chief
 from shardflow.train.evaluator import run_evaluator
 from shardflow.train.job import JobConfig, RoleFailedError
@@ -66,10 +66,10 @@ def _already_finished(job: JobConfig) -> TrainResult | None:
     """What the latest checkpoint holds when it is already at max_steps: a re-run then trains nothing and starts
     no cluster."""
     max_steps = job.train_spec.max_steps
-    path = checkpoint.latest(job.model_dir) if max_steps is not None else None
+    path = store.latest(job.model_dir) if max_steps is not None else None
     if max_steps is None or path is None:
         return None
-    manifest = checkpoint.read_manifest(path)
+    manifest = store.read_manifest(path)
     step = int(manifest["global_step"])
     if step < max_steps:
         return None
@@ -106,7 +106,8 @@ def _connect(job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
     if spec.num("worker") < 1:
         raise ValueError("the cluster has no 'worker' tasks; training needs at least one")
     chief = spec.address(TaskSpec("chief", 0))
-    control = ControlPlane(chief, is_chief=task.type == "chief", timeout_s=job.strategy.startup_timeout_s)
+    connect = ControlPlane.serve if task.type == "chief" else ControlPlane
+    control = connect(chief, timeout_s=job.strategy.startup_timeout_s)
     return RoleContext(spec, task, control)
 
 

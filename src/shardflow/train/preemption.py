@@ -14,8 +14,8 @@ from types import FrameType
 from typing import Any
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.launcher import PREEMPTED_EXIT_CODE
-from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
 from shardflow.train.role_context import RoleContext
 
 _POLL_S = 0.1
@@ -98,7 +98,7 @@ def tell_chief(role: RoleContext) -> Callable[[Preemption], None]:
         try:
             # A connection of its own: the main thread keeps using role.control meanwhile.
             # The chief answers in milliseconds; a dead one must not hold the role past the launcher's grace.
-            control = ControlPlane(address, is_chief=False, timeout_s=min(2.0, preemption.grace_s))
+            control = ControlPlane(address, timeout_s=min(2.0, preemption.grace_s))
             try:
                 over = control.is_set(control_keys.SHUTDOWN)
                 if not over:

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from shardflow.cluster import control_keys
-from shardflow.cluster.rendezvous import ControlPlane, ControlPlaneError
+from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
 from shardflow.comm.server import secure_server
@@ -27,6 +27,8 @@ from shardflow.profile.recorder_setting import AlternatingRecorder, NoRecorder, 
 from shardflow.profile.torch_ops import OpCapture
 from shardflow.profile.torch_ops import warm_up as warm_up_op_capture
 from shardflow.ps.connection import read_global_step
+from shardflow.train import job_keys
+from shardflow.train.job_keys import Capture
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +44,7 @@ class RoleProfiler:
         self.steps_are_coarse = steps_are_coarse
         self.recorder = make_recorder(role)
         set_recorder(None if isinstance(self.recorder, NoRecorder) else self.recorder)
-        self.capture: dict[str, Any] | None = None
+        self.capture: Capture | None = None
         self._finished: set[str] = set()
         # Memory and CPU are sampled always (every 0.1 s), so that every capture has counters, also one that is
         # picked up after its window (on demand); every 10 ms inside a window known ahead.
@@ -54,12 +56,12 @@ class RoleProfiler:
 
     def check_requests(self) -> None:
         """Pick up a capture request from the control plane (called about once a second)."""
-        if self.capture is not None or not self.control.is_set(control_keys.CAPTURE_CURRENT):
+        if self.capture is not None:
             return
-        request = json.loads(self.control.get(control_keys.CAPTURE_CURRENT, waiting_for="the capture request"))
-        if request["name"] not in self._finished:
+        request = self.control.read_if_set(job_keys.CAPTURE_CURRENT)
+        if request is not None and request.name not in self._finished:
             self.capture = request
-            if request.get("ops"):
+            if request.ops:
                 warm_up_op_capture()
 
     def at_step(self, step: int) -> None:
@@ -69,12 +71,12 @@ class RoleProfiler:
         capture = self.capture
         if capture is None:
             return
-        if step >= capture["last"]:
+        if step >= capture.last:
             self.dump()
-        elif (step >= capture["first"] - 1 or self.steps_are_coarse) and not self._sampling_window:
+        elif (step >= capture.first - 1 or self.steps_are_coarse) and not self._sampling_window:
             self._sampling_window = True
             self._sampler.sample_every(0.01)
-            if capture.get("ops"):
+            if capture.ops:
                 self._ops = OpCapture(self.recorder)
                 self._ops.start()
 
@@ -89,10 +91,10 @@ class RoleProfiler:
         capture, self.capture = self.capture, None
         if capture is None:
             return
-        self._hand_over(capture["name"], self._cut(capture))
-        self._finished.add(capture["name"])
+        self._hand_over(capture.name, self._cut(capture))
+        self._finished.add(capture.name)
 
-    def _cut(self, capture: dict[str, Any]) -> dict[str, Any]:
+    def _cut(self, capture: Capture) -> dict[str, Any]:
         extra: list[dict[str, Any]] = []
         if self._sampling_window:
             self._sampler.sample_every(0.1)
@@ -103,7 +105,7 @@ class RoleProfiler:
             self._ops = None
         clock = self._clock_offset()
         trace = self.recorder.to_role_trace(
-            capture["first"], capture["last"], clock.offset_ns / 1000, clock.error_ns / 1000, extra_events=extra
+            capture.first, capture.last, clock.offset_ns / 1000, clock.error_ns / 1000, extra_events=extra
         )
         trace["otherData"]["roles"][self.role]["clock_rtt_us"] = clock.rtt_ns / 1000
         return trace
@@ -135,7 +137,7 @@ class ChiefProfiler(RoleProfiler):
         self._thread = threading.Thread(target=self._serve_clock, name="chief-clock", daemon=True)
         self._thread.start()
         control.publish_endpoint(control_keys.CHIEF_CLOCK, self._server.address)
-        self.pending: list[dict[str, Any]] = []
+        self.pending: list[Capture] = []
         self._own_traces: dict[str, dict[str, Any]] = {}
         """The chief's own part of each capture it cut, by capture name, until it is merged."""
         self.completed: list[Path] = []
@@ -153,12 +155,12 @@ class ChiefProfiler(RoleProfiler):
     def _hand_over(self, name: str, trace: dict[str, Any]) -> None:
         self._own_traces[name] = trace
 
-    def request(self, first: int, last: int, ops: bool = False, name: str | None = None) -> dict[str, Any]:
+    def request(self, first: int, last: int, ops: bool = False, name: str | None = None) -> Capture:
         first, last = check_steps((first, last))
         name = check_capture_name(name or f"steps-{first}-{last}")
-        capture = {"name": name, "first": first, "last": last, "ops": ops}
-        self.control.set(control_keys.CAPTURE_CURRENT, json.dumps(capture))
-        self.capture = dict(capture)
+        capture = Capture(name=name, first=first, last=last, ops=ops)
+        self.control.put(job_keys.CAPTURE_CURRENT, capture)
+        self.capture = capture
         self.pending.append(capture)
         return capture
 
@@ -166,13 +168,13 @@ class ChiefProfiler(RoleProfiler):
         """Merge every pending capture whose roles all reported; with `final`, wait for them."""
         done = []
         for capture in list(self.pending):
-            name = capture["name"]
+            name = capture.name
             keys = {role: control_keys.capture_part(name, role) for role in roles if role != "chief"}
             if not final and not all(self.control.is_set(key) for key in keys.values()):
                 continue
             started = time.monotonic()
             if name not in self._finished:
-                self.capture = dict(capture)
+                self.capture = capture
                 self.dump()
             traces = [self._own_traces[name]]
             for role, key in keys.items():
@@ -212,7 +214,7 @@ def request_capture(
         raise FileNotFoundError(f"no running job in {model_dir}: {job_file} is written by the chief while it trains")
     job = json.loads(job_file.read_text())
     credentials = job_credentials(Path(model_dir))
-    control = ControlPlane(job["control"], is_chief=False, timeout_s=10.0, credentials=credentials)
+    control = ControlPlane(job["control"], timeout_s=10.0, credentials=credentials)
     try:
         with Client("profile-capture", credentials=credentials) as client:
             address = control.endpoint(control_keys.ps_endpoint(0), waiting_for="ps:0's address")
@@ -220,8 +222,7 @@ def request_capture(
             first = read_global_step(client, "ps:0", timeout_s=10.0) + 1
         first, last = check_steps((first, first + num_steps), what=f"--steps {num_steps}: the capture's global steps")
         name = f"on-demand-{first}-{last}"
-        request = {"name": name, "first": first, "last": last, "ops": ops}
-        control.set(control_keys.CAPTURE_REQUEST, json.dumps(request))
+        control.put(job_keys.CAPTURE_REQUEST, Capture(name=name, first=first, last=last, ops=ops))
         done = control.get(
             control_keys.capture_done(name), waiting_for="the chief to merge the capture", timeout_s=timeout_s
         )

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Any
 
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from shardflow import env
+from shardflow.train.job_keys import ProgressReport
 
 _LOG_EVERY_S = 10.0
 
@@ -40,12 +40,12 @@ class ProgressDisplay:
             return "?"
         return f"{elapsed / fraction - elapsed:.0f}s" if 0 < fraction < 1 else "0s"
 
-    def update(self, step: int, progress: dict[str, dict[str, Any]]) -> None:
+    def update(self, step: int, progress: dict[str, ProgressReport]) -> None:
         if not progress:
             return  # no worker has reported yet
-        losses = [p["loss"] for p in progress.values() if p.get("local_step")]
+        losses = [p.loss for p in progress.values() if p.local_step]
         loss = sum(losses) / len(losses) if losses else float("nan")
-        epochs = [p.get("epoch", 0) for p in progress.values()]
+        epochs = [p.epoch for p in progress.values()]
         epoch = min(epochs) if epochs else None
         rate = (step - self.start_step) / max(time.monotonic() - self.started, 1e-9)
         if self.live is not None:
@@ -56,15 +56,15 @@ class ProgressDisplay:
             for name, p in sorted(progress.items()):
                 table.add_row(
                     name,
-                    str(p["local_step"]),
-                    f"{p['steps_per_s']:.1f}",
-                    f"{p['loss']:.4f}",
-                    f"{p.get('input_wait_share', 0):.0%}",
+                    str(p.local_step),
+                    f"{p.steps_per_s:.1f}",
+                    f"{p.loss:.4f}",
+                    f"{p.input_wait_share:.0%}",
                 )
             self.live.update(table)
         elif time.monotonic() - self.last_logged >= _LOG_EVERY_S:
             self.last_logged = time.monotonic()
-            per_worker = ", ".join(f"{n} {p['steps_per_s']:.0f}/s" for n, p in sorted(progress.items()))
+            per_worker = ", ".join(f"{n} {p.steps_per_s:.0f}/s" for n, p in sorted(progress.items()))
             print(
                 f"{chief_prefix()}global step {step}, epoch {epoch}, loss {loss:.4f}, {rate:.0f} global steps/s "
                 f"({per_worker}), ETA {self._eta(step, epoch)}",

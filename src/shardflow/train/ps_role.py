@@ -10,7 +10,7 @@ import torch
 
 from shardflow import env
 from shardflow.cluster import control_keys
-from shardflow.cluster.rendezvous import ControlPlaneError
+from shardflow.cluster.control_plane import ControlPlaneError
 from shardflow.cluster.spec import DYNAMIC, TaskSpec
 from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
 from shardflow.comm.server import secure_server

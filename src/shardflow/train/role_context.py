@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardflow.cluster.rendezvous import ControlPlane
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
+from shardflow.train.job_keys import ProgressReport
 
 
 @dataclass
@@ -15,7 +16,7 @@ class RoleContext:
     spec: ClusterSpec
     task: TaskSpec
     control: ControlPlane
-    last_report: str | None = None
+    last_report: ProgressReport | None = None
     """A worker's last progress report: sent again to a restarted chief, whose control service starts empty."""
 
     @property

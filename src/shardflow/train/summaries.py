@@ -12,6 +12,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from shardflow.data import TFRecordWriter
+from shardflow.train.job_keys import ProgressReport
 
 
 class EventWriter:
@@ -70,7 +71,7 @@ class Summaries:
     def training(
         self,
         step: int,
-        progress: dict[str, dict[str, Any]],
+        progress: dict[str, ProgressReport],
         ps_stats: list[dict[str, Any]],
         *,
         final: bool = False,
@@ -84,18 +85,14 @@ class Summaries:
             self._write_rates(step, progress, ps_stats)
         self.train.flush()
 
-    def _write_losses(self, step: int, progress: dict[str, dict[str, Any]], final: bool) -> None:
+    def _write_losses(self, step: int, progress: dict[str, ProgressReport], final: bool) -> None:
         for name, p in progress.items():
-            for interval, (total, count) in p.get("summary_losses", {}).items():
-                if int(interval) > self._written_interval:
-                    self._losses.setdefault(int(interval), {})[name] = (float(total), int(count))
+            for interval, (total, count) in p.summary_losses.items():
+                if interval > self._written_interval:
+                    self._losses.setdefault(interval, {})[name] = (total, count)
         # A worker adds to no interval before its latest; one that is done adds to none.
         workers = self.workers or list(progress)
-        passed = [
-            progress[w].get("summary_interval", -1) if not progress[w].get("done") else None
-            for w in workers
-            if w in progress
-        ]
+        passed = [progress[w].summary_interval if not progress[w].done else None for w in workers if w in progress]
         complete = min([i for i in passed if i is not None], default=None) if len(passed) == len(workers) else -1
         for interval in sorted(self._losses):
             end = (interval + 1) * self.every
@@ -109,14 +106,14 @@ class Summaries:
                 self.train.add_scalar("loss", sum(t for t, _ in by_worker) / count, min(end, step))
             self._written_interval = interval
 
-    def _write_rates(self, step: int, progress: dict[str, dict[str, Any]], ps_stats: list[dict[str, Any]]) -> None:
+    def _write_rates(self, step: int, progress: dict[str, ProgressReport], ps_stats: list[dict[str, Any]]) -> None:
         now = time.monotonic()
-        running = [p for p in progress.values() if p.get("local_step")]
+        running = [p for p in progress.values() if p.local_step]
         if running:
-            share = sum(p.get("input_wait_share", 0.0) for p in running) / len(running)
+            share = sum(p.input_wait_share for p in running) / len(running)
             self.train.add_scalar("input_wait_share", share, step)
         for name, p in progress.items():
-            self.train.add_scalar(f"steps_per_sec/{name}", p["steps_per_s"], step)
+            self.train.add_scalar(f"steps_per_sec/{name}", p.steps_per_s, step)
         if self._last is not None and now > self._last[0]:
             self.train.add_scalar("global_step/sec", (step - self._last[1]) / (now - self._last[0]), step)
         self._last = (now, step)

@@ -4,7 +4,6 @@ the chief and the PS."""
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import time
 from collections import deque
@@ -20,7 +19,7 @@ from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
 from shardflow.profile import spans
 from shardflow.ps.client import ParameterClient, Pushed
-from shardflow.ps.placement import Placement
+from shardflow.train import job_keys
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
@@ -39,9 +38,7 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
     once the chief restores the PS past recovery `generation` (the one this worker joined in), or ends the job."""
     control = role.control
     strategy = job.strategy
-    placement = Placement.from_json(
-        json.loads(control.get(control_keys.PLACEMENT, waiting_for="the chief to place the variables"))
-    )
+    placement = control.read(job_keys.PLACEMENT, waiting_for="the chief to place the variables")
     addresses = [
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)
     ]
@@ -73,9 +70,8 @@ class PSRestored(Exception):
 
 def recovery_generation(role: RoleContext) -> int:
     """How many times the PS of this job were restored after one was lost, so far."""
-    if not role.control.is_set(control_keys.RECOVERY):
-        return 0
-    return int(json.loads(role.control.get(control_keys.RECOVERY, waiting_for="the recovery"))["generation"])
+    notice = role.control.read_if_set(job_keys.RECOVERY)
+    return notice.generation if notice is not None else 0
 
 
 class JobOver(Exception):
@@ -92,11 +88,8 @@ def _check_restored(role: RoleContext, generation: int) -> None:
 
 def _restored_position(role: RoleContext) -> dict[str, Any] | None:
     """This worker's input position from the checkpoint the chief restored, if any."""
-    if not role.control.is_set(control_keys.RESTORE_ITERATORS):
-        return None
-    positions = json.loads(role.control.get(control_keys.RESTORE_ITERATORS, waiting_for="the restored input positions"))
-    position: dict[str, Any] | None = positions.get(role.task.name)
-    return position
+    restored = role.control.read_if_set(job_keys.RESTORE_ITERATORS)
+    return restored.positions.get(role.task.name) if restored is not None else None
 
 
 def _resume(role: RoleContext, params: ParameterClient) -> dict[str, Any] | None:
@@ -162,16 +155,16 @@ def _stay_until_the_end(
     """Once this worker and those it `adopted` are done: wait until the job is over, telling a restarted chief that
     this worker is done. Returns "over"; "restored" when the PS were restored past `generation` meanwhile; or the
     workers lost for good whose shards the chief handed over to this one since."""
-    progress = control_keys.progress(role.task.name)
-    handover = control_keys.handover(role.task.name)
+    progress = job_keys.progress(role.task.name)
+    handover = job_keys.handover(role.task.name)
     try:
         while not role.control.is_set(control_keys.SHUTDOWN):
             if recovery_generation(role) > generation:
                 return "restored"
             if role.last_report is not None and not role.control.is_set(progress):
-                role.control.set(progress, role.last_report)  # a restarted chief learns this worker is done
+                role.control.put(progress, role.last_report)  # a restarted chief learns this worker is done
             if role.control.is_set(handover):
-                names = json.loads(role.control.get(handover, waiting_for="the handed-over workers"))
+                names = role.control.read(handover, waiting_for="the handed-over workers").workers
                 new = [name for name in names if name not in {each.task.name for each in adopted}]
                 if new:
                     for name in new:

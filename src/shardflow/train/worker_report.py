@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
-from shardflow.cluster import control_keys
+from shardflow.train import job_keys
+from shardflow.train.job_keys import ProgressReport
 from shardflow.train.role_context import RoleContext
 
 _REPORT_EVERY_S = 1.0
@@ -67,18 +67,17 @@ class Report:
     def send(self, done: bool = False) -> None:
         self.last_sent = time.monotonic()
         elapsed = self.last_sent - self.started
-        progress = {
-            "local_step": self.local_step,
-            "epoch": self.epoch,
-            "first_loss": self.first_loss,
-            "loss": self.last_loss,
-            "steps_per_s": (self.local_step - self._first_local_step) / elapsed if elapsed > 0 else 0.0,
-            "input_wait_share": self.input_wait_ns / 1e9 / elapsed if elapsed > 0 else 0.0,
-            "time": time.time(),
-            "done": done,
-            "generation": self.generation,
-            "summary_losses": {str(k): v for k, v in self.summary_losses.items()},
-            "summary_interval": self.summary_interval,
-        }
-        self.role.last_report = json.dumps(progress)
-        self.role.control.set(control_keys.progress(self.role.task.name), self.role.last_report)
+        self.role.last_report = ProgressReport(
+            local_step=self.local_step,
+            epoch=self.epoch,
+            first_loss=self.first_loss,
+            loss=self.last_loss,
+            steps_per_s=(self.local_step - self._first_local_step) / elapsed if elapsed > 0 else 0.0,
+            input_wait_share=self.input_wait_ns / 1e9 / elapsed if elapsed > 0 else 0.0,
+            time=time.time(),
+            done=done,
+            generation=self.generation,
+            summary_losses={k: (total, int(count)) for k, (total, count) in self.summary_losses.items()},
+            summary_interval=self.summary_interval,
+        )
+        self.role.control.put(job_keys.progress(self.role.task.name), self.role.last_report)

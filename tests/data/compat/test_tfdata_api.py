@@ -45,7 +45,7 @@ Pipeline = Callable[[Lib], Any]
 
 @pytest.fixture(params=[TF, SF], ids=lambda lib: lib.name)
 def lib(request: pytest.FixtureRequest) -> Lib:
-    return request.param  # type: ignore[no-any-return]
+    return request.param
 
 
 def both(pipeline: Pipeline) -> tuple[Any, Any]:

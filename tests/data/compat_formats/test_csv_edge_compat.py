@@ -34,7 +34,7 @@ SF = Lib("shardflow", data.CsvDataset, data.make_csv_dataset, data.decode_csv)
 
 @pytest.fixture(params=[TF, SF], ids=lambda lib: lib.name)
 def lib(request: pytest.FixtureRequest) -> Lib:
-    return request.param  # type: ignore[no-any-return]
+    return request.param
 
 
 def write(tmp_path: Path, content: bytes) -> str:

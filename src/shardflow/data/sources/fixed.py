@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardflow.data.element_spec import STRING, TensorSpec
 from shardflow.data.sources.errors import DataLossError
 from shardflow.data.sources.files import DEFAULT_BUFFER_SIZE, ByteStream, compression_type_name
 from shardflow.data.sources.reader import FileDataset, RecordReader
@@ -43,6 +44,9 @@ class FixedLengthRecordDataset(FileDataset[bytes]):
         position = position or {"offset": self.header_bytes, "record_index": 0}
         stream = ByteStream(filename, self.compression_type, self.buffer_size, int(position["offset"]))
         return FixedLengthReader(self, stream, int(position["record_index"]))
+
+    def _element_spec(self) -> TensorSpec:
+        return STRING
 
 
 class FixedLengthReader(RecordReader[bytes]):

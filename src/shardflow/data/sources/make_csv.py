@@ -7,6 +7,7 @@ import errno
 import glob
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -48,58 +49,15 @@ def make_csv_dataset(
     from the header unless given, column types inferred from the first `num_rows_for_inference` rows unless
     `column_defaults` are given, files and rows shuffled unless `shuffle=False`, `num_epochs=None` repeating
     forever (and then dropping the last partial batch). Without `label_name` the elements are feature dicts."""
-    filenames = _matching_files(file_pattern)
-    if column_names is None:
-        if not header:
-            raise ValueError("make_csv_dataset needs column_names when the files have no header")
-        column_names = _header(filenames, field_delim, use_quote_delim, compression_type)
-    column_names = list(column_names)
-    if len(set(column_names)) != len(column_names):
-        raise ValueError(f"column names must be unique, got {column_names}")
-    select_cols = None if select_columns is None else _column_indices(select_columns, column_names)
-    if column_defaults is None:
-        column_defaults = _infer_defaults(
-            filenames,
-            len(column_names),
-            select_cols,
-            field_delim,
-            use_quote_delim,
-            na_value,
-            header,
-            num_rows_for_inference,
-            compression_type,
-        )
-    if select_cols is not None:
-        if len(column_defaults) != len(select_cols):
-            raise ValueError(
-                f"column_defaults has {len(column_defaults)} entries for {len(select_cols)} selected columns"
-            )
-        column_names = [column_names[index] for index in select_cols]
-    if label_name is not None and label_name not in column_names:
-        raise ValueError(f"label_name {label_name!r} is not one of the columns {column_names}")
-
-    def read_file(filename: Any) -> Dataset[Row]:
-        rows: Dataset[Row] = CsvDataset(
-            filename,
-            column_defaults,
-            compression_type=compression_type,
-            header=header,
-            field_delim=field_delim,
-            use_quote_delim=use_quote_delim,
-            na_value=na_value,
-            select_cols=select_cols,
-        )
-        return rows.ignore_errors() if ignore_errors else rows
-
-    def to_features(*columns: npt.NDArray[Any]) -> Any:
-        features = collections.OrderedDict(zip(column_names, columns, strict=True))  # as tf.data: in column order
-        return features if label_name is None else (features, features.pop(label_name))
-
-    files: Dataset[Any] = Dataset.from_tensor_slices(np.array(filenames, dtype=object))
+    files = _CsvFiles(_matching_files(file_pattern), field_delim, use_quote_delim, na_value, header, compression_type)
+    columns = _columns(files, column_names, column_defaults, select_columns, num_rows_for_inference)
+    if label_name is not None and label_name not in columns.names:
+        raise ValueError(f"label_name {label_name!r} is not one of the columns {columns.names}")
+    file_names: Dataset[Any] = Dataset.from_tensor_slices(np.array(files.filenames, dtype=object))
     if shuffle:
-        files = files.shuffle(len(filenames), seed=shuffle_seed)
-    rows = files.interleave(
-        read_file,
+        file_names = file_names.shuffle(len(files.filenames), seed=shuffle_seed)
+    rows = file_names.interleave(
+        _file_reader(files, columns, ignore_errors),
         cycle_length=num_parallel_reads or 1,
         block_length=1,
         num_parallel_calls=num_parallel_reads,
@@ -109,8 +67,100 @@ def make_csv_dataset(
         rows = rows.shuffle(shuffle_buffer_size, seed=shuffle_seed)
     if num_epochs != 1:
         rows = rows.repeat(num_epochs)
-    batches = rows.batch(batch_size, drop_remainder=num_epochs is None).map(to_features)
+    batches = rows.batch(batch_size, drop_remainder=num_epochs is None).map(_to_features(columns.names, label_name))
     return batches.prefetch(AUTOTUNE if prefetch_buffer_size is None else prefetch_buffer_size)
+
+
+@dataclass(frozen=True)
+class _CsvFiles:
+    """The files matched and how to read their records."""
+
+    filenames: list[str]
+    field_delim: str
+    use_quote_delim: bool
+    na_value: str
+    header: bool
+    compression_type: str | None
+
+    def first_lines(self, filename: str, num_lines: int) -> list[bytes]:
+        """The first records of a file, split as CsvDataset splits them (a quoted field may hold a line break)."""
+        lines: list[bytes] = []
+        stream = ByteStream(filename, self.compression_type)
+        reader = CsvRecordReader(
+            stream, 0, header=False, field_delim=self.field_delim.encode(), use_quote_delim=self.use_quote_delim
+        )
+        try:
+            while len(lines) < num_lines and (batch := reader.read_batch()):
+                lines.extend(batch)
+        finally:
+            reader.close()
+        return lines[:num_lines]
+
+    def split(self, line: bytes) -> list[bytes]:
+        return split_record(line, self.field_delim.encode(), self.use_quote_delim)
+
+
+@dataclass(frozen=True)
+class _Columns:
+    """The columns read: their names, their indices in the file (None: all) and their defaults, which give types."""
+
+    names: list[str]
+    indices: list[int] | None
+    defaults: Sequence[Any]
+
+
+def _columns(
+    files: _CsvFiles,
+    column_names: Sequence[str] | None,
+    column_defaults: Sequence[Any] | None,
+    select_columns: Sequence[str | int] | None,
+    num_rows_for_inference: int,
+) -> _Columns:
+    """The columns given, or read from the header and inferred from the first rows where not given."""
+    if column_names is None:
+        if not files.header:
+            raise ValueError("make_csv_dataset needs column_names when the files have no header")
+        column_names = _header(files)
+    names = list(column_names)
+    if len(set(names)) != len(names):
+        raise ValueError(f"column names must be unique, got {names}")
+    indices = None if select_columns is None else _column_indices(select_columns, names)
+    if column_defaults is None:
+        column_defaults = _infer_defaults(files, len(names), indices, num_rows_for_inference)
+    if indices is not None:
+        if len(column_defaults) != len(indices):
+            raise ValueError(f"column_defaults has {len(column_defaults)} entries for {len(indices)} selected columns")
+        names = [names[index] for index in indices]
+    return _Columns(names, indices, column_defaults)
+
+
+def _file_reader(files: _CsvFiles, columns: _Columns, ignore_errors: bool) -> Callable[[Any], Dataset[Row]]:
+    """The function that interleave maps each file name to: the file's rows."""
+
+    def read_file(filename: Any) -> Dataset[Row]:
+        rows: Dataset[Row] = CsvDataset(
+            filename,
+            columns.defaults,
+            compression_type=files.compression_type,
+            header=files.header,
+            field_delim=files.field_delim,
+            use_quote_delim=files.use_quote_delim,
+            na_value=files.na_value,
+            select_cols=columns.indices,
+        )
+        return rows.ignore_errors() if ignore_errors else rows
+
+    return read_file
+
+
+def _to_features(column_names: list[str], label_name: str | None) -> Callable[..., Any]:
+    """The function that a batch's columns are mapped with: a feature dict, or (features, label)."""
+
+    def to_features(*columns: npt.NDArray[Any]) -> Any:
+        features = collections.OrderedDict(zip(column_names, columns, strict=True))  # as tf.data: in column order
+        return features if label_name is None else (features, features.pop(label_name))
+
+    return to_features
 
 
 def _matching_files(file_pattern: str | Sequence[str]) -> list[str]:
@@ -121,31 +171,16 @@ def _matching_files(file_pattern: str | Sequence[str]) -> list[str]:
     return filenames
 
 
-def _first_lines(
-    filename: str, compression_type: str | None, num_lines: int, field_delim: str, use_quote_delim: bool
-) -> list[bytes]:
-    """The first records of a file, split as CsvDataset splits them (a quoted field may hold a line break)."""
-    lines: list[bytes] = []
-    stream = ByteStream(filename, compression_type)
-    reader = CsvRecordReader(stream, 0, header=False, field_delim=field_delim.encode(), use_quote_delim=use_quote_delim)
-    try:
-        while len(lines) < num_lines and (batch := reader.read_batch()):
-            lines.extend(batch)
-    finally:
-        reader.close()
-    return lines[:num_lines]
-
-
-def _header(filenames: list[str], field_delim: str, use_quote_delim: bool, compression_type: str | None) -> list[str]:
+def _header(files: _CsvFiles) -> list[str]:
     headers = []
-    for filename in filenames:
-        first = _first_lines(filename, compression_type, 1, field_delim, use_quote_delim)
+    for filename in files.filenames:
+        first = files.first_lines(filename, 1)
         if not first:
             raise ValueError(f"{filename}: no header line (the file is empty)")
-        headers.append([name.decode() for name in split_record(first[0], field_delim.encode(), use_quote_delim)])
-    different = next((name for name, found in zip(filenames, headers, strict=True) if found != headers[0]), None)
+        headers.append([name.decode() for name in files.split(first[0])])
+    different = next((name for name, found in zip(files.filenames, headers, strict=True) if found != headers[0]), None)
     if different is not None:
-        raise ValueError(f"{different}: its header differs from the one of {filenames[0]}")
+        raise ValueError(f"{different}: its header differs from the one of {files.filenames[0]}")
     return headers[0]
 
 
@@ -180,33 +215,23 @@ def _fits(text: bytes, parse: Callable[[bytes], Any], info: Any) -> bool:
     return bool(info.min <= value <= info.max) or not np.isfinite(value)
 
 
-def _infer_defaults(
-    filenames: list[str],
-    num_columns: int,
-    select_cols: list[int] | None,
-    field_delim: str,
-    use_quote_delim: bool,
-    na_value: str,
-    header: bool,
-    num_rows: int,
-    compression_type: str | None,
-) -> list[Any]:
+def _infer_defaults(files: _CsvFiles, num_columns: int, select_cols: list[int] | None, num_rows: int) -> list[Any]:
     columns = select_cols if select_cols is not None else list(range(num_columns))
     narrowest = [0] * len(columns)  # index into _INFERRED; len(_INFERRED) means string
     seen = [False] * len(columns)
     rows_left = num_rows
-    for filename in filenames:
-        num_lines = rows_left + int(header)
-        lines = _first_lines(filename, compression_type, num_lines, field_delim, use_quote_delim)[int(header) :]
-        for line_number, line in enumerate(lines, start=1 + int(header)):
-            fields = split_record(line, field_delim.encode(), use_quote_delim)
+    header = int(files.header)
+    for filename in files.filenames:
+        lines = files.first_lines(filename, rows_left + header)[header:]
+        for line_number, line in enumerate(lines, start=1 + header):
+            fields = files.split(line)
             if len(fields) != num_columns:
                 raise InvalidRecordError(
                     filename, line_number, f"expected {num_columns} fields but found {len(fields)}"
                 )
             for position, column in enumerate(columns):
                 text = fields[column]
-                if text in (b"", na_value.encode()):
+                if text in (b"", files.na_value.encode()):
                     continue
                 seen[position] = True
                 while narrowest[position] < len(_INFERRED) and not _INFERRED[narrowest[position]][1](text):

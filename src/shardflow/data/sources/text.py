@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+from shardflow.data.element_spec import STRING, TensorSpec
 from shardflow.data.sources.files import ByteStream, compression_type_name
 from shardflow.data.sources.reader import FileDataset, RecordReader
 
@@ -37,6 +38,9 @@ class TextLineDataset(FileDataset[bytes]):
         position = position or {}
         stream = ByteStream(filename, self.compression_type, self.buffer_size, int(position.get("offset", 0)))
         return LineReader(stream, int(position.get("record_index", 0)), self.skip_header_lines)
+
+    def _element_spec(self) -> TensorSpec:
+        return STRING
 
 
 class LineReader(RecordReader[bytes]):

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from shardflow.data.element_spec import STRING, TensorSpec
 from shardflow.data.sources.errors import DataLossError
 from shardflow.data.sources.files import ByteStream, compression_type_name
 from shardflow.data.sources.reader import FileDataset, RecordReader
@@ -62,6 +63,9 @@ class TFRecordDataset(FileDataset[bytes]):
         position = position or {}
         stream = ByteStream(filename, self.compression_type, self.buffer_size, int(position.get("offset", 0)))
         return TFRecordReader(stream, int(position.get("record_index", 0)))
+
+    def _element_spec(self) -> TensorSpec:
+        return STRING
 
 
 class TFRecordReader(RecordReader[bytes]):

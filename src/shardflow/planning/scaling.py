@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from shardflow import env
+from shardflow.planning.target import Target, first_reached
 from shardflow.profile.capture import check_steps
-from shardflow.tools.target import Target, first_reached
 
 
 class ScaleRunError(RuntimeError):

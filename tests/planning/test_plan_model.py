@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 
-from shardflow.tools.plan_model import PlanConfig, num_ps_needed, predict, predict_allreduce
+from shardflow.planning.plan_model import PlanConfig, num_ps_needed, predict, predict_allreduce
 
 # 100M float32 parameters = 400 MB; 25 Gbit/s = 3.125 GB/s, so M/B = 0.128 s.
 TALK = PlanConfig(num_params=100e6, num_workers=64, num_ps=8, bandwidth=25e9 / 8, step_compute_s=0.120)

@@ -67,48 +67,58 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         )
     num_steps = len(worker_steps)
     pushes = by_name[PUSH]
-    # Medians, not means: on a shared machine other programs preempt the roles now and then, and a preempted span
-    # measures that wait, not the work.
-    compute_us: dict[tuple[str, int], float] = defaultdict(float)
-    for span in by_name[FORWARD] + by_name[BACKWARD]:
-        compute_us[(span["role"], span["step"])] += span["dur"]
-    for span in _nested(pushes, by_name[BACKWARD]):
-        compute_us[(span["role"], span["step"])] -= span["dur"]
     shard_bytes = {s["role"]: s["bytes"] or 0 for s in applies}
     moved = sum(s["bytes"] or 0 for s in pushes + by_name[RECEIVE])
     moved += sum(shard_bytes.get(s["role"], 0) for s in by_name[REPLY])
     moving_us = sum(len(by_name[name]) * _median(by_name[name]) for name in (PUSH, RECEIVE, REPLY))
-    applies_by_ps: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for span in applies:
-        applies_by_ps[span["role"]].append(span)
+    applies_by_ps = _by_role(applies)
     first_ps = min(applies_by_ps, key=lambda role: int(role.partition(":")[2] or 0))
     global_steps_per_s = _rate(applies_by_ps[first_ps])
     num_workers = len({s["role"] for s in worker_steps})
     cores = _cores_by_role(table)
-    steps_by_worker: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for span in worker_steps:
-        steps_by_worker[span["role"]].append(span)
-    worker_steps_per_s = sum(_rate(spans) for spans in steps_by_worker.values())
-    cpu_per_step: dict[str, float | None] = {}
-    for kind in ("worker", "ps"):
-        measured = [value for role, value in cores.items() if role.startswith(kind)]
-        # A role whose samples missed the window (it picked the capture up late) leaves the estimate to the model.
-        complete = len(measured) == (num_workers if kind == "worker" else len(applies_by_ps))
-        cpu_per_step[kind] = sum(measured) / worker_steps_per_s if complete and worker_steps_per_s > 0 else None
+    worker_steps_per_s = sum(_rate(spans) for spans in _by_role(worker_steps).values())
     return Calibration(
         capture=directory,
         num_workers=num_workers,
         num_ps=len(applies_by_ps),
         model_bytes=sum(s["bytes"] or 0 for s in pushes) / len({(s["role"], s["step"]) for s in pushes}),
-        step_compute_s=statistics.median(compute_us.values()) / 1e6,
+        # Medians, not means: on a shared machine other programs preempt the roles now and then, and a preempted
+        # span measures that wait, not the work.
+        step_compute_s=statistics.median(_compute_us(by_name)) / 1e6,
         bandwidth=moved / (moving_us / 1e6) if moving_us > 0 else float("inf"),
         ps_apply_s=sum(_median(spans) for spans in applies_by_ps.values()) / 1e6,
         worker_step_s=sum(s["dur"] for s in worker_steps) / num_steps / 1e6,
         global_steps_per_s=global_steps_per_s,
-        worker_cpu_s=cpu_per_step["worker"],
-        ps_cpu_s=cpu_per_step["ps"],
+        worker_cpu_s=_cpu_per_worker_step(cores, "worker", num_workers, worker_steps_per_s),
+        ps_cpu_s=_cpu_per_worker_step(cores, "ps", len(applies_by_ps), worker_steps_per_s),
         other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
     )
+
+
+def _by_role(spans: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    grouped: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for span in spans:
+        grouped[span["role"]].append(span)
+    return grouped
+
+
+def _compute_us(by_name: dict[str, list[dict[str, Any]]]) -> list[float]:
+    """Forward plus backward of each worker step, without the pushes that backward's hooks start."""
+    compute_us: dict[tuple[str, int], float] = defaultdict(float)
+    for span in by_name[FORWARD] + by_name[BACKWARD]:
+        compute_us[(span["role"], span["step"])] += span["dur"]
+    for span in _nested(by_name[PUSH], by_name[BACKWARD]):
+        compute_us[(span["role"], span["step"])] -= span["dur"]
+    return list(compute_us.values())
+
+
+def _cpu_per_worker_step(cores: dict[str, float], kind: str, num_roles: int, worker_steps_per_s: float) -> float | None:
+    """CPU seconds the roles of `kind` use together per worker step; None unless every one of them was sampled."""
+    measured = [value for role, value in cores.items() if role.startswith(kind)]
+    # A role whose samples missed the window (it picked the capture up late) leaves the estimate to the model.
+    if len(measured) != num_roles or worker_steps_per_s <= 0:
+        return None
+    return sum(measured) / worker_steps_per_s
 
 
 def _cores_by_role(table: Any) -> dict[str, float]:

@@ -35,7 +35,7 @@ class PlanConfig:
     """A local run: every role shares this many CPU cores (fewer if other programs use some), and moving bytes is
     CPU work on both ends."""
     worker_cpu_s: float | None = None
-    """With cores: measured CPU seconds of a worker per step, all its threads (tools/calibrate.py); None estimates
+    """With cores: measured CPU seconds of a worker per step, all its threads (planning/calibrate.py); None estimates
     it as compute plus the copies of its bytes."""
     ps_cpu_s: float | None = None
     """With cores: measured CPU seconds the PS spend together per worker step, all their threads; None estimates it

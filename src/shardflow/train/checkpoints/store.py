@@ -1,5 +1,7 @@
 """Checkpoints in model_dir: safetensors plus a JSON manifest with each file's size and CRC-32C, written under a
-temporary name, synced, renamed in, and only then pointed to; a damaged checkpoint is skipped for an older one."""
+temporary name, synced, renamed in, and only then pointed to; a damaged checkpoint is skipped for an older one.
+
+The only module that reads or writes `manifest.json` and `latest` (docs/checkpoints.md describes both)."""
 
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardflow import faults
-from shardflow.ps.checkpointing import ModelState
+from shardflow.train.checkpoints.model_state import ModelState
 
 log = logging.getLogger(__name__)
 
+_DIRECTORY = "checkpoints"
 _LATEST = "latest"
 _MODEL = "model.safetensors"
 _MANIFEST = "manifest.json"
@@ -32,6 +35,11 @@ _CHUNK_BYTES = 4 << 20
 # (path, stat of manifest, stat of model) -> whether it verified; the evaluator asks every 0.5 s.
 _verified: dict[tuple[str, tuple[int, ...] | None, tuple[int, ...] | None], bool] = {}
 _MAX_VERIFIED = 1024
+
+
+def directory(model_dir: str | os.PathLike[str]) -> Path:
+    """Where model_dir keeps its checkpoints, one directory `ckpt-<step>` each."""
+    return Path(model_dir) / _DIRECTORY
 
 
 def _fsync_dir(path: Path) -> None:
@@ -120,7 +128,7 @@ def save(
     complete and synced before `latest` points to it. A step saved again is written as `ckpt-<step>.1`, and the older
     copy goes only after `latest` moved to it (an identical one stays instead); then it takes the plain name back.
     With `keep`, only the newest `keep` checkpoints stay."""
-    root = Path(model_dir) / "checkpoints"
+    root = directory(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(root, f"ckpt-{step:09d}")
     tmp.mkdir()  # not tempfile.mkdtemp: a checkpoint keeps the umask's permissions, not 0700
@@ -240,7 +248,7 @@ def _intact(path: Path, step: int) -> bool:
 def latest(model_dir: str | os.PathLike[str]) -> Path | None:
     """The newest checkpoint in model_dir that verifies (of two copies of one step, the one `latest` points to),
     or None. A damaged one is skipped with a warning naming it."""
-    root = Path(model_dir) / "checkpoints"
+    root = directory(model_dir)
     pointed = _read_pointer(root)
 
     def newest_first(path: Path) -> tuple[int, bool, int]:
@@ -260,7 +268,7 @@ def latest(model_dir: str | os.PathLike[str]) -> Path | None:
 def clean(model_dir: str | os.PathLike[str]) -> None:
     """Remove what interrupted saves left (temporary directories and pointer files). Only when no save of this
     job can be running: at the start of the chief."""
-    root = Path(model_dir) / "checkpoints"
+    root = directory(model_dir)
     if not root.is_dir():
         return
     leftovers = [p for p in root.iterdir() if p.name.startswith(_TEMPORARY) or p.name == f".{_LATEST}.tmp"]
@@ -277,6 +285,23 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The manifest of a checkpoint, without loading its tensors."""
     manifest: dict[str, Any] = json.loads((Path(path) / _MANIFEST).read_bytes())
     return manifest
+
+
+def global_step(path: str | os.PathLike[str]) -> int:
+    """The global step a checkpoint holds, without loading its tensors."""
+    return int(read_manifest(path)["global_step"])
+
+
+def latest_step(model_dir: str | os.PathLike[str]) -> int:
+    """The global step of the newest intact checkpoint in model_dir; 0 where there is none."""
+    path = latest(model_dir)
+    return 0 if path is None else global_step(path)
+
+
+def named(model_dir: str | os.PathLike[str], name: str) -> Path | None:
+    """The checkpoint `name` (e.g. `ckpt-000000100`) in model_dir, or None where there is no such checkpoint."""
+    path = directory(model_dir) / name
+    return path if (path / _MANIFEST).exists() else None
 
 
 def load(path: str | os.PathLike[str]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

@@ -4,13 +4,12 @@ lost and restarted while the job runs.
 A PS holds the only copy of its shards and their optimizer slots, so when one is lost the steps since the latest
 checkpoint are lost with it; the others cannot go on alone (their shards would part from its restored ones). The
 chief restores every PS from that checkpoint, raising the recovery generation. Each PS gets back what it had of
-each worker's steps (ps/checkpointing.py `ps_progress`), the workers drop what they were doing and rejoin
+each worker's steps (model_state.py `ps_progress`), the workers drop what they were doing and rejoin
 (train/worker.py), and training goes on by itself: exactly the steps since the checkpoint are done again.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -20,10 +19,13 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.ps.admin import PSAdmin
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.checkpointing import ModelState, init_servers
-from shardflow.train import checkpoint
+from shardflow.train import job_keys
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.servers import init_servers
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
+from shardflow.train.job_keys import RecoveryNotice, RestoredPositions
 from shardflow.train.role_context import RoleContext
 
 log = logging.getLogger(__name__)
@@ -31,10 +33,10 @@ log = logging.getLogger(__name__)
 
 def restore_latest(job: JobConfig, model: torch.nn.Module, role: RoleContext) -> ModelState | None:
     """Load the latest checkpoint in model_dir into `model`; tell the workers where their input stood."""
-    path = checkpoint.latest(job.model_dir)
+    path = store.latest(job.model_dir)
     if path is None:
         return None
-    state, manifest = checkpoint.load_state(path)
+    state, manifest = store.load_state(path)
     model.load_state_dict(state.params)
     old_workers = int(manifest.get("num_workers", role.num_workers))
     if old_workers == role.num_workers and len(state.ps_progress) == role.num_ps:
@@ -52,7 +54,7 @@ def restore_latest(job: JobConfig, model: torch.nn.Module, role: RoleContext) ->
             role.num_workers,
             next(iter(state.iterators.values()))["epoch"] - 1,
         )
-    role.control.set(control_keys.RESTORE_ITERATORS, json.dumps(state.iterators))
+    role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=state.iterators))
     log.info("restored %s at global step %d", path, state.step)
     return state
 
@@ -81,10 +83,7 @@ class Recovery:
             self.model.load_state_dict(state.params)
         # The workers stop waiting for replies that the lost PS will never send, and rejoin once every PS has
         # this generation; a push of the training before is refused by a restored PS.
-        self.role.control.set(
-            control_keys.RECOVERY,
-            json.dumps({"generation": self.generation, "step": state.step, "lost": lost}),
-        )
+        self.role.control.put(job_keys.RECOVERY, RecoveryNotice(generation=self.generation, step=state.step, lost=lost))
         strategy = self.job.strategy
         control = self.role.control
         addresses = [

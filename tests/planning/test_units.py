@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardflow.tools.units import parse_bandwidth, parse_count, parse_duration
+from shardflow.planning.units import parse_bandwidth, parse_count, parse_duration
 
 
 @pytest.mark.parametrize(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from shardflow.tools.target import Target, TargetError, first_reached, parse_target
+from shardflow.planning.target import Target, TargetError, first_reached, parse_target
 
 HISTORY = [
     {"global_step": 50, "elapsed_s": 1.0, "metrics": {"loss": 0.9, "accuracy": 0.7}},

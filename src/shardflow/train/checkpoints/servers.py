@@ -1,9 +1,8 @@
-"""The chief's side of PS state: initialise the PS (fresh or restored, on any number of PS) and collect
-their parameters, optimizer slots and input positions for a checkpoint."""
+"""The chief's exchanges of whole-model state with the PS: initialise them (fresh or restored, on any number of PS)
+and collect their parameters, optimizer slots and input positions for a checkpoint."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -13,32 +12,12 @@ from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.layout import ShardLayout, put
 from shardflow.ps.optimizers import OptimizerSpec
-
-
-@dataclass
-class ModelState:
-    """Whole variables, independent of how they were placed: what a checkpoint holds."""
-
-    step: int
-    params: dict[str, torch.Tensor]
-    slots: dict[str, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """slot key (e.g. "exp_avg") -> variable name -> tensor shaped like the variable."""
-    scalars: dict[str, float] = field(default_factory=dict)
-    """Scalar optimizer state shared by all variables (e.g. Adam's "step")."""
-    iterators: dict[str, Any] = field(default_factory=dict)
-    """Each worker's input position after the last batch whose update is in `params` (ps:0's)."""
-    ps_progress: list[dict[str, Any]] = field(default_factory=list)
-    """Per PS, what it had of each worker's steps: {"worker_steps": {worker: local step}, "iterators": {worker:
-    position after it}}. Async PS apply a worker's step at slightly different moments, so a snapshot at one
-    global step may hold a step on one PS and not on another; restored onto as many PS, each PS gets its own,
-    and each worker resumes after the last step all PS had, repeating only where some missed it (ps/server.py
-    `_repeated`): so a restore applies every record once on every PS."""
-    stats: dict[str, Any] = field(default_factory=dict)
+from shardflow.train.checkpoints.model_state import ModelState
 
 
 def per_ps_progress(restore: ModelState | None, num_ps: int) -> list[dict[str, Any]]:
     """What each of `num_ps` PS gets of the workers' steps when restoring: its own, if the checkpoint was written
-    by as many PS; else ps:0's input positions alone (the workers then start from those, see train/chief.py)."""
+    by as many PS; else ps:0's input positions alone (the workers then start from those, see restore.py)."""
     if restore is None:
         return [{}] * num_ps
     if len(restore.ps_progress) == num_ps:

@@ -1,5 +1,6 @@
 """The control plane's client: every role's connection to the chief's control service (cluster/control.py), with
-waits that say whom they wait for and ride out a restart of the chief."""
+typed values (cluster/control_keys.py `Key`) and waits that say whom they wait for and ride out a restart of the
+chief. The chief starts the service with `ControlPlane.serve`."""
 
 from __future__ import annotations
 
@@ -7,17 +8,38 @@ import logging
 import math
 import threading
 import time
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import torch
 
-from shardflow.cluster import control, control_keys
-from shardflow.cluster.control import MAX_WAIT_S, ControlService, as_frame
+from shardflow.cluster import control_keys
+from shardflow.cluster.control import (
+    MAX_WAIT_S,
+    Add,
+    AllSet,
+    Check,
+    ControlOp,
+    ControlReply,
+    ControlService,
+    Counted,
+    Delete,
+    Found,
+    Get,
+    Set,
+    Wait,
+    as_frame,
+)
+from shardflow.cluster.control_keys import Key, key_name
 from shardflow.comm.client import Client
+from shardflow.comm.envelope import message_fields
 from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.comm.security import Credentials, job_credentials
 
 log = logging.getLogger(__name__)
+
+Value = TypeVar("Value")
+Answer = TypeVar("Answer", bound=ControlReply)
 
 _ATTEMPT_S = 2.0
 """How long one request waits for its reply before it is sent again: a restarted chief answers the next one."""
@@ -34,21 +56,29 @@ class ControlPlane:
     """Small keys, counters and waits shared by every role of one job; safe to use from several threads."""
 
     def __init__(
-        self, chief_address: str, *, is_chief: bool, timeout_s: float = 120.0, credentials: Credentials | None = None
+        self,
+        chief_address: str,
+        *,
+        timeout_s: float = 120.0,
+        credentials: Credentials | None = None,
+        service: ControlService | None = None,
     ) -> None:
-        """Connects to the control service at `chief_address` (host:port), which the chief (`is_chief`) serves
-        itself. A role waits up to `timeout_s` for the chief to answer, logging whom it waits for. Credentials
-        default to the job's (comm/security.py)."""
+        """Connects to the control service at `chief_address` (host:port). A role waits up to `timeout_s` for the
+        chief to answer, logging whom it waits for. Credentials default to the job's (comm/security.py). With
+        `service` (see `serve`), this plane closes it when it closes."""
         self.address = chief_address
         self.timeout_s = timeout_s
-        self.service = ControlService(chief_address) if is_chief else None
+        self.service = service
         self._client = Client("control", credentials=credentials or job_credentials())
         self._client.connect("chief", f"tcp://{chief_address}")
         self._lock = threading.Lock()
-        if not is_chief:
-            self._request(
-                control.request("check", ks=[control_keys.SHUTDOWN]), what="to reach the chief's control service"
-            )
+        if service is None:
+            self._call(Check(keys=(control_keys.SHUTDOWN,)), AllSet, what="to reach the chief's control service")
+
+    @classmethod
+    def serve(cls, chief_address: str, *, timeout_s: float = 120.0) -> ControlPlane:
+        """Start the job's control service at `chief_address` in this process (the chief's) and connect to it."""
+        return cls(chief_address, timeout_s=timeout_s, service=ControlService(chief_address))
 
     def close(self) -> None:
         with self._lock:
@@ -56,18 +86,36 @@ class ControlPlane:
         if self.service is not None:
             self.service.close()
 
+    # -- typed values ---------------------------------------------------------------------------------------------
+
+    def put(self, key: Key[Value], value: Value) -> None:
+        """Set `key` to `value`, of the key's type."""
+        self.set(key.name, key.encode(value))
+
+    def read(self, key: Key[Value], *, waiting_for: str, timeout_s: float | None = None) -> Value:
+        """Wait until `key` is set and return its value; raises ControlValueError, naming the key and its writer,
+        when the value is not of the key's type."""
+        return key.decode(self.get_bytes(key.name, waiting_for=waiting_for, timeout_s=timeout_s))
+
+    def read_if_set(self, key: Key[Value]) -> Value | None:
+        """The value of `key` now, or None; never waits for it."""
+        data = self.get_if_set(key.name)
+        return None if data is None else key.decode(data)
+
+    # -- text and bytes -------------------------------------------------------------------------------------------
+
     def set(self, key: str, value: str | bytes) -> None:
         data = value.encode() if isinstance(value, str) else value
-        self._request(control.request("set", k=key), [as_frame(data)], what=key)
+        self._call(Set(key=key), ControlReply, [as_frame(data)], what=key)
 
-    def is_set(self, key: str) -> bool:
-        return bool(self._request(control.request("check", ks=[key]), what=key)[0]["set"])
+    def is_set(self, key: str | Key[Any]) -> bool:
+        return self._call(Check(keys=(key_name(key),)), AllSet, what=key_name(key))[0].all_set
 
-    def delete(self, key: str) -> bool:
-        return bool(self._request(control.request("delete", k=key), what=key)[0]["found"])
+    def delete(self, key: str | Key[Any]) -> bool:
+        return self._call(Delete(key=key_name(key)), Found, what=key_name(key))[0].found
 
     def add(self, key: str, amount: int) -> int:
-        return int(self._request(control.request("add", k=key, n=amount), what=key)[0]["value"])
+        return self._call(Add(key=key, amount=amount), Counted, what=key)[0].value
 
     def get(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> str:
         """Wait until `key` is set; on expiry the error names what was awaited."""
@@ -80,8 +128,8 @@ class ControlPlane:
 
     def get_if_set(self, key: str) -> bytes | None:
         """The value of `key` now, or None; never waits for it."""
-        header, frames = self._request(control.request("get", k=key), what=key)
-        return frames[0].numpy().tobytes() if header["found"] else None
+        reply, frames = self._call(Get(key=key), Found, what=key)
+        return bytes(frames[0].numpy().tobytes()) if reply.found else None
 
     def wait(self, keys: list[str], *, waiting_for: str, timeout_s: float | None = None) -> None:
         """Until every key is set; the service holds each wait up to MAX_WAIT_S, then it is asked again."""
@@ -92,8 +140,7 @@ class ControlPlane:
         while True:
             left = deadline - time.monotonic()
             hold = max(0.0, min(MAX_WAIT_S, left, _LOG_EVERY_S))
-            header, _ = self._request(control.request("wait", ks=keys, w=hold), what=waiting_for, extra_s=hold)
-            if header["set"]:
+            if self._call(Wait(keys=tuple(keys), timeout_s=hold), AllSet, what=waiting_for, extra_s=hold)[0].all_set:
                 return
             now = time.monotonic()
             if now >= deadline:
@@ -107,8 +154,7 @@ class ControlPlane:
         """Whether `key` is set, or gets set within `timeout_s` (at most MAX_WAIT_S, held by the service). Raises
         ControlPlaneError only when the chief does not answer."""
         hold = max(0.0, min(MAX_WAIT_S, timeout_s))
-        header, _ = self._request(control.request("wait", ks=[key], w=hold), what=waiting_for, extra_s=hold)
-        return bool(header["set"])
+        return self._call(Wait(keys=(key,), timeout_s=hold), AllSet, what=waiting_for, extra_s=hold)[0].all_set
 
     def publish_endpoint(self, name: str, address: str) -> None:
         """Where `name` (e.g. "ps/0") listens."""
@@ -117,11 +163,18 @@ class ControlPlane:
     def endpoint(self, name: str, *, waiting_for: str) -> str:
         return self.get(control_keys.endpoint_address(name), waiting_for=waiting_for)
 
-    def _request(
-        self, header: dict[str, Any], frames: list[torch.Tensor] | None = None, *, what: str, extra_s: float = 0.0
-    ) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    def _call(
+        self,
+        message: ControlOp[Answer],
+        answer: type[Answer],
+        frames: list[torch.Tensor] | None = None,
+        *,
+        what: str,
+        extra_s: float = 0.0,
+    ) -> tuple[Answer, list[torch.Tensor]]:
         """One request, sent again every _ATTEMPT_S (same sequence number: applied once) until the chief answers
         or timeout_s passes; a restarted chief answers the next copy."""
+        op = message.__struct_config__.tag
         start = time.monotonic()
         attempt_s = min(_ATTEMPT_S, self.timeout_s)
         retries = max(0, math.ceil(self.timeout_s / attempt_s) - 1)
@@ -135,16 +188,20 @@ class ControlPlane:
                     time.monotonic() - start,
                 )
 
+        header = msgspec.to_builtins(message)
         try:
             with self._lock:
-                return self._client.request(
+                reply, replied = self._client.request(
                     "chief", header, frames or (), attempt_s + extra_s, retries=retries, before_retry=before_retry
                 )
+            return msgspec.convert(message_fields(reply), answer, strict=True), replied
         except DeadlineExceeded:
             raise ControlPlaneError(
                 f"the chief's control service at {self.address} did not answer for {self.timeout_s:.0f}s "
-                f"({header['op']!r} for {what}): is the chief running and reachable, and does this process hold "
+                f"({op!r} for {what}): is the chief running and reachable, and does this process hold "
                 "the job's secret?"
             ) from None
         except CommError as error:
             raise ControlPlaneError(f"the chief's control service at {self.address}: {error}") from None
+        except msgspec.ValidationError as error:
+            raise ControlPlaneError(f"the chief's control service at {self.address} answered {op!r}: {error}") from None

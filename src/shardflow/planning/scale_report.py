@@ -8,8 +8,8 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from shardflow.tools.scaling import SizeRow
-from shardflow.tools.target import Target
+from shardflow.planning.scaling import SizeRow
+from shardflow.planning.target import Target
 
 HEADER = ("workers", "sec/step per worker", "global_step/s", "steps to target", "time to target")
 

@@ -1,0 +1,133 @@
+"""When, what and where the chief checkpoints while a job runs: at exact multiples of save_checkpoints_steps, or
+every save_checkpoints_secs at a step asked for ahead of every PS, and once more when training ends (preempted or
+not); of the whole model state the PS snapshot at that step; into model_dir, through the store."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardflow.profile import spans
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.servers import fetch_state
+
+if TYPE_CHECKING:
+    from shardflow.profile.recorder import SpanRecorder
+    from shardflow.ps.admin import PSAdmin, StatusReply
+    from shardflow.ps.placement import Placement
+    from shardflow.train.job import JobConfig
+    from shardflow.train.role_context import RoleContext
+
+log = logging.getLogger(__name__)
+
+
+def snapshot_every(job: JobConfig, role: RoleContext) -> int | None:
+    """The PS snapshot at every step that is a checkpoint or an inline evaluation."""
+    eval_spec = job.eval_spec
+    every_eval = eval_spec.every_n_steps if eval_spec is not None and not role.spec.num("evaluator") else None
+    counts = [n for n in (job.save_checkpoints_steps, every_eval) if n]
+    return math.gcd(*counts) if counts else None
+
+
+class CheckpointManager:
+    """The chief's checkpoints of one run, from the PS's snapshots (ps/state.py `Snapshots`).
+
+    Every PS snapshots its state at the steps `snapshot_every` gives it and at a step the chief asks for; the chief
+    saves the ones that are checkpoints, oldest first, and then lets the PS drop them. The state restored after a PS
+    was lost (restore.py) is the latest checkpoint this writes."""
+
+    def __init__(
+        self,
+        job: JobConfig,
+        role: RoleContext,
+        client: PSAdmin,
+        placement: Placement,
+        recorder: SpanRecorder,
+        start_step: int,
+    ) -> None:
+        self.client = client
+        self.recorder = recorder
+        self.model_dir = job.model_dir
+        self.keep = job.keep_checkpoint_max
+        self.every_n_steps = job.save_checkpoints_steps
+        self.every_n_secs = None if job.save_checkpoints_steps else job.save_checkpoints_secs
+        """Time-based checkpoints only where no step count is given."""
+        # Ahead of every PS, so each snapshots exactly the step asked for (async PS may be a few updates apart).
+        self.snapshot_ahead = 1 if job.strategy.mode == "sync" else role.num_workers + 1
+        self.manifest: dict[str, Any] = {
+            "placement": placement.to_json(),
+            "mode": job.strategy.mode,
+            "num_workers": role.num_workers,
+            "num_ps": role.num_ps,
+            "optimizer": job.optimizer.to_json(),
+        }
+        """What every checkpoint of this run records besides the state (the store adds the step and the files)."""
+        self.last_snapshot_step = start_step
+        """The newest snapshot handled: those after it are saved (if checkpoints) and evaluated next."""
+        self.requested_snapshot: int | None = None
+        self.last_checkpoint_time = time.monotonic()
+
+    def adopt(self, replies: Sequence[StatusReply], step: int) -> None:
+        """A restarted chief over live PS, now at `step`: the snapshots they took for the chief that died and that are
+        newer than the latest checkpoint are saved next, oldest first; without any, one is asked for at once: what a
+        PS lost from now on is restored to."""
+        self.last_snapshot_step = store.latest_step(self.model_dir)
+        if not any(reply.snapshots for reply in replies):
+            self.request_snapshot(step)
+
+    def poll(self, replies: Sequence[StatusReply], evaluate: Callable[[ModelState], None]) -> None:
+        """On each status poll of the PS: save their snapshots (`save_snapshots`); with none to save, ask for one
+        just ahead of the furthest PS once a time-based checkpoint is due."""
+        if self.save_snapshots(replies, evaluate):
+            return
+        if self.every_n_secs is not None and time.monotonic() - self.last_checkpoint_time >= self.every_n_secs:
+            self.request_snapshot(max(reply.step for reply in replies))
+
+    def save_snapshots(self, replies: Sequence[StatusReply], evaluate: Callable[[ModelState], None]) -> bool:
+        """Checkpoint, oldest first, every snapshot all PS hold that is not handled yet, and hand each to `evaluate`
+        (which evaluates those at its own step counts): so both happen at exact multiples of their step counts,
+        however late the chief looks. Then the PS drop them. Whether there was any."""
+        common = set.intersection(*(set(reply.snapshots) for reply in replies))
+        ready = sorted(step for step in common if step > self.last_snapshot_step)
+        for step in ready:
+            state = fetch_state(self.client, step)
+            if (self.every_n_steps and step % self.every_n_steps == 0) or step == self.requested_snapshot:
+                self.save(state)
+            evaluate(state)
+            self.last_snapshot_step = step
+        if ready:
+            self.client.release_snapshots(ready[-1])
+        return bool(ready)
+
+    def request_snapshot(self, highest_step: int) -> None:
+        """Every PS snapshots the step just ahead of `highest_step`, the furthest of them; it is then checkpointed."""
+        target = highest_step + self.snapshot_ahead
+        self.client.snapshot_at(target)
+        self.requested_snapshot = target
+        self.last_checkpoint_time = time.monotonic()
+
+    def restored(self, step: int) -> None:
+        """Every PS was restored to `step` (restore.py `Recovery`): the snapshots they held, asked for or not, are
+        gone."""
+        self.last_snapshot_step = step
+        self.requested_snapshot = None
+
+    def save(self, state: ModelState) -> Path:
+        with self.recorder.span(spans.CHECKPOINT, state.step):
+            path = store.save_state(self.model_dir, state, self.manifest, keep=self.keep)
+        self.last_checkpoint_time = time.monotonic()
+        return path
+
+    def save_final(self, preempted: bool) -> tuple[ModelState, Path]:
+        """The checkpoint at the end of training, of the state every PS holds now with their counters; the next run
+        resumes from it. The state, and where it was written."""
+        state = fetch_state(self.client)
+        path = store.save_state(self.model_dir, state, {**self.manifest, "ps_stats": state.stats}, keep=self.keep)
+        if preempted:
+            log.warning("preempted: checkpoint %s at global step %d; the next run resumes from it", path, state.step)
+        return state, path

@@ -1,0 +1,108 @@
+"""The job's structured control-plane keys, each declared once with the frozen type of its value: a writer puts
+that type and a reader gets it back validated, or an error naming the key and its writer (cluster/control_keys.py
+`Key`). Declared here, not in cluster/, because the placement's type lives in ps/, which `cluster` never imports;
+the plain text keys stay in cluster/control_keys.py.
+
+Each entry reads `key`: writer -> readers. Meaning.
+
+- `restore/iterators`: chief, when it restored a checkpoint -> workers. Each worker's input position.
+- `placement`: chief -> workers. Which PS holds which piece of which variable.
+- `recovery`: chief, when it restored every PS after one was lost (or a restarted chief raised the generation) ->
+  workers. A worker whose generation is older drops what it was doing and rejoins.
+- `progress/<role>`: each worker, about once a second -> chief. Its last one says it is done.
+- `handover/<role>`: chief -> that worker. The workers lost for good (not back within worker_rejoin_timeout_s)
+  whose remaining shards it reads once its own is done, as each of them (their worker index and step count):
+  every record is still applied once (async mode with epochs; see chief_loop.py).
+- `capture/current`: chief -> every role. The capture being recorded.
+- `capture/request`: `shardflow profile capture` -> chief. A capture asked for from outside the job.
+- `eval/final`: evaluator -> chief. The side-car evaluator's last checkpoint and metrics.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from shardflow.cluster.control_keys import Key
+from shardflow.profile.capture import check_capture_name, check_steps
+from shardflow.ps.placement import Placement
+
+
+class _Value(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A value on the control plane: read back only with exactly its fields."""
+
+
+class RecoveryNotice(_Value, frozen=True, kw_only=True):
+    generation: int
+    """How many times the PS of this job were restored after one was lost, so far."""
+    step: int
+    """The global step every PS was restored to."""
+    lost: str
+    """The role whose loss caused it (`ps:1`), or `chief` when a restarted chief publishes the generation again."""
+
+
+class ProgressReport(_Value, frozen=True, kw_only=True):
+    local_step: int
+    """This worker's own step count (it goes on across restarts)."""
+    epoch: int
+    first_loss: float | None
+    loss: float
+    """The loss of its latest step (NaN or inf when that step's was)."""
+    steps_per_s: float
+    input_wait_share: float
+    """The share of its time spent waiting for its input."""
+    time: float
+    """When it was sent (time.time())."""
+    done: bool
+    generation: int
+    """The recovery generation this run of the worker belongs to: the chief counts a `done` of the current one."""
+    summary_losses: dict[int, tuple[float, int]]
+    """Loss sum and count per summary interval of global steps that the chief has maybe not written yet."""
+    summary_interval: int
+    """The interval of its latest step; it adds to no earlier one."""
+
+
+class Handover(_Value, frozen=True, kw_only=True):
+    workers: tuple[str, ...]
+    """The lost workers whose shards the reader finishes, as each of them."""
+
+
+class RestoredPositions(_Value, frozen=True, kw_only=True):
+    positions: dict[str, dict[str, Any]]
+    """Each worker's input position in the restored checkpoint, by role name."""
+
+
+class Capture(_Value, frozen=True, kw_only=True):
+    """The global steps [first, last) of a capture on every role, and whether it records torch ops."""
+
+    name: str
+    first: int
+    last: int
+    ops: bool = False
+
+    def __post_init__(self) -> None:
+        check_capture_name(self.name)
+        check_steps((self.first, self.last), what="the capture's steps")
+
+
+class EvaluationResult(_Value, frozen=True, kw_only=True):
+    checkpoint: str | None = None
+    """The last checkpoint evaluated; None when the evaluator evaluated none."""
+    metrics: dict[str, float]
+
+
+PLACEMENT = Key("placement", Placement, "the chief")
+RESTORE_ITERATORS = Key("restore/iterators", RestoredPositions, "the chief")
+RECOVERY = Key("recovery", RecoveryNotice, "the chief")
+CAPTURE_CURRENT = Key("capture/current", Capture, "the chief")
+CAPTURE_REQUEST = Key("capture/request", Capture, "a `shardflow profile capture` of this job")
+EVAL_FINAL = Key("eval/final", EvaluationResult, "the evaluator")
+
+
+def progress(role: str) -> Key[ProgressReport]:
+    return Key(f"progress/{role}", ProgressReport, role)
+
+
+def handover(role: str) -> Key[Handover]:
+    return Key(f"handover/{role}", Handover, "the chief")

@@ -1,0 +1,97 @@
+"""The house rules that keep the code readable, checked on every run: no file under src/ over 500 lines, no function
+over 60 lines (from its `def` to its last line). The layering of imports is checked in test_protocol_literals.py.
+
+Known offenders, being split in issue 19, are listed below with the reason. An entry that no longer offends fails
+the test too, so that the lists only shrink.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "shardflow"
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
+
+BEING_SPLIT = "being split in issue 19"
+LONG_FILES_ALLOWED = {
+    "ps/protocol.py": BEING_SPLIT,
+    "ps/server.py": BEING_SPLIT,
+}
+"""Files over MAX_FILE_LINES, relative to src/shardflow, with the reason they may be for now."""
+LONG_FUNCTIONS_ALLOWED = {
+    "ps/server.py::ParameterServer.__init__": BEING_SPLIT,
+}
+"""Functions over MAX_FUNCTION_LINES, as FILE::QUALIFIED_NAME, with the reason they may be for now."""
+
+
+def _sources() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
+
+
+def _name(path: Path) -> str:
+    return path.relative_to(SRC).as_posix()
+
+
+def _functions(tree: ast.AST, prefix: str = "") -> list[tuple[str, ast.FunctionDef | ast.AsyncFunctionDef]]:
+    """Every function and method with its qualified name (Class.method, outer.inner)."""
+    found = []
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            found.append((prefix + node.name, node))
+            found += _functions(node, f"{prefix}{node.name}.")
+        elif isinstance(node, ast.ClassDef):
+            found += _functions(node, f"{prefix}{node.name}.")
+        else:
+            found += _functions(node, prefix)
+    return found
+
+
+def _long_files() -> dict[str, int]:
+    lengths = {_name(path): len(path.read_text().splitlines()) for path in _sources()}
+    return {name: length for name, length in lengths.items() if length > MAX_FILE_LINES}
+
+
+def _long_functions() -> dict[str, int]:
+    found = {}
+    for path in _sources():
+        for qualified_name, node in _functions(ast.parse(path.read_text(), str(path))):
+            assert node.end_lineno is not None
+            length = node.end_lineno - node.lineno + 1
+            if length > MAX_FUNCTION_LINES:
+                found[f"{_name(path)}::{qualified_name}"] = length
+    return found
+
+
+def _check(found: dict[str, int] | set[str], allowed: dict[str, str], what: str, limit: str) -> None:
+    offenders = sorted(set(found) - set(allowed))
+    lengths = found if isinstance(found, dict) else {}
+    lines = [f"{name}{f': {lengths[name]} lines' if name in lengths else ''}" for name in offenders]
+    assert not offenders, f"{what} over the house rule ({limit}); split them:\n" + "\n".join(lines)
+    mended = sorted(set(allowed) - set(found))
+    assert not mended, f"no longer {what} over the rule ({limit}); remove them from the allow-list:\n" + "\n".join(
+        mended
+    )
+
+
+def test_no_file_under_src_is_over_500_lines():
+    _check(_long_files(), LONG_FILES_ALLOWED, "files", f"{MAX_FILE_LINES} lines")
+
+
+def test_no_function_under_src_is_over_60_lines():
+    _check(_long_functions(), LONG_FUNCTIONS_ALLOWED, "functions", f"{MAX_FUNCTION_LINES} lines from def to end")
+
+
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("def f():\n    pass\n", ["f"]),
+        ("class A:\n    def m(self):\n        def inner():\n            pass\n", ["A.m", "A.m.inner"]),
+        ("if True:\n    async def g():\n        pass\n", ["g"]),
+    ],
+)
+def test_functions_are_named_as_the_allow_list_names_them(source, expected):
+    assert [name for name, _ in _functions(ast.parse(source))] == expected

@@ -1,0 +1,131 @@
+"""When the chief checkpoints: exact multiples of the step count from the PS's snapshots, oldest first; a time-based
+checkpoint at a step asked for ahead of every PS; the final one; and what a restore or a chief restart changes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from shardflow.profile.recorder_setting import NoRecorder
+from shardflow.train.checkpoints import manager, store
+from shardflow.train.checkpoints.manager import CheckpointManager
+from shardflow.train.checkpoints.model_state import ModelState
+
+
+@dataclass
+class FakeServers:
+    """The PS as the manager sees them: their snapshot requests and releases, recorded."""
+
+    asked_at: list[int] = field(default_factory=list)
+    released_through: list[int] = field(default_factory=list)
+
+    def snapshot_at(self, step: int) -> None:
+        self.asked_at.append(step)
+
+    def release_snapshots(self, through_step: int) -> None:
+        self.released_through.append(through_step)
+
+
+def _status(step: int, *snapshots: int) -> Any:
+    return SimpleNamespace(step=step, snapshots=snapshots)
+
+
+def _manager(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str = "async", **job: Any
+) -> tuple[CheckpointManager, FakeServers]:
+    def fetch_state(client: FakeServers, snapshot_step: int | None = None) -> ModelState:
+        step = 99 if snapshot_step is None else snapshot_step
+        return ModelState(step=step, params={"w": torch.full((2,), float(step))}, stats={"ps:0": {"applied": step}})
+
+    monkeypatch.setattr(manager, "fetch_state", fetch_state)
+    config = SimpleNamespace(
+        model_dir=model_dir,
+        strategy=SimpleNamespace(mode=mode),
+        optimizer=SimpleNamespace(to_json=lambda: {"name": "sgd"}),
+        **{"keep_checkpoint_max": None, "save_checkpoints_steps": None, "save_checkpoints_secs": 600.0, **job},
+    )
+    role = SimpleNamespace(num_workers=2, num_ps=2)
+    placement = SimpleNamespace(to_json=lambda: {"pieces": []})
+    servers = FakeServers()
+    checkpoints = CheckpointManager(config, role, servers, placement, NoRecorder("chief"), start_step=0)  # type: ignore[arg-type]
+    return checkpoints, servers
+
+
+def _saved_steps(model_dir: Path) -> list[int]:
+    return sorted(store.global_step(path) for path in store.directory(model_dir).glob("ckpt-*"))
+
+
+def test_snapshots_every_ps_holds_are_checkpointed_at_multiples_oldest_first_then_released(tmp_path, monkeypatch):
+    checkpoints, servers = _manager(tmp_path, monkeypatch, save_checkpoints_steps=10)
+    evaluated: list[int] = []
+    # ps:1 has not reached step 30 yet: its snapshot waits for the next poll.
+    replies = [_status(31, 10, 15, 20, 30), _status(29, 10, 15, 20)]
+    assert checkpoints.save_snapshots(replies, lambda state: evaluated.append(state.step))
+    assert evaluated == [10, 15, 20]  # each snapshot is handed on; 15 is an evaluation step only
+    assert _saved_steps(tmp_path) == [10, 20]
+    assert servers.released_through == [20]
+    assert not checkpoints.save_snapshots(replies, lambda state: evaluated.append(state.step))
+
+
+def test_a_time_based_checkpoint_asks_for_a_step_ahead_of_the_furthest_ps_and_saves_it(tmp_path, monkeypatch):
+    checkpoints, servers = _manager(tmp_path, monkeypatch, save_checkpoints_secs=60.0)
+    checkpoints.poll([_status(40), _status(42)], lambda state: None)
+    assert servers.asked_at == []  # not due yet
+    checkpoints.last_checkpoint_time -= 61
+    checkpoints.poll([_status(40), _status(42)], lambda state: None)
+    assert servers.asked_at == [42 + 2 + 1]  # async: ahead by the number of workers plus one
+    checkpoints.poll([_status(46, 45), _status(45, 45)], lambda state: None)
+    assert _saved_steps(tmp_path) == [45]
+
+
+def test_in_sync_mode_the_step_asked_for_is_the_next_one(tmp_path, monkeypatch):
+    checkpoints, servers = _manager(tmp_path, monkeypatch, mode="sync")
+    checkpoints.request_snapshot(7)
+    assert servers.asked_at == [8]
+
+
+def test_a_step_count_turns_time_based_checkpoints_off(tmp_path, monkeypatch):
+    checkpoints, servers = _manager(tmp_path, monkeypatch, save_checkpoints_steps=100, save_checkpoints_secs=1.0)
+    checkpoints.last_checkpoint_time -= 3600
+    checkpoints.poll([_status(40)], lambda state: None)
+    assert servers.asked_at == []
+
+
+def test_after_every_ps_was_restored_a_requested_snapshot_is_no_longer_saved(tmp_path, monkeypatch):
+    checkpoints, _ = _manager(tmp_path, monkeypatch)
+    checkpoints.request_snapshot(10)
+    checkpoints.restored(5)
+    assert not checkpoints.save_snapshots([_status(5, 5)], lambda state: None)  # not newer than the restore
+    checkpoints.save_snapshots([_status(13, 13)], lambda state: None)
+    assert _saved_steps(tmp_path) == []
+
+
+def test_a_restarted_chief_saves_the_snapshots_newer_than_the_latest_checkpoint(tmp_path, monkeypatch):
+    store.save(tmp_path, 20, {"w": torch.zeros(2)}, {})
+    checkpoints, servers = _manager(tmp_path, monkeypatch, save_checkpoints_steps=10)
+    checkpoints.adopt([_status(35, 20, 30)], step=35)
+    assert servers.asked_at == []  # the PS hold snapshots: those come first
+    checkpoints.save_snapshots([_status(35, 20, 30)], lambda state: None)
+    assert _saved_steps(tmp_path) == [20, 30]
+    latest = store.latest(tmp_path)
+    assert latest is not None
+    assert store.read_manifest(latest)["mode"] == "async"
+
+
+def test_a_restarted_chief_over_ps_without_snapshots_asks_for_one_at_once(tmp_path, monkeypatch):
+    checkpoints, servers = _manager(tmp_path, monkeypatch)
+    checkpoints.adopt([_status(35), _status(36)], step=36)
+    assert servers.asked_at == [36 + 2 + 1]
+
+
+def test_the_final_checkpoint_holds_the_ps_counters(tmp_path, monkeypatch):
+    checkpoints, _ = _manager(tmp_path, monkeypatch)
+    state, path = checkpoints.save_final(preempted=False)
+    assert path == store.latest(tmp_path)
+    manifest = store.read_manifest(path)
+    assert (manifest["global_step"], manifest["ps_stats"], manifest["num_workers"]) == (99, state.stats, 2)
