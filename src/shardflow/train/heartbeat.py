@@ -55,7 +55,7 @@ class PSRestarted(CommError):
 
 
 class Heartbeats:
-    """Which workers and PS beat (train/heartbeat.py), which are lost, and for how long.
+    """Which workers and PS beat (Heartbeat), which are lost, and for how long.
 
     A worker silent for heartbeat_timeout_s (startup_timeout_s before its first beat) is lost: the chief logs it
     and training goes on without it, while whoever supervises the process (the local launcher, the cluster
