@@ -13,6 +13,7 @@ import torch
 
 from shardflow.comm.client import Client
 from shardflow.comm.server import Server
+from shardflow.ps.admin import PSAdmin
 from shardflow.ps.client import ParameterClient
 from shardflow.ps.placement import Placement
 from shardflow.ps.protocol import Shutdown
@@ -51,6 +52,10 @@ class Cluster:
         if self.lanes and all(ps.limits is not None for ps in self.ps):  # a PS maps a lane once initialised
             client.attach_lanes()
         return client
+
+    def admin(self, model: torch.nn.Module, placement: Placement) -> PSAdmin:
+        """A client of the chief's requests to every PS."""
+        return PSAdmin(Client("chief"), list(self.addresses), placement, model, timeout_s=5)
 
     def close(self) -> None:
         chief = Client("chief")

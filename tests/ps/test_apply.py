@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from shardflow.ps.apply import ApplyConfig, Gradients, UpdateRule, Updates
+from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
@@ -110,14 +111,14 @@ def test_a_pull_waits_for_its_min_step_and_stop_answers_it():
 def test_fetch_state_returns_the_state_and_leaves_the_model_as_it_is(cluster):
     model = torch.nn.Linear(2, 1)
     placement = place(model.named_parameters(), 3)
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, SGD(lr=1.0), ApplyConfig(num_workers=1))
     worker_model = torch.nn.Linear(2, 1)
     worker = cluster.client(worker_model, placement)
     worker.pull()
     worker.begin_push(0)
     worker_model(torch.ones(1, 2)).sum().backward()
-    worker.wait_push(worker.end_push())
+    worker.wait_push(worker.push(PushRequest()))
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
 
     state = fetch_state(chief)

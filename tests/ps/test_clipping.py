@@ -11,6 +11,7 @@ import torch
 
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.client import PushRequest
 from shardflow.ps.clipping import StoreNormExchange, clip_local_gradients
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.placement import place
@@ -66,7 +67,7 @@ def test_sync_on_two_ps_equals_one_process_clipping_the_averaged_gradient(start_
             replica.zero_grad()
             client.begin_push(step)
             _loss(replica, _batches(step, i)).backward()
-            pushed.append(client.end_push())
+            pushed.append(client.push(PushRequest()))
         for (_, client), push in zip(workers, pushed, strict=True):
             assert client.wait_push(push).step == step + 1
         optimizer.zero_grad()

@@ -18,6 +18,7 @@ from shardflow.comm.errors import CommError
 from shardflow.comm.server import Server
 from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.client import PushRequest
 from shardflow.ps.lanes import LaneError, WorkerLane, lane_bytes, open_lane
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
@@ -220,7 +221,7 @@ def test_overlapped_steps_through_lanes_leave_every_slot_free_but_the_one_in_use
     for step in range(6):  # as the worker loop runs them: step t+1 computed while step t's push is in flight
         worker.begin_push(step)
         model(torch.full((2, 4), float(step))).sum().backward()
-        in_flight.append(worker.end_push())
+        in_flight.append(worker.push(PushRequest()))
         while len(in_flight) > 1:
             worker.wait_push(in_flight.pop(0))
     worker.wait_push(in_flight.pop(0))

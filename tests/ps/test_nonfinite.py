@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from shardflow.comm.client import Client
+from shardflow.ps.admin import PSAdmin
 from shardflow.ps.apply import ApplyConfig, all_finite
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.protocol import Push, StepReply
@@ -23,7 +24,7 @@ def _two_layers() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 8, bias=False), torch.nn.Tanh(), torch.nn.Linear(8, 4))
 
 
-def _steps_and_refusals(client: ParameterClient, worker_index: int = 0) -> list[tuple[int, float, float]]:
+def _steps_and_refusals(client: PSAdmin, worker_index: int = 0) -> list[tuple[int, float, float]]:
     return [(s.step, s.stats["nonfinite"], s.stats.get(f"nonfinite/worker:{worker_index}", 0)) for s in client.status()]
 
 
@@ -36,7 +37,7 @@ def test_nan_gradients_on_one_ps_are_refused_by_every_ps_and_the_global_step_sta
     model = _two_layers()
     placement = place(model.named_parameters(), 2)
     assert {p.name: p.ps for p in placement.pieces} == {"0.weight": 0, "2.weight": 1, "2.bias": 1}
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, Adam(lr=0.1), ApplyConfig(num_workers=1))
     before = _params(model)
 
@@ -46,7 +47,7 @@ def test_nan_gradients_on_one_ps_are_refused_by_every_ps_and_the_global_step_sta
     poison = worker.model[0].weight.register_hook(lambda grad: grad * float("nan"))
     worker.begin_push(0)
     worker.model(torch.ones(2, 8)).sum().backward()
-    pushed = worker.end_push()
+    pushed = worker.push(PushRequest())
     reply = worker.wait_push(pushed)
 
     assert (pushed.nonfinite, reply.nonfinite, reply.step) == ("gradients", 1, 0)
@@ -60,7 +61,7 @@ def test_nan_gradients_on_one_ps_are_refused_by_every_ps_and_the_global_step_sta
     worker.begin_push(0)
     worker.model(torch.ones(2, 8)).sum().backward()
     grads = {name: p.grad.clone() for name, p in worker.model.named_parameters() if p.grad is not None}
-    assert worker.wait_push(worker.end_push()).step == 1
+    assert worker.wait_push(worker.push(PushRequest())).step == 1
     assert [s.step for s in chief.status()] == [1, 1]
     expected = _two_layers()
     optimizer = torch.optim.Adam(expected.parameters(), lr=0.1)
@@ -75,15 +76,14 @@ def test_a_nan_loss_is_refused_by_every_ps_and_its_input_position_is_kept(start_
     cluster = start_cluster(2)
     model = _two_layers()
     placement = place(model.named_parameters(), 2)
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, SGD(lr=0.1), ApplyConfig(num_workers=2))
     before = _params(model)
 
     worker = cluster.client(_two_layers(), placement, worker_index=1)
     worker.pull()
     worker.begin_push(0)
-    worker.input_state = {"batch": 7}
-    pushed = worker.push_nonfinite_loss()
+    pushed = worker.push(PushRequest(input_state={"batch": 7}, nonfinite_loss=True))
     reply = worker.wait_push(pushed)
 
     assert (pushed.nonfinite, reply.nonfinite, reply.step) == ("loss", 1, 0)
@@ -108,7 +108,7 @@ def test_inf_in_row_sparse_gradients_is_refused_by_every_ps(start_cluster):
     worker.model.table.weight.register_hook(to_inf)
     worker.begin_push(0)
     loss(worker.model, BATCHES[0]).backward()
-    reply = worker.wait_push(worker.end_push())
+    reply = worker.wait_push(worker.push(PushRequest()))
 
     assert (reply.nonfinite, reply.step) == (1, 0)
     assert _steps_and_refusals(chief) == [(0, 1, 1), (0, 1, 1)]
@@ -132,7 +132,7 @@ def test_the_ps_refuses_a_nan_push_itself_in_async_mode(start_cluster):
     cluster = start_cluster(1)
     model = torch.nn.Linear(3, 1, bias=False)
     placement = place(model.named_parameters(), 1)
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, SGD(lr=1.0), ApplyConfig(num_workers=2))
     before = _params(model)
 
@@ -149,7 +149,7 @@ def test_sync_a_nan_push_never_reaches_the_sum_of_the_replicas(start_cluster):
     model = torch.nn.Linear(2, 1, bias=False)
     torch.nn.init.zeros_(model.weight)
     placement = place(model.named_parameters(), 1)
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, SGD(lr=1.0), ApplyConfig(mode="sync", num_workers=2))
     workers = [cluster.client(torch.nn.Linear(2, 1, bias=False), placement, worker_index=i) for i in range(2)]
 
@@ -158,7 +158,7 @@ def test_sync_a_nan_push_never_reaches_the_sum_of_the_replicas(start_cluster):
         worker.begin_push(0)
         param = dict(worker.named)["weight"]
         param.grad = torch.full_like(param, value)
-        return worker.end_push()
+        return worker.push(PushRequest())
 
     waiting = push(workers[0], 1.0)
     refused = workers[1].wait_push(push(workers[1], float("inf")))
@@ -174,7 +174,7 @@ def test_sync_two_ps_count_the_same_steps_when_a_worker_pushes_nan(start_cluster
     cluster = start_cluster(2)
     model = _two_layers()
     placement = place(model.named_parameters(), 2, Partitioner(fixed_shards=2))
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, SGD(lr=0.1), ApplyConfig(mode="sync", num_workers=2))
     workers = [cluster.client(_two_layers(), placement, worker_index=i) for i in range(2)]
     workers[1].model[2].bias.register_hook(lambda grad: grad.clone().fill_(float("nan")))
@@ -182,7 +182,7 @@ def test_sync_two_ps_count_the_same_steps_when_a_worker_pushes_nan(start_cluster
         worker.pull()
         worker.begin_push(0)
         worker.model(torch.ones(1, 8)).sum().backward()
-    waiting, refused = workers[0].end_push(), workers[1].end_push()
+    waiting, refused = workers[0].push(PushRequest()), workers[1].push(PushRequest())
     assert workers[1].wait_push(refused).nonfinite == 1
     assert [s.step for s in chief.status()] == [0, 0]
     # worker:0's push still waits for a second replica; worker:1 finishing lets it make the step alone.
@@ -195,11 +195,11 @@ def test_a_nan_step_after_training_ended_is_dropped_not_counted(start_cluster):
     cluster = start_cluster(1)
     model = torch.nn.Linear(2, 1)
     placement = place(model.named_parameters(), 1)
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, SGD(lr=1.0), ApplyConfig(num_workers=1, max_steps=0))
     worker = cluster.client(model, placement)
     worker.begin_push(0)
-    reply = worker.wait_push(worker.push_nonfinite_loss())
+    reply = worker.wait_push(worker.push(PushRequest(nonfinite_loss=True)))
     assert (reply.nonfinite, reply.stop) == (0, True)
     (status,) = chief.status()
     assert (status.stats["nonfinite"], status.stats["dropped_after_max_steps"]) == (0, 1)

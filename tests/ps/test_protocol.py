@@ -16,6 +16,7 @@ from shardflow.comm.errors import CommError
 from shardflow.comm.framing import decode, encode
 from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
 from shardflow.ps.protocol import PSProtocolError, RejoinReply, StateReply, StatusReply, StepReply
@@ -370,7 +371,7 @@ def test_a_live_ps_answers_each_malformed_request_with_an_error_and_keeps_servin
     cluster = start_cluster(1)
     model = torch.nn.Linear(2, 1)
     placement = place(model.named_parameters(), 1)
-    init_servers(cluster.client(model, placement, worker_index=-1), SGD(lr=1.0), ApplyConfig(num_workers=1))
+    init_servers(cluster.admin(model, placement), SGD(lr=1.0), ApplyConfig(num_workers=1))
     outsider = Client("outsider")
     outsider.connect("ps:0", cluster.addresses[0])
     dense = [torch.zeros(1, 2).reshape(-1), torch.zeros(1)]  # weight, bias: the float32 buffer's pieces
@@ -399,9 +400,9 @@ def test_a_live_ps_answers_each_malformed_request_with_an_error_and_keeps_servin
     before = [p.detach().clone() for p in model.parameters()]
     worker.begin_push(0)
     model(torch.ones(1, 2)).sum().backward()  # every gradient is 1
-    assert worker.wait_push(worker.end_push()).step == 1
+    assert worker.wait_push(worker.push(PushRequest())).step == 1
     for param, value in zip(model.parameters(), before, strict=True):
         torch.testing.assert_close(param.detach(), value - 1.0)
     assert worker.global_step() == 1
-    (status,) = worker.status()
+    (status,) = cluster.admin(model, placement).status()
     assert (status.step, status.stats["malformed"], status.stats["failed"]) == (1, len(malformed), 1)

@@ -10,7 +10,7 @@ import torch
 from shardflow.comm.errors import CommError
 from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import Placement, place
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
@@ -26,19 +26,16 @@ def _model() -> torch.nn.Module:
 def _step(client: ParameterClient, model: torch.nn.Module, consumed: int) -> protocol.StepReply:
     """One worker step whose gradient is all ones, pushed to every PS with the input position after it."""
     client.begin_push(0)
-    client.input_state = {"consumed": consumed}
     for param in model.parameters():
         param.grad = torch.ones_like(param)
-    return client.wait_push(client.end_push())
+    return client.wait_push(client.push(PushRequest(input_state={"consumed": consumed})))
 
 
 def _start(cluster: Cluster, mode: str, num_workers: int = 1) -> tuple[torch.nn.Module, Placement]:
     model = _model()
     placement = place(model.named_parameters(), 2)
     assert sorted(p.ps for p in placement.pieces) == [0, 1]
-    init_servers(
-        cluster.client(model, placement, worker_index=-1), SGD(lr=1.0), ApplyConfig(mode=mode, num_workers=num_workers)
-    )
+    init_servers(cluster.admin(model, placement), SGD(lr=1.0), ApplyConfig(mode=mode, num_workers=num_workers))
     return model, placement
 
 
@@ -58,7 +55,7 @@ def test_a_worker_that_died_mid_push_repeats_only_what_each_ps_missed(start_clus
     ).header()
     layer = placement.on_ps(0)[0]
     first.client.request("ps:0", header, [torch.ones(layer.numel)], timeout_s=5)
-    assert [s.step for s in first.status()] == [4, 3]
+    assert [s.step for s in cluster.admin(model, placement).status()] == [4, 3]
 
     fresh = _model()
     restarted = cluster.client(fresh, placement)
@@ -68,7 +65,7 @@ def test_a_worker_that_died_mid_push_repeats_only_what_each_ps_missed(start_clus
     reply = _step(restarted, fresh, 4)  # step 4 again: ps:0 had it and answers, ps:1 applies it
     assert reply.step == 4
     _step(restarted, fresh, 5)
-    status = restarted.status()
+    status = cluster.admin(model, placement).status()
     assert [s.step for s in status] == [5, 5]
     assert [s.stats["repeated"] for s in status] == [1, 0]
     # Every PS applied each of the 5 steps once: SGD with lr 1 and gradients of ones moved each weight by -5.
@@ -92,7 +89,7 @@ def test_sync_waits_for_the_restarted_worker_and_completes_the_step_it_died_in(s
     survivor.begin_push(0)
     for param in survivor_model.parameters():
         param.grad = torch.ones_like(param)
-    waiting = survivor.end_push()
+    waiting = survivor.push(PushRequest())
 
     restarted_model = _model()
     restarted = cluster.client(restarted_model, placement, worker_index=1)
@@ -101,7 +98,7 @@ def test_sync_waits_for_the_restarted_worker_and_completes_the_step_it_died_in(s
     reply = _step(restarted, restarted_model, 1)  # ps:0 had it; ps:1 completes step 0 with it
     assert reply.step == 1
     assert survivor.wait_push(waiting).step == 1
-    status = restarted.status()
+    status = cluster.admin(model, placement).status()
     assert [s.step for s in status] == [1, 1]
     assert [s.stats["repeated"] for s in status] == [1, 0]
 
@@ -109,7 +106,7 @@ def test_sync_waits_for_the_restarted_worker_and_completes_the_step_it_died_in(s
 def test_sync_completes_a_step_without_a_lost_worker_and_counts_it_again_once_it_rejoins(start_cluster):
     cluster = start_cluster(2)
     model, placement = _start(cluster, "sync", num_workers=2)
-    chief = cluster.client(_model(), placement, worker_index=-1)
+    chief = cluster.admin(_model(), placement)
     survivor = cluster.client(model, placement, worker_index=0)
     survivor.rejoin()
     survivor.pull()
@@ -117,7 +114,7 @@ def test_sync_completes_a_step_without_a_lost_worker_and_counts_it_again_once_it
     survivor.begin_push(0)
     for param in model.parameters():
         param.grad = torch.ones_like(param)
-    waiting = survivor.end_push()
+    waiting = survivor.push(PushRequest())
     chief.lost(1)
     assert survivor.wait_push(waiting).step == 1
     # Back: a step needs both again.
@@ -128,7 +125,7 @@ def test_sync_completes_a_step_without_a_lost_worker_and_counts_it_again_once_it
     survivor.begin_push(1)
     for param in model.parameters():
         param.grad = torch.ones_like(param)
-    waiting = survivor.end_push()
+    waiting = survivor.push(PushRequest())
     assert [s.step for s in chief.status()] == [1, 1]  # held for worker 1
     assert _step(returning, returning_model, 1).step == 2
     assert survivor.wait_push(waiting).step == 2
@@ -142,7 +139,7 @@ def test_after_a_restore_a_ps_refuses_the_pushes_of_a_worker_until_it_rejoins(st
     worker.pull()
     _step(worker, model, 1)
     # A PS was lost: the chief restores every PS (generation 1); the worker's next push is of the training before.
-    chief = cluster.client(_model(), placement, worker_index=-1)
+    chief = cluster.admin(_model(), placement)
     init_servers(chief, SGD(lr=1.0), ApplyConfig(num_workers=1), generation=1)
     with pytest.raises(CommError, match="restored from a checkpoint after one was lost"):
         _step(worker, model, 2)

@@ -11,6 +11,7 @@ import torch
 
 from shardflow.comm.errors import CommError
 from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import place
 from shardflow.ps.schedules import ScheduleSpec, as_schedule
@@ -95,7 +96,7 @@ def test_the_ps_set_each_steps_learning_rate_and_a_restored_ps_goes_on_at_its_st
         worker.begin_push(step)
         for param in worker.named.values():
             param.grad = torch.ones_like(param)
-        assert worker.wait_push(worker.end_push()).step == step + 1
+        assert worker.wait_push(worker.push(PushRequest())).step == step + 1
         for name, param in worker.named.items():
             torch.testing.assert_close(param.detach(), before[name] - expected_lrs[step], rtol=0, atol=1e-6)
 
@@ -128,7 +129,7 @@ def test_row_sparse_tables_follow_the_schedule_too(cluster):
         model.zero_grad()
         worker.begin_push(step)
         model(ids).sum().backward()
-        worker.wait_push(worker.end_push())
+        worker.wait_push(worker.push(PushRequest()))
         optimizer.zero_grad()
         reference(ids).sum().backward()
         optimizer.step()
@@ -167,17 +168,16 @@ def test_with_a_function_schedule_the_ps_apply_the_learning_rate_each_push_carri
     worker = cluster.client(model, placement)
     for step in range(3):
         before = {k: v.detach().clone() for k, v in worker.named.items()}
-        worker.push_lr = spec.learning_rate(step)
         worker.begin_push(step)
         for param in worker.named.values():
             param.grad = torch.ones_like(param)
-        assert worker.wait_push(worker.end_push()).step == step + 1
+        request = PushRequest(learning_rate=spec.learning_rate(step))
+        assert worker.wait_push(worker.push(request)).step == step + 1
         for name, param in worker.named.items():
             torch.testing.assert_close(param.detach(), before[name] - 0.1 * (step + 1), rtol=0, atol=1e-6)
     # A push without its learning rate is refused, naming why.
-    worker.push_lr = None
     worker.begin_push(3)
     for param in worker.named.values():
         param.grad = torch.ones_like(param)
     with pytest.raises(CommError, match="must carry its lr"):
-        worker.wait_push(worker.end_push())
+        worker.wait_push(worker.push(PushRequest()))

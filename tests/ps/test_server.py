@@ -8,6 +8,7 @@ import torch
 
 from shardflow.ps import protocol, server
 from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
@@ -49,7 +50,7 @@ def test_async_push_applies_sgd_on_the_ps_and_counts_one_step(cluster):
     for name, param in model.named_parameters():
         assert param.grad is not None
         grads[name] = param.grad.clone()
-    reply = worker.wait_push(worker.end_push())
+    reply = worker.wait_push(worker.push(PushRequest()))
     assert reply.step == 1
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.detach(), before[name] - 0.5 * grads[name], rtol=0, atol=1e-6)
@@ -57,6 +58,20 @@ def test_async_push_applies_sgd_on_the_ps_and_counts_one_step(cluster):
     # With lanes, every PS that holds dense variables had the gradients through its lane.
     lane_pushes = [s["lane_pushes"] for s in fetch_state(worker).stats.values() if s["applied"]]
     assert lane_pushes == [1 if cluster.lanes else 0] * len(lane_pushes) and lane_pushes
+
+
+def test_an_early_push_goes_out_while_backward_runs_and_push_returns_it(cluster):
+    model = _model()
+    placement = place(model.named_parameters(), 3)
+    init_servers(cluster.admin(model, placement), SGD(lr=0.5), ApplyConfig(num_workers=1))
+    worker = cluster.client(model, placement)
+    early = PushRequest(input_state={"batch": 1})
+    worker.begin_push(0, early)
+    model(torch.tensor([[1, 2, 3]])).sum().backward()
+    assert worker.global_step() == 1  # applied before push() was called
+    reply = worker.wait_push(worker.push(early))
+    assert reply.step == 1
+    assert worker.rejoin().input_state == {"batch": 1}
 
 
 def test_adam_slots_live_on_the_ps_and_come_back_in_the_state(cluster):
@@ -67,7 +82,7 @@ def test_adam_slots_live_on_the_ps_and_come_back_in_the_state(cluster):
     worker = cluster.client(model, placement)
     worker.begin_push(0)
     model(torch.tensor([[4, 5, 6]])).sum().backward()
-    worker.wait_push(worker.end_push())
+    worker.wait_push(worker.push(PushRequest()))
     stats = fetch_state(chief).stats
     assert all(s["applied"] == 1 for s in stats.values() if s["step"])
 
@@ -87,7 +102,7 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
         w.begin_push(0)
         param = dict(w.named)["weight"]
         param.grad = torch.full_like(param, float(i + 1))
-        requests.append(w.end_push())
+        requests.append(w.push(PushRequest()))
     replies = [w.wait_push(r) for w, r in zip(workers, requests, strict=True)]
     # Workers 0 and 1 were aggregated: weight = 0 - mean(1, 2) = -1.5; worker 2 arrived late.
     assert [r.step for r in replies] == [1, 1, 1]
@@ -107,7 +122,7 @@ def test_pushes_after_max_steps_are_dropped_and_counted(cluster):
     for _ in range(3):
         worker.begin_push(0)
         model(torch.ones(1, 2)).sum().backward()
-        replies.append(worker.wait_push(worker.end_push()))
+        replies.append(worker.wait_push(worker.push(PushRequest())))
     assert [(r.step, r.stop) for r in replies] == [(1, False), (2, True), (2, True)]
     stats = fetch_state(worker).stats
     assert stats["ps:0"]["dropped_after_max_steps"] == 1

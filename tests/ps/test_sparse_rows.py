@@ -11,7 +11,7 @@ import torch
 from shardflow.comm.errors import CommError
 from shardflow.profile.recorder import SpanRecorder, set_recorder
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.client import ParameterClient, StepReply
+from shardflow.ps.client import ParameterClient, PushRequest, StepReply
 from shardflow.ps.optimizers import SGD, Adagrad, Adam, AdamW, OptimizerSpec, RMSprop
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.protocol import Push, Rows
@@ -48,7 +48,7 @@ def start(cluster, optimizer: OptimizerSpec, num_ps: int, mode: str = "async", n
     model = Ranker(sparse=True)
     # Every tensor with enough rows is cut into num_ps slices, so the table spreads over every PS.
     placement = place(model.named_parameters(), num_ps, Partitioner(fixed_shards=num_ps), sparse_variables(model))
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, optimizer, ApplyConfig(mode=mode, num_workers=num_workers))
     return chief, placement
 
@@ -58,7 +58,7 @@ def begin_step(worker: ParameterClient, ids: torch.Tensor, base_step: int, targe
     model.zero_grad(set_to_none=True)
     worker.begin_push(base_step)
     loss(model, ids, targets).backward()
-    return worker.end_push()
+    return worker.push(PushRequest())
 
 
 def step(worker: ParameterClient, ids: torch.Tensor, base_step: int) -> StepReply:
@@ -136,7 +136,7 @@ def test_rows_looked_up_twice_in_a_batch_get_both_gradients(start_cluster):
     model.zero_grad(set_to_none=True)
     worker.begin_push(0)
     model.table(torch.tensor([3, 3, 3, 25])).sum().backward()
-    worker.wait_push(worker.end_push())
+    worker.wait_push(worker.push(PushRequest()))
     after = fetch_state(chief).params["table.weight"]
     torch.testing.assert_close(after[3], before[3] - 3.0)
     torch.testing.assert_close(after[25], before[25] - 1.0)
@@ -167,7 +167,7 @@ def test_pulls_leave_the_table_out_and_a_step_moves_only_its_rows(start_cluster)
     cluster = start_cluster(2)
     model = Ranker(sparse=True, num_rows=10_000, dim=16)
     placement = place(model.named_parameters(), 2, Partitioner(fixed_shards=2), sparse_variables(model))
-    init_servers(cluster.client(model, placement, worker_index=-1), Adagrad(), ApplyConfig())
+    init_servers(cluster.admin(model, placement), Adagrad(), ApplyConfig())
     worker = cluster.client(Ranker(sparse=True, num_rows=10_000, dim=16), placement)
     recorder = SpanRecorder("worker:0")
     set_recorder(recorder)
@@ -199,7 +199,7 @@ def test_a_restored_table_and_its_slots_are_cut_for_another_number_of_ps(start_c
     model = Ranker(sparse=True)
     model.load_state_dict(saved.params)
     resharded = place(model.named_parameters(), 3, Partitioner(fixed_shards=3), sparse_variables(model))
-    restored_chief = three.client(model, resharded, worker_index=-1)
+    restored_chief = three.admin(model, resharded)
     init_servers(restored_chief, Adagrad(lr=0.3), ApplyConfig(), restore=saved)
     restored = fetch_state(restored_chief)
     assert restored.step == 2
@@ -230,13 +230,13 @@ def test_an_optimizer_without_a_sparse_form_is_refused_at_start_naming_the_varia
     model = Ranker(sparse=True)
     placement = place(model.named_parameters(), 3, sparse=sparse_variables(model))
     with pytest.raises(ValueError, match=f"'table.weight' is row-sparse .* but {named} cannot apply sparse"):
-        init_servers(cluster.client(model, placement, worker_index=-1), spec, ApplyConfig())
+        init_servers(cluster.admin(model, placement), spec, ApplyConfig())
 
 
 def test_a_ps_answers_rows_outside_its_table_with_an_error(cluster):
     model = Ranker(sparse=True)
     placement = place(model.named_parameters(), 3, Partitioner(fixed_shards=3), sparse_variables(model))
-    chief = cluster.client(model, placement, worker_index=-1)
+    chief = cluster.admin(model, placement)
     init_servers(chief, SGD(), ApplyConfig())
     (table,) = placement.tables(0)
     num_rows = table.row_end - table.row_start

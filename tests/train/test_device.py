@@ -16,13 +16,13 @@ import shardflow as sf
 from shardflow.comm.client import Client
 from shardflow.data.torch_edge import to_torch
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.staging import HostStaging
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.servers import init_servers
-from shardflow.train.worker import batch_to_device
+from shardflow.train.worker_step import batch_to_device
 
 from ..integration.conftest import JobRun
 from ..ps.conftest import Cluster
@@ -108,7 +108,7 @@ def test_on_the_cpu_pulled_parameters_are_views_of_the_frames_and_a_push_applies
     placement = place(model.named_parameters(), 1, Partitioner())
     cluster = Cluster(1)
     try:
-        init_servers(cluster.client(model, placement, worker_index=-1), SGD(lr=0.5), ApplyConfig(num_workers=1))
+        init_servers(cluster.admin(model, placement), SGD(lr=0.5), ApplyConfig(num_workers=1))
         worker = cluster.client(_mlp(), placement)
         assert worker.staging.device == CPU
         worker.pull()
@@ -118,7 +118,7 @@ def test_on_the_cpu_pulled_parameters_are_views_of_the_frames_and_a_push_applies
         x = torch.randn(5, 4)
         worker.begin_push(0)
         worker.model(x).sum().backward()
-        reply = worker.wait_push(worker.end_push())
+        reply = worker.wait_push(worker.push(PushRequest()))
         model(x).sum().backward()
         assert reply.step == 1
         for param, expected in zip(worker.model.parameters(), model.parameters(), strict=True):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from shardflow.cluster.spec import TaskSpec
-from shardflow.train.roles import local_endpoint
+from shardflow.train.ps_role import local_endpoint
 
 PS_1 = TaskSpec("ps", 1)
 

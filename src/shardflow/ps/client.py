@@ -1,10 +1,8 @@
-"""The worker's and chief's side of the PS protocol: split gradients by placement, reassemble parameters,
-fetch and push only the rows a batch uses of the row-sparse tables, and the chief's requests."""
+"""The worker's side of the PS protocol: split gradients by placement, reassemble parameters, fetch and push only
+the rows a batch uses of the row-sparse tables. The chief's requests are in ps/admin.py."""
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,30 +12,34 @@ import torch
 
 from shardflow import faults
 from shardflow.comm.client import Client
-from shardflow.comm.errors import CommError, DeadlineExceeded
+from shardflow.comm.errors import CommError
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import protocol
 from shardflow.ps.apply import all_finite
-from shardflow.ps.lanes import LaneError, WorkerLane
-from shardflow.ps.layout import ShardLayout
+from shardflow.ps.connection import PSConnection
+from shardflow.ps.lanes import WorkerLane
 from shardflow.ps.placement import Placement
-from shardflow.ps.protocol import RejoinReply, StatusReply, StepReply
-from shardflow.ps.sparse import RowGrad, coalesced, lookup_modules, rows_between
+from shardflow.ps.protocol import RejoinReply, StepReply
+from shardflow.ps.rows import TableRows
+from shardflow.ps.sparse import lookup_modules
 from shardflow.ps.staging import HostStaging
+from shardflow.ps.worker_lanes import offer_lanes
 
-log = logging.getLogger(__name__)
-
-# How often a wait longer than this checks whether the PS were restored meanwhile.
-_RESTORE_CHECK_S = 0.5
-
-__all__ = ["ParameterClient", "Pushed", "Rejoined", "StatusReply", "StepReply", "read_global_step"]
+__all__ = ["ParameterClient", "PushRequest", "Pushed", "Rejoined", "StepReply"]
 
 
-def read_global_step(client: Client, peer: str, timeout_s: float) -> int:
-    """The global step as `peer` (a PS, connected to `client`) counts it now."""
-    header, _ = client.request(peer, protocol.Status().header(), timeout_s=timeout_s)
-    return StatusReply.decode(header, peer).step
+@dataclass(frozen=True, kw_only=True)
+class PushRequest:
+    """What a worker's step pushes besides its gradients, handed by the worker to its client (see `begin_push`)."""
+
+    input_state: dict[str, Any] | None = None
+    """The worker's input position after the step's last batch: every PS keeps it with the step, so a restarted
+    worker resumes after the last step all PS had, and ps:0's positions go into checkpoints."""
+    learning_rate: float | None = None
+    """The learning rate of this step, with a schedule that is a function of the step: the PS cannot run it."""
+    nonfinite_loss: bool = False
+    """The loss held NaN or inf, so backward never ran: every PS gets `NonFinite` in place of the gradients."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,7 +81,7 @@ def _device_of(named: dict[str, torch.nn.Parameter]) -> torch.device:
     return devices.pop() if devices else torch.device("cpu")
 
 
-class ParameterClient:
+class ParameterClient(PSConnection):
     """Talks to every PS for one model replica: pushes its gradients and loads the parameters they send back,
     staged through host memory when the model is on a GPU (see ps/staging.py)."""
 
@@ -92,26 +94,15 @@ class ParameterClient:
         *,
         timeout_s: float = 60.0,
         worker_index: int = -1,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
-        if len(ps_endpoints) != placement.num_ps:
-            raise ValueError(f"placement is for {placement.num_ps} PS but {len(ps_endpoints)} addresses were given")
-        self.client = client
-        self.placement = placement
-        self.timeout_s = timeout_s
+        """`interrupt`: see PSConnection; the worker's raises once the chief restored the PS or ended the job."""
+        super().__init__(client, ps_endpoints, placement, model, timeout_s=timeout_s, interrupt=interrupt)
         self.worker_index = worker_index
         self._role = f"worker:{worker_index}"
-        self.peers = [f"ps:{k}" for k in range(placement.num_ps)]
         self._index_of = {peer: k for k, peer in enumerate(self.peers)}
-        for peer, address in zip(self.peers, ps_endpoints, strict=True):
-            client.connect(peer, address)
-        named = dict(model.named_parameters())
-        missing = [p.name for p in placement.pieces if p.name not in named]
-        if missing:
-            raise ValueError(f"the placement names variables the model lacks: {missing[:5]}")
-        self.named = named
-        self.staging = HostStaging(_device_of(named))
-        self.layout = ShardLayout(placement)
-        self._row_grads: dict[str, RowGrad] = {}
+        self.staging = HostStaging(_device_of(self.named))
+        self.rows = TableRows(self, self.staging)
         # Per PS, once its pieces are complete: this step's tensors to check for NaN, its frames (on the host) and
         # frame counts.
         self._prepared: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
@@ -119,129 +110,26 @@ class ParameterClient:
         """Per PS: the shared-memory lane to it (see `attach_lanes`), or None: everything goes over the socket."""
         self._slots: list[int | None] = [None] * placement.num_ps
         self._pushed: Pushed | None = None
-        self.model = model
         self._hooks: list[Any] = []
         self._remaining: list[int] = []
         self._base_step = 0
-        self._step = 0
-        self._push_early = True
+        self._early: PushRequest | None = None
+        """What the hooks push as soon as backward has produced every gradient; None: wait for `push`."""
         # Each PS's global step as its last reply said; a push to it carries that step as its base.
         self._ps_steps = [0] * placement.num_ps
         self.local_step = 0
         """This worker's steps so far, those of its earlier runs (restarts) included; see `rejoin`."""
-        self.input_state: dict[str, Any] | None = None
-        self.generation = 0
-        """The recovery generation this client joined in (see protocol `Init`)."""
-        self.check_restored: Callable[[], None] | None = None
-        """Raises if the PS were restored since this client joined (set by the worker; see `_recv`)."""
-        self.push_lr: float | None = None
-        """The learning rate the next pushes carry, with a schedule that is a function of the step."""
-
-    # -- moving tensors ---------------------------------------------------------------------------
-
-    def _row_grad_frames(self, ps: int) -> list[torch.Tensor]:
-        """For each row-sparse table on `ps`, the rows of it this step's gradient touches (numbered from the
-        table's first row) and their gradient, summed over duplicates: two frames per table, maybe empty."""
-        frames: list[torch.Tensor] = []
-        for piece in self.layout.tables[ps]:
-            if piece.name not in self._row_grads:
-                rows, values = coalesced(piece.name, self.named[piece.name])
-                self._row_grads[piece.name] = rows.cpu(), values  # the rows are cut on the host
-            rows, values = self._row_grads[piece.name]
-            ((begin, end),) = rows_between(rows, [piece.row_start], piece.row_end)
-            frames += [rows[begin:end] - piece.row_start, values[begin:end]]
-        return frames
 
     def fetch_rows(self, name: str, ids: torch.Tensor) -> None:
         """Write the current values of the rows `ids` of row-sparse variable `name` into the local weight, fetched
-        from the PS that hold them, in parallel; every other row of the local weight is stale."""
-        rows = torch.unique(ids.detach().reshape(-1).cpu())
-        pieces = self.layout.row_pieces[name]
-        weight = self.named[name]
-        if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= weight.shape[0]):
-            raise ValueError(
-                f"{name!r} has {weight.shape[0]} rows; the batch looks up rows {int(rows[0])}..{int(rows[-1])}"
-            )
-        bounds = rows_between(rows, [piece.row_start for piece, _ in pieces], weight.shape[0])
-        requests: dict[int, tuple[list[int], list[torch.Tensor]]] = {}
-        for (piece, index), (begin, end) in zip(pieces, bounds, strict=True):
-            if begin < end:
-                tables, frames = requests.setdefault(piece.ps, ([], []))
-                tables.append(index)
-                frames.append(rows[begin:end] - piece.row_start)
-        seqs = {
-            ps: self.client.send(self.peers[ps], protocol.Rows(table_indices=tuple(tables)).header(), frames)
-            for ps, (tables, frames) in requests.items()
-        }
-        recorder = get_recorder()
-        with torch.no_grad():
-            for ps, seq in seqs.items():
-                started = time.perf_counter_ns()
-                header, values = self._recv(self.peers[ps], seq)
-                StepReply.decode(header, protocol.Rows.op, self.peers[ps])
-                if recorder is not None:
-                    recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(v.nbytes for v in values))
-                tables, frames = requests[ps]
-                moved = zip(tables, self.staging.to_device(frames), self.staging.to_device(values), strict=True)
-                for index, local_rows, rows_values in moved:
-                    piece = self.layout.tables[ps][index]
-                    weight.index_copy_(0, local_rows + piece.row_start, rows_values)
-
-    def _recv(self, peer: str, seq: int, timeout_s: float | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
-        """A wait for a reply: within the request deadline (default timeout_s), and cut short (by whatever
-        `check_restored` raises) once a PS was restarted or the PS restored, since a lost PS never answers."""
-        timeout_s = timeout_s or self.timeout_s
-        if self.check_restored is None:
-            return self.client.recv(peer, seq, timeout_s)
-        deadline = time.monotonic() + timeout_s
-        while True:
-            slice_s = min(_RESTORE_CHECK_S, deadline - time.monotonic())
-            try:
-                return self.client.recv(peer, seq, max(slice_s, 0.0))
-            except DeadlineExceeded as expired:
-                self.check_restored()
-                if time.monotonic() >= deadline:
-                    raise DeadlineExceeded(peer, expired.address, expired.what, timeout_s) from None
-            except CommError:
-                self.check_restored()  # a PS refuses a push of the training before its restore
-                raise
+        from the PS that hold them; every other row of the local weight is stale."""
+        self.rows.fetch(name, ids, self._base_step)
 
     def attach_lanes(self) -> None:
-        """Offer each PS that this process reaches over a UNIX socket (so on this machine) a shared-memory lane
-        (ps/lanes.py); a PS that cannot map it, or a lane that cannot be made, leaves that PS on the socket, said in
-        one line. Only for a model on the CPU: a GPU's tensors are staged through pinned memory of their own."""
-        if self.staging.device.type != "cpu" or self.worker_index < 0:
-            return
-        requests: dict[int, tuple[WorkerLane, int]] = {}
-        for ps, peer in enumerate(self.peers):
-            if not self.client.address(peer).startswith("ipc://"):
-                continue
-            buffers = [(getattr(torch, dtype), numel) for dtype, numel in self.placement.buffer_sizes(ps).items()]
-            if not any(numel for _, numel in buffers):
-                continue
-            try:
-                lane = WorkerLane(buffers)
-            except LaneError as error:
-                log.warning(
-                    "%s cannot make a shared-memory lane to %s (%s); it uses the socket", self._role, peer, error
-                )
-                continue
-            attach = protocol.Attach(
-                worker_index=self.worker_index,
-                pid=os.getpid(),
-                fd=lane.fd,
-                push_slots=lane.push_slots,
-                reply_slots=lane.reply_slots,
-            )
-            requests[ps] = lane, self.client.send(peer, attach.header())
-        for ps, (lane, seq) in requests.items():
-            try:
-                self._recv(self.peers[ps], seq)
-            except CommError as error:
-                log.warning("%s: %s; it uses the socket", self._role, error)
-                lane.close()
-                continue
-            self.lanes[ps] = lane
+        """Offer each PS on this machine a shared-memory lane (ps/worker_lanes.py). Only for a model on the CPU: a
+        GPU's tensors are staged through pinned memory of their own."""
+        if self.staging.device.type == "cpu" and self.worker_index >= 0:
+            self.lanes = offer_lanes(self, self.worker_index)
 
     def _load(self, replies: dict[int, Sequence[torch.Tensor]]) -> None:
         """Point each parameter at its slice of the received buffers, without a copy on the CPU (on a GPU, of
@@ -271,7 +159,7 @@ class ParameterClient:
         for peer, seq in peer_seqs.items():
             ps = self._index_of[peer]
             started = time.perf_counter_ns()
-            header, tensors = self._recv(peer, seq)
+            header, tensors = self.recv(peer, seq)
             reply = StepReply.decode(header, op, peer)
             self._ps_steps[ps] = reply.step
             lane, slot = self.lanes[ps], reply_slots.get(ps)
@@ -280,7 +168,7 @@ class ParameterClient:
                     raise CommError(f"{peer} put its reply to {op!r} in a lane slot that was not asked for")
                 tensors = lane.reply[slot]
             if recorder is not None:
-                recorder.end(spans.PULL_WAIT, self._step, started, ps, sum(t.nbytes for t in tensors))
+                recorder.end(spans.PULL_WAIT, self._base_step, started, ps, sum(t.nbytes for t in tensors))
             if load_params and tensors:
                 replies[ps] = tensors
                 loaded_slots[ps] = slot if reply.lane else None
@@ -300,57 +188,6 @@ class ParameterClient:
     def _take_reply_slots(self) -> dict[int, int | None]:
         """A free reply slot of each PS's lane for the parameters of the next reply (None: frames)."""
         return {ps: lane.take_reply() if lane is not None else None for ps, lane in enumerate(self.lanes)}
-
-    # -- chief (see train/checkpoints/servers.py for state) -------------------------------------
-
-    def exchange(
-        self,
-        messages: Sequence[protocol.PSRequest],
-        frames: Sequence[Sequence[torch.Tensor]] | None = None,
-        timeout_s: float | None = None,
-    ) -> list[tuple[dict[str, Any], list[torch.Tensor]]]:
-        """Send ps:k `messages[k]` (with `frames[k]`), all in parallel; their replies' headers and frames, in PS
-        order. A PS that answers with an error raises CommError."""
-        if len(messages) != len(self.peers):
-            raise ValueError(f"{len(messages)} messages for {len(self.peers)} PS")
-        seqs = [
-            self.client.send(peer, message.header(), frames[k] if frames is not None else ())
-            for k, (peer, message) in enumerate(zip(self.peers, messages, strict=True))
-        ]
-        return [self._recv(peer, seq, timeout_s) for peer, seq in zip(self.peers, seqs, strict=True)]
-
-    def _broadcast(self, message: protocol.PSRequest) -> list[StepReply]:
-        replies = self.exchange([message] * len(self.peers))
-        return [StepReply.decode(h, message.op, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
-
-    def status(self, timeout_s: float | None = None) -> list[StatusReply]:
-        """Every PS's global step, snapshots held and counters, in PS order."""
-        replies = self.exchange([protocol.Status()] * len(self.peers), timeout_s=timeout_s)
-        return [StatusReply.decode(h, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
-
-    def snapshot_at(self, step: int) -> None:
-        """Every PS snapshots its state when the global step reaches `step`."""
-        self._broadcast(protocol.SnapshotAt(step=step))
-
-    def release_snapshots(self, through_step: int) -> None:
-        """The snapshots up to `through_step` are saved; the PS may drop them."""
-        self._broadcast(protocol.ReleaseSnapshots(through_step=through_step))
-
-    def lost(self, worker_index: int) -> None:
-        """Steps complete without this worker until it rejoins (lost_worker_policy "continue")."""
-        self._broadcast(protocol.Lost(worker_index=worker_index))
-
-    def stop(self) -> None:
-        """End training at the current step: every PS drops later pushes and tells the workers to stop."""
-        self._broadcast(protocol.Stop())
-
-    def shutdown(self) -> None:
-        self._broadcast(protocol.Shutdown())
-
-    # -- worker ---------------------------------------------------------------------------------
-
-    def global_step(self) -> int:
-        return read_global_step(self.client, self.peers[0], self.timeout_s)
 
     def pull(self, min_step: int = 0) -> StepReply:
         """Fetch every PS's shards in parallel and load them into the model."""
@@ -375,15 +212,15 @@ class ParameterClient:
             generation=min(r.generation for r in rejoins),
         )
 
-    def begin_push(self, base_step: int, *, push_early: bool = True) -> None:
+    def begin_push(self, base_step: int, early: PushRequest | None = None) -> None:
         """Start a step on the parameters of global step `base_step` (as ps:0 counts it; the push to each PS
-        carries that PS's step of the parameters it sent): the pushes go out as soon as backward has produced
-        every gradient and all of them are finite; see `end_push`. Without `push_early` they wait for `end_push`,
-        for a worker that changes the gradients after backward (accumulation, clipping)."""
+        carries that PS's step of the parameters it sent). With `early`, the hooks push it as soon as backward has
+        produced every gradient and all of them are finite; without, nothing goes out before `push`, for a worker
+        that changes the gradients after backward (accumulation, clipping) or learns its input position later."""
         self.local_step += 1
-        self._push_early = push_early
-        self._base_step = self._step = base_step
-        self._row_grads = {}
+        self._early = early
+        self._base_step = base_step
+        self.rows.begin_step()
         self._prepared = {}
         self._pushed = None
         self._slots = [lane.take_push() if lane is not None else None for lane in self.lanes]
@@ -400,14 +237,14 @@ class ParameterClient:
         for name, servers in pieces_of.items():
 
             def ready(_param: torch.Tensor, servers: list[int] = servers) -> None:
-                if not self._push_early:
+                if self._early is None:
                     return
                 for ps in servers:
                     self._remaining[ps] -= 1
                     if self._remaining[ps] == 0:
                         self._prepare(ps)
                 if not any(self._remaining):
-                    self._send()
+                    self._send(self._early)
 
             self._hooks.append(self.named[name].register_post_accumulate_grad_hook(ready))
         # A sparse embedding fetches the rows it is about to look up, and only those.
@@ -436,13 +273,13 @@ class ParameterClient:
                 elif count:
                     torch.cat(frames[start : start + count], out=buffer)
                 start += count
-            rows = self._row_grad_frames(ps)
+            rows = self.rows.grad_frames(ps)
             self._prepared[ps] = [*buffers, *rows], rows, [0] * len(counts)
             return
-        frames = self.staging.to_host(frames + self._row_grad_frames(ps))
+        frames = self.staging.to_host(frames + self.rows.grad_frames(ps))
         self._prepared[ps] = frames, frames, counts
 
-    def _send(self, nonfinite: str | None = None) -> None:
+    def _send(self, request: PushRequest) -> None:
         """Send this step to every PS: the pushes, or `NonFinite` to each if the loss or any gradient held NaN or
         inf. All or none: a PS applies a push on arrival, and the PS hold disjoint shards, so were ps:0 sent its
         finite pieces before ps:1's NaN was seen, ps:0 would apply a step that ps:1 refuses, and their global
@@ -450,6 +287,7 @@ class ParameterClient:
         one PS, as before: its pieces complete last), and every PS reaches the same verdict, the worker's."""
         if self._pushed is not None:
             return
+        nonfinite = "loss" if request.nonfinite_loss else None
         if nonfinite is None:
             for ps in range(len(self.peers)):
                 self._prepare(ps)
@@ -460,9 +298,7 @@ class ParameterClient:
         requests: dict[str, int] = {}
         reply_slots = self._take_reply_slots()
         for ps, peer in enumerate(self.peers):
-            # Every PS keeps each worker's input position with the step it belongs to: a restarted worker resumes
-            # after the last step all PS had, and ps:0's positions go into checkpoints.
-            input_state = self.input_state
+            input_state = request.input_state
             started = time.perf_counter_ns()
             if nonfinite is not None:
                 message = protocol.NonFinite(
@@ -482,7 +318,7 @@ class ParameterClient:
                 base_step=self._ps_steps[ps],
                 frame_counts=tuple(counts),
                 input_state=input_state,
-                lr=self.push_lr,
+                lr=request.learning_rate,
                 slot=self._slots[ps],
                 reply_slot=reply_slots[ps],
             )
@@ -491,8 +327,10 @@ class ParameterClient:
             if ps == 0:
                 faults.reached("push", self._role, self.local_step)
             if recorder is not None:
-                recorder.flow(spans.PUSH, self._step, flow_id(self.client.sender_id, seq), start=True, at_ns=sending)
-                recorder.end(spans.PUSH, self._step, started, ps, sum(t.nbytes for t in pushed))  # lanes' too
+                recorder.flow(
+                    spans.PUSH, self._base_step, flow_id(self.client.sender_id, seq), start=True, at_ns=sending
+                )
+                recorder.end(spans.PUSH, self._base_step, started, ps, sum(t.nbytes for t in pushed))  # lanes' too
         self._prepared = {}
         # A NonFinite carries no gradients: its push slots are the PS's until it replies all the same, for brevity.
         slots = dict(enumerate(self._slots))
@@ -500,16 +338,11 @@ class ParameterClient:
             requests=requests, base_step=self._base_step, nonfinite=nonfinite, slots=slots, reply_slots=reply_slots
         )
 
-    def end_push(self) -> Pushed:
-        """Push what the hooks have not sent (variables without gradients push zeros, row-sparse ones no rows);
-        returns the requests. If any gradient for any PS holds NaN or inf, every PS gets `NonFinite` instead."""
-        self._send()
-        assert self._pushed is not None
-        return self._pushed
-
-    def push_nonfinite_loss(self) -> Pushed:
-        """In place of backward and `end_push`: the loss held NaN or inf, so every PS gets `NonFinite`."""
-        self._send(nonfinite="loss")
+    def push(self, request: PushRequest) -> Pushed:
+        """Push this step to every PS, unless the hooks pushed the early request already (see `begin_push`);
+        returns the requests. Variables without gradients push zeros, row-sparse ones no rows. If the loss or any
+        gradient for any PS holds NaN or inf, every PS gets `NonFinite` instead."""
+        self._send(request)
         assert self._pushed is not None
         return self._pushed
 
@@ -525,17 +358,11 @@ class ParameterClient:
     def done(self) -> None:
         """This worker has finished: the PS no longer wait for it."""
         try:
-            self._broadcast(protocol.Done(worker_index=self.worker_index))
+            self.broadcast(protocol.Done(worker_index=self.worker_index))
         except CommError:
-            if self.check_restored is not None:
-                self.check_restored()
+            if self.interrupt is not None:
+                self.interrupt()
             raise
-
-    def reconnect(self, ps_endpoints: Sequence[str]) -> None:
-        """Connect to every PS again, at these addresses (a restarted PS may serve elsewhere); requests in flight
-        are forgotten."""
-        for peer, address in zip(self.peers, ps_endpoints, strict=True):
-            self.client.connect(peer, address)
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -50,16 +50,23 @@ Handler = Callable[["ParameterServer", Request, Any], None]
 class ParameterServer:
     """Serves one PS's variables. Single-threaded: requests are handled in arrival order, replies may be deferred."""
 
-    def __init__(self, server: Server, index: int) -> None:
+    def __init__(
+        self,
+        server: Server,
+        index: int,
+        *,
+        norm_exchange: clipping.NormExchange | None = None,
+        on_initialised: Callable[[], None] = lambda: None,
+    ) -> None:
         self.server = server
         self.index = index
         self.name = f"ps:{index}"
         self.shards = Shards()
-        self.norm_exchange: clipping.NormExchange | None = None
+        self.norm_exchange = norm_exchange
         """How this PS agrees a sync step's gradient norm with the others (clip_grad_norm); None: it is the only PS."""
         self.limits: protocol.Limits | None = None
         """What requests are checked against; None until the chief initialised this PS."""
-        self.on_initialised: Callable[[], None] = lambda: None
+        self.on_initialised = on_initialised
         """Called once the chief's init is applied, before it is answered: no worker has pushed yet."""
         self.updates: Updates[Received] = Updates(ApplyConfig(), 0, self._apply, self._answer)
         self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)

@@ -1,21 +1,28 @@
-"""The chief: places variables, initialises (or restores) the PS, runs the chief loop, writes the final checkpoint."""
+"""The chief's role, in phases: start (place the variables, restore the latest checkpoint) or adopt the live PS,
+initialise them, run the chief loop (train/chief_loop.py) while the workers train, finish (the final checkpoint
+and evaluation, the end of the job)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
 from shardflow.comm.security import SECRET_FILE, is_loopback, job_credentials, write_secret
+from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.client import ParameterClient
-from shardflow.ps.placement import place
+from shardflow.ps.connection import PSConnection
+from shardflow.ps.placement import Placement, place
 from shardflow.ps.sparse import sparse_variables
 from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
@@ -24,11 +31,12 @@ from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import Recovery, restore_latest
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 from shardflow.train.chief_loop import ChiefLoop
+from shardflow.train.heartbeat import Heartbeats
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import RecoveryNotice
 from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
 
 log = logging.getLogger(__name__)
@@ -47,38 +55,88 @@ def run_chief(
     role: RoleContext,
     *,
     failures: Sequence[RoleExit] = (),
-    on_connect: Callable[[ParameterClient | None], None] = lambda _: None,
+    on_connect: Callable[[PSConnection | None], None] = lambda _: None,
     preemption: Preemption | None = None,
 ) -> TrainResult:
     """Run the job to its end and return what it did. `failures` lists roles the local launcher saw exit with an
     error (the loop fails on the first); `on_connect` is told the client to the PS while it exists. Once
     `preemption` is requested, training ends at the current step and the result says `preempted`."""
     preemption = preemption or Preemption(job.strategy.termination_grace_s)
-    control = role.control
-    strategy = job.strategy
     started = time.monotonic()
     # The chief is the only role that saves, and none of its saves has started yet.
     store.clean(job.model_dir)
+    heartbeats = Heartbeats(role.control, job.strategy)
+    start = _start_or_adopt(job, role, heartbeats)
+    on_connect(start.admin)
+    # Before the PS are initialised: each reads a capture asked for up front when its init arrives.
+    profiler = ChiefProfiler(role.control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
+    if job.profile_steps is not None:
+        profiler.request(*job.profile_steps, ops=job.profile_ops)
+    apply = _initialise(job, role, start)
+    job_file = _write_job_file(job, role)
+    loop = _chief_loop(job, role, start, apply, profiler, heartbeats, failures)
+    role.control.set(control_keys.READY, "1")
+    try:
+        training_started = time.monotonic()
+        loop.run(preemption)
+        training_s = time.monotonic() - training_started
+        finished = _finish(job, role, start.admin, loop, profiler, preemption)
+    finally:
+        job_file.unlink(missing_ok=True)
+        (job.model_dir / SECRET_FILE).unlink(missing_ok=True)  # the job is over: so is its secret
+        loop.summaries.close()
+        profiler.close()
+        on_connect(None)
+    return _result(finished, loop, start, started, training_s)
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Start:
+    """Where training starts: the PS connected, and the state they hold or are initialised with."""
+
+    admin: PSAdmin
+    model: torch.nn.Module
+    placement: Placement
+    restored: ModelState | None
+    """The live PS's state (adopted), or the latest checkpoint's; None: a fresh start."""
+    adopted: bool
+    """This chief was restarted and every PS kept its state: training goes on from it."""
+    replies: list[StatusReply]
+    """Every PS's status when the chief started: their snapshots taken for the chief that died."""
+    generation: int
+    """The recovery generation (train/recovery.py)."""
+
+    @property
+    def step(self) -> int:
+        return self.restored.step if self.restored else 0
+
+
+def _start_or_adopt(job: JobConfig, role: RoleContext, heartbeats: Heartbeats) -> _Start:
+    """Connect to every PS and see what they hold: a restarted chief adopts the live PS when every one kept its
+    state; else training starts from the latest checkpoint, or from the model's initial values."""
+    control = role.control
+    strategy = job.strategy
     model = job.build_model()
     placement = place(model.named_parameters(), role.num_ps, strategy.partitioner, sparse_variables(model))
     addresses = [
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(role.num_ps)
     ]
-    client = ParameterClient(
+    admin = PSAdmin(
         Client("chief", credentials=job_credentials()),
         addresses,
         placement,
         model,
         timeout_s=strategy.request_timeout_s,
+        # A PS restarted while the chief waits for it never answers: the wait ends, and the chief loop restores.
+        interrupt=functools.partial(heartbeats.raise_if_restarted, [f"ps:{k}" for k in range(role.num_ps)]),
     )
-    on_connect(client)
-    replies = client.status(timeout_s=strategy.startup_timeout_s)
+    replies = admin.status(timeout_s=strategy.startup_timeout_s)
     generation = max(reply.generation for reply in replies)
     live = all(reply.initialized for reply in replies)
     restored: ModelState | None
     if live:
         # This chief was restarted and every PS kept its state: go on from it, exactly where training stands.
-        restored = fetch_state(client)
+        restored = fetch_state(admin)
         model.load_state_dict(restored.params, strict=False)
         log.warning(
             "the chief was restarted: resumed from the live parameter servers at global step %d (recovery %d)",
@@ -94,7 +152,21 @@ def run_chief(
         # Workers started from now on (and those that missed a restore) learn the current recovery generation.
         step = restored.step if restored else 0
         control.put(job_keys.RECOVERY, RecoveryNotice(generation=generation, step=step, lost="chief"))
-    start_step = restored.step if restored else 0
+    return _Start(
+        admin=admin,
+        model=model,
+        placement=placement,
+        restored=restored,
+        adopted=live,
+        replies=replies,
+        generation=generation,
+    )
+
+
+def _initialise(job: JobConfig, role: RoleContext, start: _Start) -> ApplyConfig:
+    """Initialise every PS (unless adopted) with the optimizer, the update rule and the starting state; then the
+    workers find the placement."""
+    strategy = job.strategy
     apply = ApplyConfig(
         mode=strategy.mode,
         num_workers=role.num_workers,
@@ -104,66 +176,96 @@ def run_chief(
         snapshot_every_n_steps=snapshot_every(job, role),
         hold_timeout_s=strategy.request_timeout_s,
     )
-    # Before the PS are initialised: each reads a capture asked for up front when its init arrives.
-    profiler = ChiefProfiler(control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
-    if job.profile_steps is not None:
-        profiler.request(*job.profile_steps, ops=job.profile_ops)
-    if not live:
+    if not start.adopted:
         init_servers(
-            client, job.optimizer, apply, restored, timeout_s=strategy.startup_timeout_s, generation=generation
+            start.admin,
+            job.optimizer,
+            apply,
+            start.restored,
+            timeout_s=strategy.startup_timeout_s,
+            generation=start.generation,
         )
-    control.put(job_keys.PLACEMENT, placement)
-    job_file = _write_job_file(job, role)
-    checkpoints = CheckpointManager(job, role, client, placement, profiler.recorder, start_step)
-    initial = restored or ModelState(step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()})
-    recovery = Recovery(job, role, client, model, apply, initial, generation)
-    loop = ChiefLoop(job, role, client, model, profiler, checkpoints, start_step, failures, recovery)
-    loop.generation = generation
-    if live:
+    role.control.put(job_keys.PLACEMENT, start.placement)
+    return apply
+
+
+def _chief_loop(
+    job: JobConfig,
+    role: RoleContext,
+    start: _Start,
+    apply: ApplyConfig,
+    profiler: ChiefProfiler,
+    heartbeats: Heartbeats,
+    failures: Sequence[RoleExit],
+) -> ChiefLoop:
+    """The chief's loop over training, with its checkpoints and how to restore every PS."""
+    model, admin = start.model, start.admin
+    checkpoints = CheckpointManager(job, role, admin, start.placement, profiler.recorder, start.step)
+    initial = start.restored or ModelState(
+        step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()}
+    )
+    recovery = Recovery(job, role, admin, model, apply, initial, start.generation)
+    loop = ChiefLoop(job, role, admin, model, profiler, checkpoints, start.step, heartbeats, failures, recovery)
+    if start.adopted:
         # Snapshots the PS took for the chief that died are checkpointed now, oldest first; without any, one is
         # asked for at once: what a PS lost from now on is restored to.
-        checkpoints.adopt(replies, start_step)
-    control.set(control_keys.READY, "1")
-    try:
-        training_started = time.monotonic()
-        loop.run(preemption)
-        training_s = time.monotonic() - training_started
-        state, path = checkpoints.save_final(loop.preempted)
-        model.load_state_dict(state.params, strict=False)  # what a final inline evaluation evaluates
-        metrics: dict[str, float] = {}
-        if loop.eval_spec is not None:
-            last = loop.eval_history[-1] if loop.eval_history else None
-            if last and last["global_step"] == state.step:
-                metrics = last["metrics"]
-            elif not loop.preempted:  # no time for a final evaluation within the grace period
-                metrics = loop.evaluate(state.step)
-        client.shutdown()
-        control.set(control_keys.SHUTDOWN, "1")
-        if role.spec.num("evaluator") and job.eval_spec is not None and not loop.preempted:
-            final = control.read(job_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
-            metrics = final.metrics
-        profiler.collect(loop.capture_roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
-        captures = profiler.completed
-    finally:
-        job_file.unlink(missing_ok=True)
-        (job.model_dir / SECRET_FILE).unlink(missing_ok=True)  # the job is over: so is its secret
-        loop.summaries.close()
-        profiler.close()
-        client.close()
-        on_connect(None)
+        checkpoints.adopt(start.replies, start.step)
+    return loop
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Finished:
+    state: ModelState
+    """The final state, checkpointed at `path`."""
+    path: Path
+    metrics: dict[str, float]
+    captures: list[Path]
+
+
+def _finish(
+    job: JobConfig,
+    role: RoleContext,
+    admin: PSAdmin,
+    loop: ChiefLoop,
+    profiler: ChiefProfiler,
+    preemption: Preemption,
+) -> _Finished:
+    """The final checkpoint and evaluation; then every PS and role is told the job is over, and the captures are
+    collected."""
+    control = role.control
+    state, path = loop.checkpoints.save_final(loop.preempted)
+    loop.model.load_state_dict(state.params, strict=False)  # what a final inline evaluation evaluates
+    metrics: dict[str, float] = {}
+    if loop.eval_spec is not None:
+        last = loop.eval_history[-1] if loop.eval_history else None
+        if last and last["global_step"] == state.step:
+            metrics = last["metrics"]
+        elif not loop.preempted:  # no time for a final evaluation within the grace period
+            metrics = loop.evaluate(state.step)
+    admin.shutdown()
+    control.set(control_keys.SHUTDOWN, "1")
+    if role.spec.num("evaluator") and job.eval_spec is not None and not loop.preempted:
+        final = control.read(job_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
+        metrics = final.metrics
+    profiler.collect(loop.capture_roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
+    return _Finished(state=state, path=path, metrics=metrics, captures=list(profiler.completed))
+
+
+def _result(finished: _Finished, loop: ChiefLoop, start: _Start, started: float, training_s: float) -> TrainResult:
     progress = loop.progress
     first = [p.first_loss for p in progress.values() if p.first_loss is not None]
     final_losses = [p.loss for p in progress.values() if p.local_step]
+    state, captures = finished.state, finished.captures
     return TrainResult(
         global_step=state.step,
-        metrics=metrics,
-        checkpoint=str(path),
+        metrics=finished.metrics,
+        checkpoint=str(finished.path),
         first_loss=sum(first) / len(first) if first else None,
         final_loss=sum(final_losses) / len(final_losses) if final_losses else None,
         elapsed_s=_since_process_start(started),
         training_s=training_s,
-        start_step=start_step,
-        worker_steps={name: p.local_step - _resumed_at(restored, name) for name, p in progress.items()},
+        start_step=start.step,
+        worker_steps={name: p.local_step - _resumed_at(start.restored, name) for name, p in progress.items()},
         ps_stats=state.stats,
         profile_dir=str(captures[-1]) if captures else None,
         eval_history=loop.eval_history,

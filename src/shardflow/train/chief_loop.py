@@ -13,16 +13,17 @@ from shardflow.cluster import control_keys
 from shardflow.cluster.control_keys import ControlValueError
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.launcher import RoleExit
-from shardflow.comm.errors import CommError, DeadlineExceeded
+from shardflow.comm.errors import DeadlineExceeded
 from shardflow.profile import spans
-from shardflow.ps.client import ParameterClient, StatusReply
+from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.train import job_keys
 from shardflow.train.checkpoints.servers import fetch_state
+from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import Handover, ProgressReport
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 from shardflow.train.summaries import Summaries
 
 if TYPE_CHECKING:
@@ -30,17 +31,12 @@ if TYPE_CHECKING:
     from shardflow.train.checkpoints.model_state import ModelState
     from shardflow.train.checkpoints.restore import Recovery
     from shardflow.train.preemption import Preemption
-    from shardflow.train.strategy import ParameterServerStrategy
 
 log = logging.getLogger(__name__)
 
 _POLL_S = 0.05
 _PS_POLL_S = 0.25
 _SLOW_POLL_S = 1.0
-
-
-class PSRestarted(CommError):
-    """A PS was restarted while the chief waited for its answer, which will never come."""
 
 
 class ChiefLoop:
@@ -50,11 +46,12 @@ class ChiefLoop:
         self,
         job: JobConfig,
         role: RoleContext,
-        client: ParameterClient,
+        client: PSAdmin,
         model: torch.nn.Module,
         profiler: ChiefProfiler,
         checkpoints: CheckpointManager,
         start_step: int,
+        heartbeats: Heartbeats,
         failures: Sequence[RoleExit] = (),
         recovery: Recovery | None = None,
     ) -> None:
@@ -81,16 +78,19 @@ class ChiefLoop:
             workers=self.workers,
             learning_rate=job.optimizer.learning_rate,
         )
-        self.heartbeats = Heartbeats(self.control, job.strategy, client)
+        self.heartbeats = heartbeats
+        """The same that `client` asks between slices of a wait: a PS restarted meanwhile never answers, so the wait
+        ends, and _watch_servers restores every PS."""
         self.handed_over: dict[str, str] = {}
         """Workers lost for good whose remaining shards another worker reads (see _hand_over), to whom."""
-        # A PS restarted while the chief waits for it never answers: the wait ends, and _watch_servers restores.
-        client.check_restored = self._check_ps_restarts
         self._refused_request: str | None = None
-        self.generation = 0
-        """How many times every PS was restored after one was lost (train/checkpoints/restore.py)."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
+
+    @property
+    def generation(self) -> int:
+        """How many times every PS was restored after one was lost (train/checkpoints/restore.py)."""
+        return self.recovery.generation if self.recovery is not None else 0
 
     def run(self, preemption: Preemption | None = None) -> None:
         """Until every worker is done; or, once `preemption` is requested, until they finished their step in flight
@@ -156,14 +156,8 @@ class ChiefLoop:
             name = f"ps:{k}"
             if self.heartbeats.check(name) and self.recovery is not None:
                 state = self.recovery.restore(name, self.global_step)
-                self.generation = self.recovery.generation
                 self.global_step = state.step
                 self.checkpoints.restored(state.step)
-
-    def _check_ps_restarts(self) -> None:
-        for k in range(self.role.num_ps):
-            if self.heartbeats.restarted(f"ps:{k}"):
-                raise PSRestarted(f"ps:{k} was restarted while the chief waited for it")
 
     def _watch_workers(self) -> bool:
         """Read progress reports and heartbeats; fail on a reported failure or a worker lost for good; True once
@@ -187,12 +181,22 @@ class ChiefLoop:
             if name in self.handed_over:
                 continue  # its adopter beats for it
             try:
-                self.heartbeats.check(name)
+                self._check_worker(name)
             except RoleFailedError:
                 if not self._can_hand_over():
                     raise
                 self._hand_over(name)
         return all_done
+
+    def _check_worker(self, name: str) -> None:
+        """Its heartbeat (see Heartbeats.check). Under lost_worker_policy "continue" the PS learn when it is lost:
+        steps complete without it until it rejoins."""
+        was_lost = name in self.heartbeats.lost
+        try:
+            self.heartbeats.check(name)
+        finally:
+            if not was_lost and name in self.heartbeats.lost and self.job.strategy.lost_worker_policy == "continue":
+                self.client.lost(int(name.rpartition(":")[2]))
 
     def _can_hand_over(self) -> bool:
         """A lost worker's shard can go to another in async mode with a known number of epochs: the adopter reads
@@ -208,7 +212,7 @@ class ChiefLoop:
         # The one furthest along finishes its own shard first.
         adopter = max(adopters, key=lambda w: self.progress[w].local_step if w in self.progress else 0)
         self.handed_over[lost] = adopter
-        self.heartbeats.lost.pop(lost, None)
+        self.heartbeats.handed_over(lost)
         mine = [name for name, to in self.handed_over.items() if to == adopter]
         self.control.put(job_keys.handover(adopter), Handover(workers=tuple(mine)))
         log.warning(
@@ -296,66 +300,3 @@ class ChiefLoop:
         known = any(p.name == request.name for p in self.profiler.pending)
         if not known and not self.control.is_set(control_keys.capture_done(request.name)):
             self.profiler.request(request.first, request.last, ops=request.ops, name=request.name)
-
-
-class Heartbeats:
-    """Which workers and PS beat (train/heartbeat.py), which are lost, and for how long.
-
-    A worker silent for heartbeat_timeout_s (startup_timeout_s before its first beat) is lost: the chief logs it
-    and training goes on without it, while whoever supervises the process (the local launcher, the cluster
-    manager) restarts it; the restarted worker resumes where the PS say it stopped. One still lost after
-    worker_rejoin_timeout_s fails the job, naming it."""
-
-    def __init__(self, control: ControlPlane, strategy: ParameterServerStrategy, client: ParameterClient) -> None:
-        self.control = control
-        self.strategy = strategy
-        self.client = client
-        self.started = time.monotonic()
-        self._beats: dict[str, tuple[str, float]] = {}
-        self.lost: dict[str, float] = {}
-        """Lost workers, with when they went silent."""
-
-    def restarted(self, name: str) -> bool:
-        """Whether `name`'s beats come from another process than at the last check(); changes nothing."""
-        last = self._beats.get(name)
-        if last is None:
-            return False
-        beat = self.control.get_if_set(control_keys.heartbeat(name))
-        return beat is not None and beat.decode().partition(":")[0] != last[0].partition(":")[0]
-
-    def check(self, name: str) -> bool:
-        """Whether `name` was restarted since the last check (its beats come from a new process); raises once it
-        was lost for longer than worker_rejoin_timeout_s."""
-        now = time.monotonic()
-        found = self.control.get_if_set(control_keys.heartbeat(name))
-        beat = found.decode() if found is not None else None
-        last = self._beats.get(name)
-        if beat is not None and (last is None or beat != last[0]):
-            self._beats[name] = (beat, now)
-            restarted = last is not None and beat.partition(":")[0] != last[0].partition(":")[0]
-            if last is not None and restarted:
-                log.warning("%s was restarted, %.1fs after its previous run's last beat", name, now - last[1])
-            if name in self.lost:
-                log.warning("%s rejoined, %.1fs after it went silent", name, now - self.lost.pop(name))
-            return restarted
-        seen = last[1] if last is not None else self.started
-        silent = now - seen
-        limit = self.strategy.heartbeat_timeout_s if last is not None else self.strategy.startup_timeout_s
-        if name not in self.lost and silent > limit:
-            self.lost[name] = seen
-            goes_on = self.strategy.mode == "async" or self.strategy.lost_worker_policy == "continue"
-            log.warning(
-                "%s is lost: no heartbeat for %.1fs; %s, waiting up to %.0fs for it to be restarted and rejoin",
-                name,
-                silent,
-                "training goes on without it" if goes_on else "its steps wait for it (lost_worker_policy 'wait')",
-                self.strategy.worker_rejoin_timeout_s,
-            )
-            if self.strategy.lost_worker_policy == "continue" and name.startswith("worker:"):
-                self.client.lost(int(name.rpartition(":")[2]))
-        if name in self.lost and now - self.lost[name] > self.strategy.worker_rejoin_timeout_s:
-            raise RoleFailedError(
-                f"{name} was lost {now - self.lost[name]:.0f}s ago (no heartbeat) and was not restarted within "
-                f"worker_rejoin_timeout_s={self.strategy.worker_rejoin_timeout_s:g}s; the job was stopped"
-            )
-        return False

@@ -16,7 +16,7 @@ from typing import Any
 from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.launcher import PREEMPTED_EXIT_CODE
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 
 _POLL_S = 0.1
 

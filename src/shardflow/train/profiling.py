@@ -26,7 +26,7 @@ from shardflow.profile.memory import MemorySampler
 from shardflow.profile.recorder_setting import AlternatingRecorder, NoRecorder, make_recorder
 from shardflow.profile.torch_ops import OpCapture
 from shardflow.profile.torch_ops import warm_up as warm_up_op_capture
-from shardflow.ps.client import read_global_step
+from shardflow.ps.connection import read_global_step
 from shardflow.train import job_keys
 from shardflow.train.job_keys import Capture
 

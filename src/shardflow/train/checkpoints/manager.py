@@ -18,10 +18,10 @@ from shardflow.train.checkpoints.servers import fetch_state
 
 if TYPE_CHECKING:
     from shardflow.profile.recorder import SpanRecorder
-    from shardflow.ps.client import ParameterClient, StatusReply
+    from shardflow.ps.admin import PSAdmin, StatusReply
     from shardflow.ps.placement import Placement
     from shardflow.train.job import JobConfig
-    from shardflow.train.roles import RoleContext
+    from shardflow.train.role_context import RoleContext
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ class CheckpointManager:
         self,
         job: JobConfig,
         role: RoleContext,
-        client: ParameterClient,
+        client: PSAdmin,
         placement: Placement,
         recorder: SpanRecorder,
         start_step: int,

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.ps.admin import PSAdmin
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.client import ParameterClient
 from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState
@@ -26,7 +26,7 @@ from shardflow.train.checkpoints.servers import init_servers
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import RecoveryNotice, RestoredPositions
-from shardflow.train.roles import RoleContext
+from shardflow.train.role_context import RoleContext
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ class Recovery:
 
     job: JobConfig
     role: RoleContext
-    client: ParameterClient
+    client: PSAdmin
     model: torch.nn.Module
     apply: ApplyConfig
     initial: ModelState

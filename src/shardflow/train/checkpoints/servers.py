@@ -9,7 +9,7 @@ import torch
 
 from shardflow.ps import protocol
 from shardflow.ps.apply import ApplyConfig
-from shardflow.ps.client import ParameterClient
+from shardflow.ps.connection import PSConnection
 from shardflow.ps.layout import ShardLayout, put
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.train.checkpoints.model_state import ModelState
@@ -26,7 +26,7 @@ def per_ps_progress(restore: ModelState | None, num_ps: int) -> list[dict[str, A
 
 
 def init_servers(
-    client: ParameterClient,
+    client: PSConnection,
     optimizer: OptimizerSpec,
     apply: ApplyConfig,
     restore: ModelState | None = None,
@@ -89,7 +89,7 @@ def _cut_slots(
     return slots, [dict(restore.scalars) if part_slots else {} for part_slots in slots], frames
 
 
-def fetch_state(client: ParameterClient, snapshot_step: int | None = None) -> ModelState:
+def fetch_state(client: PSConnection, snapshot_step: int | None = None) -> ModelState:
     """Every variable and slot reassembled from its pieces, now or at a snapshot step. The client's model is
     left as it is: load `params` into it to use them there."""
     layout = client.layout

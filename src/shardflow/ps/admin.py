@@ -1,0 +1,39 @@
+"""The chief's requests to every PS: their status, snapshots for checkpoints, a worker lost, the end of training
+and of the job. Initialising the PS and collecting their state is in train/checkpoints/servers.py."""
+
+from __future__ import annotations
+
+from shardflow.ps import protocol
+from shardflow.ps.connection import PSConnection
+from shardflow.ps.protocol import StatusReply
+
+__all__ = ["PSAdmin", "StatusReply"]
+
+
+class PSAdmin(PSConnection):
+    """The chief's connection to every PS."""
+
+    def status(self, timeout_s: float | None = None) -> list[StatusReply]:
+        """Every PS's global step, snapshots held and counters, in PS order."""
+        replies = self.exchange([protocol.Status()] * len(self.peers), timeout_s=timeout_s)
+        return [StatusReply.decode(h, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
+
+    def snapshot_at(self, step: int) -> None:
+        """Every PS snapshots its state when the global step reaches `step`."""
+        self.broadcast(protocol.SnapshotAt(step=step))
+
+    def release_snapshots(self, through_step: int) -> None:
+        """The snapshots up to `through_step` are saved; the PS may drop them."""
+        self.broadcast(protocol.ReleaseSnapshots(through_step=through_step))
+
+    def lost(self, worker_index: int) -> None:
+        """Steps complete without this worker until it rejoins (lost_worker_policy "continue")."""
+        self.broadcast(protocol.Lost(worker_index=worker_index))
+
+    def stop(self) -> None:
+        """End training at the current step: every PS drops later pushes and tells the workers to stop."""
+        self.broadcast(protocol.Stop())
+
+    def shutdown(self) -> None:
+        """The job is over: every PS stops serving."""
+        self.broadcast(protocol.Shutdown())

@@ -1,0 +1,306 @@
+"""A process's start-up: which role it is (from the environment, or the chief of an embedded local cluster that it
+starts), its connection to the chief, its logs and result file, and the dispatch to the role's main."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import NoReturn
+
+import torch
+
+from shardflow import env
+from shardflow.cluster import control_keys
+from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
+from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
+from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
+from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
+from shardflow.comm.errors import CommError
+from shardflow.comm.security import new_secret
+from shardflow.ps.connection import PSConnection
+from shardflow.train.checkpoints import store
+from shardflow.train.chief import run_chief
+from shardflow.train.evaluator import run_evaluator
+from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.preemption import Preemption, tell_chief
+from shardflow.train.progress import chief_prefix
+from shardflow.train.ps_role import run_ps
+from shardflow.train.role_context import RoleContext
+from shardflow.train.specs import Preempted, TrainResult
+from shardflow.train.worker import run_worker_role
+
+log = logging.getLogger(__name__)
+
+OnConnect = Callable[[PSConnection | None], None]
+"""Told the role's client to the PS while it exists, then None."""
+
+
+def run_process(job: JobConfig, on_connect: OnConnect) -> TrainResult:
+    """Run this process's role of `job`. Returns the result in the chief; other roles exit the process when the job
+    is done. `on_connect` is told the role's client to the PS while it exists (Estimator.global_step reads it)."""
+    finished = _already_finished(job)
+    found = cluster_from_env(num_ps=job.strategy.num_ps, num_workers=job.strategy.num_workers)
+    if finished is not None:
+        if found is None or found[1].type == "chief":
+            return finished
+        sys.stdout.flush()
+        raise SystemExit(0)
+    # A role's process imported torch and what the job needs: without this its exit takes seconds.
+    exit_without_final_collection()
+    if found is None:
+        return _run_embedded(job, on_connect)
+    spec, task = found
+    if task.type == "chief":
+        return _run_chief(job, spec, task, on_connect)
+    _run_other_role(job, spec, task, on_connect)
+
+
+def _already_finished(job: JobConfig) -> TrainResult | None:
+    """What the latest checkpoint holds when it is already at max_steps: a re-run then trains nothing and starts
+    no cluster."""
+    max_steps = job.train_spec.max_steps
+    path = store.latest(job.model_dir) if max_steps is not None else None
+    if max_steps is None or path is None:
+        return None
+    manifest = store.read_manifest(path)
+    step = int(manifest["global_step"])
+    if step < max_steps:
+        return None
+    log.warning(
+        "model_dir %s already holds global step %d >= max_steps %d; raise max_steps to train further",
+        job.model_dir,
+        step,
+        max_steps,
+    )
+    metrics: dict[str, float] = {}
+    history = job.model_dir / "eval" / "history.jsonl"
+    if job.eval_spec is not None and history.exists():
+        lines = history.read_text().splitlines()
+        last = json.loads(lines[-1]) if lines else {}
+        if last.get("global_step") == step:
+            metrics = last["metrics"]
+    return TrainResult(
+        global_step=step,
+        metrics=metrics,
+        checkpoint=str(path),
+        first_loss=None,
+        final_loss=None,
+        elapsed_s=0.0,
+        training_s=0.0,
+        start_step=step,
+        worker_steps={},
+        ps_stats=manifest.get("ps_stats", {}),
+    )
+
+
+def _connect(job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
+    if spec.num("ps") < 1:
+        raise ValueError("the cluster has no 'ps' tasks; parameter-server training needs at least one")
+    if spec.num("worker") < 1:
+        raise ValueError("the cluster has no 'worker' tasks; training needs at least one")
+    chief = spec.address(TaskSpec("chief", 0))
+    connect = ControlPlane.serve if task.type == "chief" else ControlPlane
+    control = connect(chief, timeout_s=job.strategy.startup_timeout_s)
+    return RoleContext(spec, task, control)
+
+
+def _run_chief(
+    job: JobConfig,
+    spec: ClusterSpec,
+    task: TaskSpec,
+    on_connect: OnConnect,
+    failures: Sequence[RoleExit] = (),
+    preemption: Preemption | None = None,
+    control: ControlPlane | None = None,
+) -> TrainResult:
+    """Raises Preempted, after the final checkpoint, when SIGTERM (or a role's preemption) ended training early.
+    `control`: the chief's control plane, served by the caller past the return, while the roles read that the job
+    is over; by default this connects, and serves it until every role said goodbye."""
+    own_preemption = preemption is None
+    if preemption is None:
+        preemption = Preemption(job.strategy.termination_grace_s).install()
+    role = _connect(job, spec, task) if control is None else RoleContext(spec, task, control)
+    log_handlers = _log_to(job.model_dir / "logs" / "chief.log")
+    try:
+        result = run_chief(job, role, failures=failures, on_connect=on_connect, preemption=preemption)
+        _write_result(job, role, result)
+        if result.preempted:
+            raise Preempted(result)
+        return result
+    except KeyboardInterrupt:
+        if not failures:
+            raise
+        failed = failures[0]
+        key = control_keys.failed(failed.task.name)
+        reason = role.control.get(key, waiting_for=failed.task.name) if role.control.is_set(key) else ""
+        raise RoleFailedError(f"{failed.describe()}{': ' + reason if reason else ''}; the job was stopped") from None
+    except CommError as error:
+        # A PS that stopped answering the chief: the same error as any other failed role, naming it.
+        raise RoleFailedError(str(error)) from error
+    finally:
+        # Tell every role the job is over so none waits for a chief that is gone.
+        role.control.set(control_keys.SHUTDOWN, "1")
+        if control is None:  # this process ends soon: serve the control plane until the roles have read it
+            _await_goodbyes(role)
+            role.control.close()
+        for handler in log_handlers:
+            logging.getLogger("shardflow").removeHandler(handler)
+            handler.close()
+        if own_preemption:
+            preemption.uninstall()
+
+
+def _await_goodbyes(role: RoleContext, timeout_s: float = 10.0) -> None:
+    """Wait (briefly) until every other role has said it saw the end of the job, or is gone."""
+    others = [control_keys.goodbye(task.name) for task in role.spec.tasks() if task != role.task]
+    try:
+        role.control.wait(others, waiting_for="every role to see the end of the job", timeout_s=timeout_s)
+    except ControlPlaneError:
+        missing = [key for key in others if not role.control.is_set(key)]
+        log.info("the chief ends without goodbyes from %s (gone already, or still finishing)", ", ".join(missing))
+
+
+def _run_other_role(job: JobConfig, spec: ClusterSpec, task: TaskSpec, on_connect: OnConnect) -> NoReturn:
+    threads = env.get_int(env.LOCAL_THREADS)
+    if threads:
+        torch.set_num_threads(threads)
+    role = _connect(job, spec, task)
+    # On SIGTERM the role asks the chief to end the job at the current step and carries on until it is over:
+    # the process then exits 0 as at any end, or 143 at the deadline if the job never ends.
+    Preemption(job.strategy.termination_grace_s).install(tell_chief(role))
+    try:
+        if task.type == "ps":
+            run_ps(role)
+        elif task.type == "worker":
+            run_worker_role(job, role, on_connect)
+        elif task.type == "evaluator":
+            run_evaluator(job, role)
+    except Exception as error:
+        if task.type == "worker" and not isinstance(error, ControlPlaneError):  # else the chief cannot hear it
+            with contextlib.suppress(ControlPlaneError):
+                role.control.set(control_keys.failed(task.name), f"{type(error).__name__}: {error}")
+        raise
+    with contextlib.suppress(ControlPlaneError):
+        role.control.set(control_keys.goodbye(task.name), "1")
+    role.control.close()
+    sys.stdout.flush()
+    raise SystemExit(0)
+
+
+def _log_to(path: Path) -> list[logging.Handler]:
+    """The chief's log records also go to model_dir/logs/chief.log, beside the other roles' logs; its warnings
+    (a worker lost, restarted, preempted) also to stderr, as every other role's do, unless the program set up
+    logging itself."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logger = logging.getLogger("shardflow")
+    handlers: list[logging.Handler] = [handler]
+    if not logger.handlers and not logging.getLogger().handlers:
+        console = logging.StreamHandler(sys.stderr)
+        console.setLevel(logging.WARNING)
+        console.setFormatter(logging.Formatter(f"{chief_prefix()}%(message)s"))
+        handlers.append(console)
+    for each in handlers:
+        logger.addHandler(each)
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    return handlers
+
+
+def _write_result(job: JobConfig, role: RoleContext, result: TrainResult) -> None:
+    """SHARDFLOW_RESULT_JSON: where tools such as `shardflow scale` read what the run did."""
+    path = env.get(env.RESULT_JSON)
+    if not path:
+        return
+    fields = (
+        "global_step",
+        "training_s",
+        "elapsed_s",
+        "worker_steps",
+        "metrics",
+        "eval_history",
+        "profile_dir",
+        "preempted",
+    )
+    payload = {name: getattr(result, name) for name in fields}
+    payload.update(num_workers=role.num_workers, num_ps=role.num_ps, mode=job.strategy.mode)
+    payload.update(first_loss=result.first_loss, final_loss=result.final_loss, checkpoint=result.checkpoint)
+    Path(path).write_text(json.dumps(payload, indent=1))
+
+
+def _embedded_command() -> list[str]:
+    argv = list(sys.orig_argv[1:])
+    if not argv or argv[0] == "-c" or argv[0] == "-":
+        raise RuntimeError(
+            "the embedded local cluster re-runs this program once per role, so it must be a script or module "
+            "(python train.py, python -m pkg.train); or start the roles with `shardflow launch`"
+        )
+    return [sys.executable, *argv]
+
+
+def _run_embedded(job: JobConfig, on_connect: OnConnect) -> TrainResult:
+    """No cluster in the environment: this process becomes the chief and starts the other roles itself."""
+    strategy = job.strategy
+    spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps, evaluator=strategy.evaluator)
+    chief = TaskSpec("chief", 0)
+    if not any(env.get(name) for name in (env.CLUSTER_SECRET, env.CLUSTER_SECRET_FILE, env.INSECURE)):
+        # This process is the chief: it and the roles it starts share one fresh secret (the launcher's rule).
+        os.environ[env.CLUSTER_SECRET] = new_secret()
+    launcher = LocalLauncher(
+        spec,
+        _embedded_command(),
+        skip=[chief],
+        env=local_threads(spec),
+        log_dir=job.model_dir / "logs",
+        max_restarts=strategy.max_restarts,
+        restart_backoff_s=strategy.restart_backoff_s,
+        # The roles run this script too: what it imported so far, they import from the zygote.
+        preload=installed_modules(),
+    )
+    # The launcher appends roles that fail for good (out of restarts, or not restartable); the chief's loop reads
+    # it on every poll.
+    failures: list[RoleExit] = []
+    main_thread = threading.main_thread().ident
+    # SIGTERM to this process preempts the whole job; the roles end when the chief says the job is over.
+    preemption = Preemption(strategy.termination_grace_s).install()
+
+    def on_failure(exit_: RoleExit) -> None:
+        failures.append(exit_)
+        # A real signal, so that a wait inside C code in the main thread is interrupted too; the chief's loop also
+        # reads `failures` on every poll, in case the interruption lands where it is lost. Once preempted, the
+        # chief's loop alone reacts, so that no interruption lands in the final checkpoint.
+        if main_thread is not None and not preemption.requested:
+            signal.pthread_kill(main_thread, signal.SIGINT)
+
+    control: ControlPlane | None = None  # the chief's, served until every role has exited
+    try:
+        # Before the roles start: connecting to it is the first thing each does.
+        control = _connect(job, spec, chief).control
+        with launcher:
+            launcher.start()
+            launcher.watch(on_failure)
+            try:
+                result = _run_chief(job, spec, chief, on_connect, failures, preemption, control)
+            except Preempted:
+                # Every role was told the job is over; those not gone shortly before the deadline are stopped.
+                margin_s = min(1.0, strategy.termination_grace_s / 10)
+                with contextlib.suppress(TimeoutError):
+                    launcher.wait(timeout_s=max(0.0, preemption.remaining_s() - margin_s))
+                launcher.stop(grace_s=min(margin_s, preemption.remaining_s()) / 2)
+                raise
+            leftover = launcher.wait(timeout_s=strategy.request_timeout_s)
+            if leftover is not None:
+                raise RoleFailedError(f"{leftover.describe()} after training finished")
+    finally:
+        preemption.uninstall()
+        if control is not None:
+            control.close()
+    return result

@@ -1,0 +1,136 @@
+"""The parameter server's role: serve this PS's shards at an address the other roles find on the control plane."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+
+import torch
+
+from shardflow import env
+from shardflow.cluster import control_keys
+from shardflow.cluster.control_plane import ControlPlaneError
+from shardflow.cluster.spec import DYNAMIC, TaskSpec
+from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
+from shardflow.comm.server import secure_server
+from shardflow.ps.clipping import StoreNormExchange
+from shardflow.ps.server import ParameterServer
+from shardflow.train.heartbeat import Heartbeat
+from shardflow.train.profiling import RoleProfiler
+from shardflow.train.role_context import RoleContext
+
+_REPUBLISH_S = 1.0
+_SECURITY = {
+    PLAIN: "authenticated, plaintext on loopback",
+    CURVE: "authenticated and CURVE-encrypted",
+    NULL: "NOT authenticated",
+}
+
+
+def advertised_address(address: str, chief_address: str) -> str:
+    """The tcp:// endpoint peers reach this role at: its address in the cluster spec, or, where torchrun gives
+    none, loopback on one machine and this host's address across machines (any free port)."""
+    if address != DYNAMIC:
+        return f"tcp://{address}"
+    if is_loopback(f"tcp://{chief_address}"):
+        return "tcp://127.0.0.1:0"
+    return f"tcp://{socket.gethostbyname(socket.gethostname())}:0"
+
+
+def local_endpoint(task: TaskSpec, advertised: str) -> str | None:
+    """The ipc:// endpoint a PS of a local cluster serves its roles at as well (in the launcher's private runtime
+    directory; a restarted PS takes its predecessor's), or None: a PS advertised off loopback may have peers on
+    other machines, and then every peer uses TCP."""
+    setting = env.get(env.LOCAL_SOCKETS) or "on"
+    if setting not in ("on", "off"):
+        raise ValueError(f"{env.LOCAL_SOCKETS}={setting!r}: use on (the default) or off (loopback TCP)")
+    runtime_dir = env.get(env.RUNTIME_DIR)
+    if runtime_dir is None or setting == "off" or not is_loopback(advertised):
+        return None
+    return f"ipc://{os.path.join(runtime_dir, task.name.replace(':', '-'))}"
+
+
+def run_ps(role: RoleContext) -> None:
+    """A parameter server: serve this PS's shards until the chief says the job is over."""
+    torch.set_num_threads(1)
+    # Row numbers from the network are range-checked by the PS itself (ps/sparse.py) before torch.optim builds
+    # sparse tensors from them; opting out of torch's own check explicitly also silences its warning.
+    torch.sparse.check_sparse_tensor_invariants.disable()
+    chief = role.spec.address(TaskSpec("chief", 0))
+    advertised = advertised_address(role.spec.address(role.task), chief)
+    server = secure_server(advertised, local=local_endpoint(role.task, advertised))
+    try:
+        # A local cluster's roles all run here: they reach the PS over its UNIX socket. Other processes (tools,
+        # what the cluster spec names) over TCP.
+        address = server.local_address or server.address
+        role.control.publish_endpoint(control_keys.ps_endpoint(role.task.index), address)
+        also = f", and at {server.local_address} for this machine's roles" if server.local_address else ""
+        print(f"{role.task.name} serving at {server.address} ({_SECURITY[server.mechanism]}){also}", flush=True)
+        # After its address is published: a chief that sees a restarted PS beat finds where it serves.
+        heartbeat = Heartbeat(role.task.name, role.control)
+        profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True)
+        profiler.check_requests()
+        ps = ParameterServer(
+            server,
+            role.task.index,
+            norm_exchange=_norm_exchange(role),
+            # The chief asks for a capture up front (profile_steps) before it initialises the PS: known here before
+            # the first push. A periodic check (every 0.1 s) can come after a fast job's window has passed.
+            on_initialised=lambda: _check_captures(profiler, ps.step),
+        )
+        # Every 0.1 s: a capture request reaches the PS before the workers are past its first step.
+        try:
+            ps.serve(should_stop=_JobOver(role), poll_s=0.1, periodic=_Chores(role, profiler, address))
+        finally:
+            heartbeat.stop()
+        profiler.finish()
+    finally:
+        server.close()
+
+
+def _norm_exchange(role: RoleContext) -> StoreNormExchange | None:
+    """How this PS agrees a sync step's gradient norm with the others (used only by sync mode with
+    clip_grad_norm); None for the only PS."""
+    if role.num_ps < 2:
+        return None
+    return StoreNormExchange(role.control, role.task.index, role.num_ps, role.control.timeout_s)
+
+
+def _check_captures(profiler: RoleProfiler, step: int) -> None:
+    profiler.check_requests()
+    profiler.at_step(step)
+
+
+class _Chores:
+    """What the PS does between requests at every poll: captures, and its address kept published."""
+
+    def __init__(self, role: RoleContext, profiler: RoleProfiler, address: str) -> None:
+        self.role, self.profiler, self.address = role, profiler, address
+        self.endpoint = control_keys.ps_endpoint(role.task.index)
+        self.republish_at = time.monotonic() + _REPUBLISH_S
+
+    def __call__(self, step: int) -> None:
+        _check_captures(self.profiler, step)
+        if time.monotonic() >= self.republish_at:
+            # A restarted chief's control service starts empty: it finds this PS again here.
+            self.republish_at = time.monotonic() + _REPUBLISH_S
+            control = self.role.control
+            if not control.is_set(control_keys.endpoint_address(self.endpoint)):
+                control.publish_endpoint(self.endpoint, self.address)
+
+
+class _JobOver:
+    """Whether the chief said the job is over; a lost control plane is an error naming this PS."""
+
+    def __init__(self, role: RoleContext) -> None:
+        self.role = role
+
+    def __call__(self) -> bool:
+        control = self.role.control
+        try:
+            return control.is_set(control_keys.SHUTDOWN)
+        except RuntimeError as error:
+            raise ControlPlaneError(
+                f"{self.role.task.name} lost the chief's control plane at {control.address}: {error}"
+            ) from error
