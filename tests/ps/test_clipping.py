@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from shardflow.cluster.control_plane import ControlPlane
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import PushRequest
 from shardflow.ps.clipping import StoreNormExchange, clip_local_gradients
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.placement import place
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import init_servers
 
 

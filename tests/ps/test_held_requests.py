@@ -14,9 +14,9 @@ from shardflow.comm.client import Client
 from shardflow.comm.errors import CommError
 from shardflow.comm.server import Server
 from shardflow.ps import protocol
-from shardflow.ps.apply import MAX_PULL_AHEAD, ApplyConfig, Gradients, Refused, Updates
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.server import ParameterServer
+from shardflow.ps.update_rules import MAX_PULL_AHEAD, ApplyConfig, Gradients, Refused, Updates
 
 
 class _Clock:

@@ -17,12 +17,12 @@ from shardflow.comm.client import Client
 from shardflow.comm.errors import CommError
 from shardflow.comm.server import Server
 from shardflow.ps import protocol
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import PushRequest
 from shardflow.ps.lanes import LaneError, WorkerLane, lane_bytes, open_lane
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
 from shardflow.ps.server import ParameterServer
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 BUFFERS = [(torch.float32, 5), (torch.int64, 3), (torch.bfloat16, 0)]

@@ -7,11 +7,11 @@ import torch
 
 from shardflow.comm.client import Client
 from shardflow.ps.admin import PSAdmin
-from shardflow.ps.apply import ApplyConfig, all_finite
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.protocol import Push, StepReply
+from shardflow.ps.update_rules import ApplyConfig, all_finite
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 from .test_sparse_rows import BATCHES, Ranker, loss

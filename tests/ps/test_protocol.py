@@ -15,11 +15,11 @@ from shardflow.comm.client import Client
 from shardflow.comm.errors import CommError
 from shardflow.comm.framing import decode, encode
 from shardflow.ps import protocol
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
 from shardflow.ps.protocol import PSProtocolError, RejoinReply, StateReply, StatusReply, StepReply
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import init_servers
 
 SENDER = "worker:1#0badcafe"

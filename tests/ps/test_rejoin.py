@@ -9,10 +9,10 @@ import torch
 
 from shardflow.comm.errors import CommError
 from shardflow.ps import protocol
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import Placement, place
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 from .conftest import Cluster

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from shardflow.comm.errors import CommError
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import place
 from shardflow.ps.schedules import ScheduleSpec, as_schedule
 from shardflow.ps.sparse import sparse_variables
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 lr_scheduler = torch.optim.lr_scheduler

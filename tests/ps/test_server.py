@@ -7,10 +7,10 @@ import typing
 import torch
 
 from shardflow.ps import protocol, server
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD, Adam
 from shardflow.ps.placement import Partitioner, place
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 

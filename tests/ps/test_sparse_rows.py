@@ -10,12 +10,12 @@ import torch
 
 from shardflow.comm.errors import CommError
 from shardflow.profile.recorder import SpanRecorder, set_recorder
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import ParameterClient, PushRequest, StepReply
 from shardflow.ps.optimizers import SGD, Adagrad, Adam, AdamW, OptimizerSpec, RMSprop
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.protocol import Push, Rows
 from shardflow.ps.sparse import sparse_variables
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 
 NUM_ROWS = 40

@@ -15,11 +15,11 @@ import torch
 import shardflow as sf
 from shardflow.comm.client import Client
 from shardflow.data.torch_edge import to_torch
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.staging import HostStaging
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.servers import init_servers
 from shardflow.train.worker_step import batch_to_device

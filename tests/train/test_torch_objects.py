@@ -11,10 +11,10 @@ import torch
 
 import shardflow as sf
 from shardflow.ps import protocol
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.optimizers import OptimizerSpec, as_optimizer_spec
 from shardflow.ps.protocol import PSProtocolError
 from shardflow.ps.schedules import ScheduleSpec
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.job import build_model
 
 ADAM: Any = torch.optim.Adam  # called with a wrong argument on purpose

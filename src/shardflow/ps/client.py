@@ -16,7 +16,6 @@ from shardflow.comm.errors import CommError
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import protocol
-from shardflow.ps.apply import all_finite
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.lanes import WorkerLane
 from shardflow.ps.placement import Placement
@@ -24,6 +23,7 @@ from shardflow.ps.protocol import RejoinReply, StepReply
 from shardflow.ps.rows import TableRows
 from shardflow.ps.sparse import lookup_modules
 from shardflow.ps.staging import HostStaging
+from shardflow.ps.update_rules import all_finite
 from shardflow.ps.worker_lanes import offer_lanes
 
 __all__ = ["ParameterClient", "PushRequest", "Pushed", "Rejoined", "StepReply"]

@@ -14,7 +14,6 @@ import msgspec
 import torch
 
 from shardflow.comm.envelope import short
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.fields import Count, Invalid, Message
 from shardflow.ps.fields import PSProtocolError as PSProtocolError
 from shardflow.ps.lanes import MAX_SLOTS
@@ -23,6 +22,7 @@ from shardflow.ps.replies import RejoinReply as RejoinReply
 from shardflow.ps.replies import StateReply as StateReply
 from shardflow.ps.replies import StatusReply as StatusReply
 from shardflow.ps.replies import StepReply as StepReply
+from shardflow.ps.update_rules import ApplyConfig
 
 SlotIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
 """A slot of the sender's lane (see `Attach`)."""
@@ -208,7 +208,7 @@ class _WorkerStep(_WorkerRequest, frozen=True):
 class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
     """worker -> every PS: its gradients. Frames: the dense gradient pieces grouped by dtype buffer as for `Init`,
     then per table its touched row numbers (int64) and their gradient rows. Reply: `StepReply` and the parameters
-    when the update rule lets the worker go on (ps/apply.py); `dropped` without them once training is over;
+    when the update rule lets the worker go on (ps/update_rules.py); `dropped` without them once training is over;
     `stale`, `nonfinite` or `duplicate` with them when the gradient was not applied (sync and stale; NaN or inf;
     a step this PS had already)."""
 

@@ -1,5 +1,5 @@
 """The parameter server: decodes each request through ps/protocol.py into its typed message, hands it to its
-handler (one per request type), whose pushes and pulls go to the update rule (ps/apply.py), and answers."""
+handler (one per request type), whose pushes and pulls go to the update rule (ps/update_rules.py), and answers."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from shardflow.comm.server import LogLimiter, Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import clipping, protocol
-from shardflow.ps.apply import ApplyConfig, Gradients, Refused, Updates
 from shardflow.ps.lanes import Lane, LaneError, open_lane
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.shards import Shards, finite, nbytes
 from shardflow.ps.state import ShardState, Snapshots, capture
+from shardflow.ps.update_rules import ApplyConfig, Gradients, Refused, Updates
 
 log = logging.getLogger(__name__)
 

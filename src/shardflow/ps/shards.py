@@ -8,11 +8,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 from shardflow.ps import clipping
-from shardflow.ps.apply import Gradients, all_finite
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.protocol import Init, Limits, Push
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
 from shardflow.ps.state import Part, load_slots
+from shardflow.ps.update_rules import Gradients, all_finite
 
 
 def finite(gradients: Gradients) -> bool:

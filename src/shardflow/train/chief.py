@@ -20,10 +20,10 @@ from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
 from shardflow.comm.security import SECRET_FILE, is_loopback, job_credentials, write_secret
 from shardflow.ps.admin import PSAdmin, StatusReply
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.placement import Placement, place
 from shardflow.ps.sparse import sparse_variables
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointManager, snapshot_every

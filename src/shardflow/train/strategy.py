@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from shardflow.ps.apply import UpdateRule
 from shardflow.ps.placement import Partitioner
+from shardflow.ps.update_rules import UpdateRule
 from shardflow.train.precision import check_mixed_precision
 
 LOST_WORKER_POLICIES = ("wait", "continue")
@@ -17,7 +17,7 @@ LOST_WORKER_POLICIES = ("wait", "continue")
 class ParameterServerStrategy(UpdateRule):
     """Workers compute gradients; `num_ps` parameter servers hold the sharded variables and apply updates.
 
-    `mode`, `replicas_to_aggregate` and `max_staleness` are the update rule's (ps/apply.py UpdateRule)."""
+    `mode`, `replicas_to_aggregate` and `max_staleness` are the update rule's (ps/update_rules.py UpdateRule)."""
 
     num_ps: int = 1
     """Parameter servers; variables are placed across them greedy-by-size."""

@@ -18,7 +18,7 @@ import torch
 
 from shardflow.cluster import control_keys
 from shardflow.ps.admin import PSAdmin
-from shardflow.ps.apply import ApplyConfig
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState

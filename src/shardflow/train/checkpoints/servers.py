@@ -8,10 +8,10 @@ from typing import Any
 import torch
 
 from shardflow.ps import protocol
-from shardflow.ps.apply import ApplyConfig
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.layout import ShardLayout, put
 from shardflow.ps.optimizers import OptimizerSpec
+from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.model_state import ModelState
 
 

@@ -1,14 +1,14 @@
-"""The update rule: declared once for the strategy and the PS, and applied by ps/apply.py's Updates."""
+"""The update rule: declared once for the strategy and the PS, and applied by ps/update_rules.py's Updates."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from shardflow.ps.apply import ApplyConfig, Gradients, UpdateRule, Updates
 from shardflow.ps.client import PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
+from shardflow.ps.update_rules import ApplyConfig, Gradients, UpdateRule, Updates
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
 from shardflow.train.strategy import ParameterServerStrategy
 
