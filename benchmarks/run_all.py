@@ -96,6 +96,15 @@ BENCHMARKS = [
         in_make_bench=False,
         about="clip_grad_norm and bf16 autocast against neither, alternating.",
     ),
+    Benchmark(
+        name="ps_against_commit",
+        script="ps_against_commit.py",
+        flags=("6ae3acb",),
+        quick_flags=("--steps", "1000", "--repeats", "2"),
+        in_make_bench=False,
+        about="This tree's async and sync PS training against the tree before issue 19's refactor (6ae3acb), "
+        "alternating.",
+    ),
 ]
 BY_NAME = {benchmark.name: benchmark for benchmark in BENCHMARKS}
 

@@ -104,7 +104,7 @@ class _Start:
     replies: list[StatusReply]
     """Every PS's status when the chief started: their snapshots taken for the chief that died."""
     generation: int
-    """The recovery generation (train/recovery.py)."""
+    """The recovery generation (train/checkpoints/restore.py)."""
 
     @property
     def step(self) -> int:
