@@ -5,6 +5,7 @@ The only module that reads or writes `manifest.json` and `latest` (docs/checkpoi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -16,6 +17,7 @@ from typing import Any
 
 import google_crc32c
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shardflow import faults
@@ -102,9 +104,25 @@ def _temporary(root: Path, what: str) -> Path:
 def _point_latest(root: Path, name: str) -> None:
     """Switch `latest` to `name` atomically, and durably: a synced temporary file renamed over it."""
     tmp = _temporary(root, "latest")
-    _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), name.encode())
-    os.replace(tmp, root / _LATEST)
+    try:
+        _write_synced(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), name.encode())
+        os.replace(tmp, root / _LATEST)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a full disk: `latest` still names the checkpoint before
+        raise
     _fsync_dir(root)
+
+
+def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """safetensors' `save_file`, with an I/O error (a full disk) raised as the OSError it is: safetensors raises
+    SafetensorError("... (os error 28)") instead."""
+    try:
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    except SafetensorError as error:
+        code = re.search(r"\(os error (\d+)\)", str(error))
+        if code is None:
+            raise
+        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from error
 
 
 def _retire(path: Path) -> None:
@@ -133,7 +151,7 @@ def save(
     tmp = _temporary(root, f"ckpt-{step:09d}")
     tmp.mkdir()  # not tempfile.mkdtemp: a checkpoint keeps the umask's permissions, not 0700
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / _MODEL))
+        _save_tensors(tensors, tmp / _MODEL)
         full = {"global_step": step, **manifest, "files": {_MODEL: _file_record(tmp / _MODEL, sync=True)}}
         text = json.dumps(full, indent=1).encode()
         _write_synced(os.open(tmp / _MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), text)
@@ -151,22 +169,38 @@ def save(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     if _read_pointer(root) != final.name:
-        _point_latest(root, final.name)
-    for old in copies:
-        if old != final:
-            _retire(old)
-    plain = root / f"ckpt-{step:09d}"
-    if final != plain and not plain.exists():
-        # Back to the plain name; until `latest` follows, the scan in `latest()` finds it under that name.
-        os.rename(final, plain)
-        _fsync_dir(root)
-        final = plain
-        _point_latest(root, final.name)
-    if keep is not None:
-        # Oldest written first, so a directory that already held higher steps never loses the newest.
-        written = sorted((p for p in _checkpoints(root) if p != final), key=lambda p: p.stat().st_mtime)
-        for old in written[: max(len(written) - (keep - 1), 0)]:
-            _retire(old)
+        try:
+            _point_latest(root, final.name)
+        except OSError:
+            if final not in copies:  # written by this save, which failed: no checkpoint of it stays behind
+                with contextlib.suppress(OSError):
+                    _retire(final)
+            raise
+    return _tidy(root, final, copies, step, keep)
+
+
+def _tidy(root: Path, final: Path, copies: list[Path], step: int, keep: int | None) -> Path:
+    """Once `latest` points to `final`: retire the older copies of its step, give it the plain name back, and keep
+    the newest `keep` checkpoints. Where it ends up. The save is complete already: a failure here (a full or
+    read-only disk) is logged and leaves more checkpoints than `keep`, never fewer."""
+    try:
+        for old in copies:
+            if old != final:
+                _retire(old)
+        plain = root / f"ckpt-{step:09d}"
+        if final != plain and not plain.exists():
+            # Back to the plain name; until `latest` follows, the scan in `latest()` finds it under that name.
+            os.rename(final, plain)
+            final = plain
+            _fsync_dir(root)
+            _point_latest(root, final.name)
+        if keep is not None:
+            # Oldest written first, so a directory that already held higher steps never loses the newest.
+            written = sorted((p for p in _checkpoints(root) if p != final), key=lambda p: p.stat().st_mtime)
+            for old in written[: max(len(written) - (keep - 1), 0)]:
+                _retire(old)
+    except OSError as error:
+        log.warning("checkpoint %s is saved, but tidying %s failed: %s; older checkpoints may stay", final, root, error)
     return final
 
 
