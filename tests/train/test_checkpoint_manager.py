@@ -10,11 +10,14 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import save_file
 
 from shardflow.profile.recorder_setting import NoRecorder
 from shardflow.train.checkpoints import manager, store
-from shardflow.train.checkpoints.manager import CheckpointManager
+from shardflow.train.checkpoints.manager import CheckpointManager, CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.strategy import ParameterServerStrategy
 
 
 @dataclass
@@ -36,7 +39,7 @@ def _status(step: int, *snapshots: int) -> Any:
 
 
 def _manager(
-    model_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str = "async", **job: Any
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch, mode: str = "async", fail_on_save_error: bool = False, **job: Any
 ) -> tuple[CheckpointManager, FakeServers]:
     def fetch_state(client: FakeServers, snapshot_step: int | None = None) -> ModelState:
         step = 99 if snapshot_step is None else snapshot_step
@@ -45,7 +48,7 @@ def _manager(
     monkeypatch.setattr(manager, "fetch_state", fetch_state)
     config = SimpleNamespace(
         model_dir=model_dir,
-        strategy=SimpleNamespace(mode=mode),
+        strategy=SimpleNamespace(mode=mode, fail_on_save_error=fail_on_save_error),
         optimizer=SimpleNamespace(to_json=lambda: {"name": "sgd"}),
         **{"keep_checkpoint_max": None, "save_checkpoints_steps": None, "save_checkpoints_secs": 600.0, **job},
     )
@@ -129,3 +132,61 @@ def test_the_final_checkpoint_holds_the_ps_counters(tmp_path, monkeypatch):
     assert path == store.latest(tmp_path)
     manifest = store.read_manifest(path)
     assert (manifest["global_step"], manifest["ps_stats"], manifest["num_workers"]) == (99, state.stats, 2)
+
+
+def _disk_full_at(monkeypatch: pytest.MonkeyPatch, *steps: int) -> None:
+    """The disk is full while these steps are saved: safetensors raises what it raises then."""
+
+    def full_disk(tensors: dict[str, torch.Tensor], filename: str) -> None:
+        if any(f"ckpt-{step:09d}" in filename for step in steps):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        save_file(tensors, filename)
+
+    monkeypatch.setattr(store, "save_file", full_disk)
+
+
+def test_a_save_that_fails_is_logged_and_counted_and_the_next_interval_saves(tmp_path, monkeypatch, caplog):
+    checkpoints, servers = _manager(tmp_path, monkeypatch, save_checkpoints_steps=10)
+    _disk_full_at(monkeypatch, 20)
+    evaluated: list[int] = []
+    with caplog.at_level("WARNING", logger="shardflow.train.checkpoints.manager"):
+        checkpoints.save_snapshots([_status(31, 10, 20, 30)], lambda state: evaluated.append(state.step))
+    assert _saved_steps(tmp_path) == [10, 30]
+    assert (evaluated, servers.released_through, checkpoints.num_failed_saves) == ([10, 20, 30], [30], 1)
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert warning == (
+        f"checkpoint at global step 20 not saved in {store.directory(tmp_path)}: No space left on device (ENOSPC); "
+        "training goes on, retrying at the next interval (1 failed so far; the latest checkpoint is still "
+        "ckpt-000000010)"
+    )
+
+
+def test_with_fail_on_save_error_a_save_that_fails_ends_the_job_naming_the_directory(tmp_path, monkeypatch):
+    checkpoints, _ = _manager(tmp_path, monkeypatch, fail_on_save_error=True, save_checkpoints_steps=10)
+    _disk_full_at(monkeypatch, 20)
+    with pytest.raises(CheckpointSaveError) as raised:
+        checkpoints.save_snapshots([_status(21, 10, 20)], lambda state: None)
+    assert str(raised.value) == (
+        f"checkpoint at global step 20 could not be saved in {store.directory(tmp_path)}: No space left on device "
+        "(ENOSPC); fail_on_save_error=True ends the job"
+    )
+    assert _saved_steps(tmp_path) == [10]
+
+
+def test_a_final_save_that_fails_ends_the_job_naming_the_checkpoint_a_rerun_resumes_from(tmp_path, monkeypatch):
+    checkpoints, _ = _manager(tmp_path, monkeypatch, save_checkpoints_steps=10)
+    checkpoints.save_snapshots([_status(11, 10)], lambda state: None)
+    _disk_full_at(monkeypatch, 99)
+    with pytest.raises(CheckpointSaveError) as raised:
+        checkpoints.save_final(preempted=False)
+    previous = store.directory(tmp_path) / "ckpt-000000010"
+    assert str(raised.value) == (
+        f"checkpoint at global step 99 could not be saved in {store.directory(tmp_path)}: No space left on device "
+        f"(ENOSPC); it is the final checkpoint: a re-run resumes from {previous}"
+    )
+    assert store.latest(tmp_path) == previous
+
+
+def test_fail_on_save_error_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"ParameterServerStrategy\.fail_on_save_error must be True or False"):
+        ParameterServerStrategy(fail_on_save_error="yes")  # type: ignore[arg-type]

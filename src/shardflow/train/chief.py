@@ -82,8 +82,8 @@ def run_chief(
         training_s = time.monotonic() - training_started
         finished = _finish(job, role, start.admin, loop, profiler, preemption)
     finally:
-        job_file.unlink(missing_ok=True)
-        (job.model_dir / SECRET_FILE).unlink(missing_ok=True)  # the job is over: so is its secret
+        _remove(job_file)
+        _remove(job.model_dir / SECRET_FILE)  # the job is over: so is its secret
         loop.summaries.close()
         profiler.close()
         on_connect(None)
@@ -271,6 +271,7 @@ def _result(finished: _Finished, loop: ChiefLoop, start: _Start, started: float,
         eval_history=loop.eval_history,
         stopped_early=loop.stopped_early,
         preempted=loop.preempted,
+        failed_checkpoint_saves=loop.checkpoints.num_failed_saves,
     )
 
 
@@ -287,6 +288,15 @@ def _write_job_file(job: JobConfig, role: RoleContext) -> Path:
         # cluster's secret is never written into model_dir, which may be shared storage.
         write_secret(job.model_dir / SECRET_FILE, secret)
     return path
+
+
+def _remove(path: Path) -> None:
+    """Remove a file of the running job from model_dir. One that cannot be (a read-only disk) is logged: raised, it
+    would hide why the job ended."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as error:
+        log.warning("could not remove %s at the end of the job: %s", path, error)
 
 
 def _since_process_start(fallback_started: float) -> float:

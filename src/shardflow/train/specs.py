@@ -140,6 +140,8 @@ class TrainResult:
     stopped_early: bool = False
     preempted: bool = False
     """SIGTERM ended training early: `checkpoint` holds `global_step` and the next run resumes from it."""
+    failed_checkpoint_saves: int = 0
+    """Periodic checkpoints that could not be written (a full or read-only disk) while training went on."""
 
     @property
     def global_steps_per_s(self) -> float:

@@ -53,6 +53,9 @@ class ParameterServerStrategy(UpdateRule):
     termination_grace_s: float = 30.0
     """SIGTERM: checkpoint at the current step and exit within this many seconds; keep it below the cluster
     manager's termination grace period, 30 s by default on Kubernetes."""
+    fail_on_save_error: bool = False
+    """A periodic checkpoint that cannot be written (a full or read-only disk): False logs it, keeps training and
+    saves again at the next interval; True fails the job. A final checkpoint that cannot be written always fails it."""
     gradient_accumulation_steps: int = 1
     """Each worker step sums the gradients of this many batches (each loss divided by it: their mean) before its
     one push; in sync mode the same as batches this many times larger."""
@@ -86,6 +89,10 @@ class ParameterServerStrategy(UpdateRule):
         for name in ("request_timeout_s", "startup_timeout_s", "heartbeat_timeout_s", "worker_rejoin_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ParameterServerStrategy.{name} must be positive")
+        if not isinstance(self.fail_on_save_error, bool):
+            raise ValueError(
+                f"ParameterServerStrategy.fail_on_save_error must be True or False, got {self.fail_on_save_error!r}"
+            )
         steps = self.gradient_accumulation_steps
         if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
             raise ValueError(f"ParameterServerStrategy.gradient_accumulation_steps must be an int >= 1, got {steps!r}")

@@ -4,6 +4,7 @@ not); of the whole model state the PS snapshot at that step; into model_dir, thr
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import time
@@ -24,6 +25,11 @@ if TYPE_CHECKING:
     from shardflow.train.role_context import RoleContext
 
 log = logging.getLogger(__name__)
+
+
+class CheckpointSaveError(RuntimeError):
+    """A checkpoint the job needs could not be written (the final one, or any with `fail_on_save_error`); the
+    message names the step, the directory and the cause (a full or read-only disk, a permission)."""
 
 
 def snapshot_every(job: JobConfig, role: RoleContext) -> int | None:
@@ -54,6 +60,9 @@ class CheckpointManager:
         self.recorder = recorder
         self.model_dir = job.model_dir
         self.keep = job.keep_checkpoint_max
+        self.fail_on_save_error = job.strategy.fail_on_save_error
+        self.num_failed_saves = 0
+        """Periodic checkpoints that could not be written while training went on (TrainResult's)."""
         self.every_n_steps = job.save_checkpoints_steps
         self.every_n_secs = None if job.save_checkpoints_steps else job.save_checkpoints_secs
         """Time-based checkpoints only where no step count is given."""
@@ -117,17 +126,54 @@ class CheckpointManager:
         self.last_snapshot_step = step
         self.requested_snapshot = None
 
-    def save(self, state: ModelState) -> Path:
-        with self.recorder.span(spans.CHECKPOINT, state.step):
-            path = store.save_state(self.model_dir, state, self.manifest, keep=self.keep)
+    def save(self, state: ModelState) -> Path | None:
+        """A periodic checkpoint, and where it was written. One that cannot be written (a full or read-only disk)
+        leaves none behind and `latest` as it was: it is logged and counted, training goes on and the next interval
+        saves again; None. With `fail_on_save_error` the job fails instead (CheckpointSaveError)."""
+        try:
+            with self.recorder.span(spans.CHECKPOINT, state.step):
+                path = store.save_state(self.model_dir, state, self.manifest, keep=self.keep)
+        except OSError as error:
+            if self.fail_on_save_error:
+                raise self._error(state.step, error, "fail_on_save_error=True ends the job") from None
+            self.num_failed_saves += 1
+            latest = store.latest(self.model_dir)
+            log.warning(
+                "checkpoint at global step %d not saved in %s: %s; training goes on, retrying at the next interval "
+                "(%d failed so far; the latest checkpoint is still %s)",
+                state.step,
+                store.directory(self.model_dir),
+                _cause(error),
+                self.num_failed_saves,
+                latest.name if latest else "none",
+            )
+            return None
         self.last_checkpoint_time = time.monotonic()
         return path
 
     def save_final(self, preempted: bool) -> tuple[ModelState, Path]:
         """The checkpoint at the end of training, of the state every PS holds now with their counters; the next run
-        resumes from it. The state, and where it was written."""
+        resumes from it. The state, and where it was written. Raises CheckpointSaveError where it cannot be
+        written."""
         state = fetch_state(self.client)
-        path = store.save_state(self.model_dir, state, {**self.manifest, "ps_stats": state.stats}, keep=self.keep)
+        try:
+            path = store.save_state(self.model_dir, state, {**self.manifest, "ps_stats": state.stats}, keep=self.keep)
+        except OSError as error:
+            latest = store.latest(self.model_dir)
+            resume = f"a re-run resumes from {latest}" if latest else "a re-run starts afresh: no checkpoint was saved"
+            raise self._error(state.step, error, f"it is the final checkpoint: {resume}") from None
         if preempted:
             log.warning("preempted: checkpoint %s at global step %d; the next run resumes from it", path, state.step)
         return state, path
+
+    def _error(self, step: int, error: OSError, why: str) -> CheckpointSaveError:
+        return CheckpointSaveError(
+            f"checkpoint at global step {step} could not be saved in {store.directory(self.model_dir)}: "
+            f"{_cause(error)}; {why}"
+        )
+
+
+def _cause(error: OSError) -> str:
+    """The error as "No space left on device (ENOSPC)", without the name of the temporary file it was writing."""
+    name = errno.errorcode.get(error.errno) if error.errno is not None else None
+    return f"{error.strerror} ({name})" if error.strerror and name else str(error)
