@@ -276,12 +276,12 @@ def _result(finished: _Finished, loop: ChiefLoop, start: _Start, started: float,
 
 
 def _write_job_file(job: JobConfig, role: RoleContext) -> Path:
-    """Where a tool finds the running job (`shardflow profile capture MODEL_DIR`)."""
+    """Where a tool of the same user finds the running job (`shardflow profile capture MODEL_DIR`)."""
     job.model_dir.mkdir(parents=True, exist_ok=True)
     path = job.model_dir / "job.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"control": role.control.address, "pid": os.getpid()}))
-    os.replace(tmp, path)
+    # Readable by this user only (mode 0600, written atomically), as the secret beside it: it names the job's
+    # control address and the chief's pid.
+    write_secret(path, json.dumps({"control": role.control.address, "pid": os.getpid()}))
     secret = job_credentials().secret
     if secret is not None and is_loopback(f"tcp://{role.control.address}"):
         # A local job's secret is made by its launcher; a tool of the same user reads it here (mode 0600). A real
