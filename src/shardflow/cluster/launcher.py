@@ -22,6 +22,7 @@ from typing import IO, Any, Protocol, TextIO
 
 from shardflow import env
 from shardflow.cluster import zygote
+from shardflow.cluster.role_log import RoleLog
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
 from shardflow.cluster.zygote import Zygote, ZygoteError
 from shardflow.comm.security import new_secret
@@ -365,10 +366,9 @@ class LocalLauncher:
     def _copy_output(self, task: TaskSpec, stream: IO[bytes]) -> None:
         prefix = f"[{task.name}] " if self._prefix_output else ""
         writable = True
-        log: contextlib.AbstractContextManager[IO[str] | None] = contextlib.nullcontext()
+        log: contextlib.AbstractContextManager[RoleLog | None] = contextlib.nullcontext()
         if self._log_dir is not None:
-            self._log_dir.mkdir(parents=True, exist_ok=True)
-            log = open(self._log_dir / f"{task.name.replace(':', '_')}.log", "a", encoding="utf-8")  # noqa: SIM115
+            log = RoleLog(self._log_dir, task.name, self._say)
         with stream, log as log_file:
             for raw in iter(stream.readline, b""):
                 line = raw.decode("utf-8", errors="replace")
@@ -376,7 +376,6 @@ class LocalLauncher:
                     line += "\n"
                 if log_file is not None:
                     log_file.write(line)
-                    log_file.flush()
                 if not writable:
                     continue  # keep draining, or the child blocks on a full pipe
                 with self._write_lock:

@@ -199,7 +199,7 @@ def _log_to(path: Path) -> list[logging.Handler]:
     (a worker lost, restarted, preempted) also to stderr, as every other role's do, unless the program set up
     logging itself."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = _LogFile(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logger = logging.getLogger("shardflow")
     handlers: list[logging.Handler] = [handler]
@@ -213,6 +213,24 @@ def _log_to(path: Path) -> list[logging.Handler]:
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)
     return handlers
+
+
+class _LogFile(logging.FileHandler):
+    """chief.log. A record it cannot write (a full or read-only disk) is said once on stderr, not with a traceback
+    for each, and never ends the job."""
+
+    _failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if not self._failed:
+            self._failed = True
+            error = sys.exc_info()[1]
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.write(f"{chief_prefix()}cannot write {self.baseFilename}: {error}; the job goes on\n")
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            super().close()
 
 
 def _write_result(job: JobConfig, role: RoleContext, result: TrainResult) -> None:

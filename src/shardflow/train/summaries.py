@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Callable, Sequence
@@ -14,6 +15,8 @@ from tensorboard.compat.proto.summary_pb2 import Summary
 from shardflow.data import TFRecordWriter
 from shardflow.train.job_keys import ProgressReport
 
+log = logging.getLogger(__name__)
+
 
 class EventWriter:
     """One TensorBoard event file: TFRecords of Event protos. Written directly, because importing
@@ -22,21 +25,33 @@ class EventWriter:
     def __init__(self, directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
         name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.shardflow"
-        self._writer = TFRecordWriter(str(directory / name))
+        self._path = directory / name
+        self._writer = TFRecordWriter(str(self._path))
+        self._failed = False
         self._write(Event(wall_time=time.time(), file_version="brain.Event:2"))
 
     def _write(self, event: Event) -> None:
-        self._writer.write(event.SerializeToString())
+        self._guard(self._writer.write, event.SerializeToString())
+
+    def _guard(self, action: Callable[..., None], *args: bytes) -> None:
+        """A full or read-only disk loses summaries, never the job: the first failure is logged, and every write
+        after it tried again."""
+        try:
+            action(*args)
+        except OSError as error:
+            if not self._failed:
+                log.warning("TensorBoard summaries not written to %s: %s; training goes on", self._path, error)
+            self._failed = True
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         summary = Summary(value=[Summary.Value(tag=tag, simple_value=float(value))])
         self._write(Event(wall_time=time.time(), step=step, summary=summary))
 
     def flush(self) -> None:
-        self._writer.flush()
+        self._guard(self._writer.flush)
 
     def close(self) -> None:
-        self._writer.close()
+        self._guard(self._writer.close)
 
 
 class Summaries:
