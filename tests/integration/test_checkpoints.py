@@ -28,7 +28,9 @@ def data_dir(tmp_path_factory) -> Path:
     return directory
 
 
-def run(tmp_path: Path, data_dir: Path, name: str, model_dir: Path | None = None, **config) -> dict:
+def start(
+    tmp_path: Path, data_dir: Path, name: str, model_dir: Path | None = None, **config
+) -> subprocess.CompletedProcess:
     config = {
         "data_dir": str(data_dir),
         "num_records": NUM_RECORDS,
@@ -38,7 +40,11 @@ def run(tmp_path: Path, data_dir: Path, name: str, model_dir: Path | None = None
     }
     path = tmp_path / f"{name}.config.json"
     path.write_text(json.dumps(config))
-    proc = subprocess.run([sys.executable, str(JOB), str(path)], capture_output=True, text=True, timeout=240)
+    return subprocess.run([sys.executable, str(JOB), str(path)], capture_output=True, text=True, timeout=240)
+
+
+def run(tmp_path: Path, data_dir: Path, name: str, model_dir: Path | None = None, **config) -> dict:
+    proc = start(tmp_path, data_dir, name, model_dir, **config)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     return json.loads((tmp_path / f"{name}.json").read_text())
 
@@ -188,3 +194,35 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_loadable(tmp_path):
         assert latest is not None
         tensors, manifest = store.load(latest)
         assert torch.all(tensors["w"] == manifest["global_step"])
+
+
+def test_a_checkpoint_that_cannot_be_saved_is_logged_and_training_goes_on_exactly(tmp_path, data_dir):
+    # The disk is full while step 10 is saved, the second of the checkpoints every 5 steps.
+    common: dict[str, Any] = {"num_ps": 2, "max_steps": 20, "save_checkpoints_steps": 5, "keep_checkpoint_max": 10}
+    proc = start(tmp_path, data_dir, "full", full_disk_at=[10], **common)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads((tmp_path / "full.json").read_text())
+    assert (result["global_step"], result["failed_checkpoint_saves"]) == (20, 1)
+    root = store.directory(tmp_path / "full")
+    (line,) = [line for line in proc.stderr.splitlines() if "not saved" in line]
+    assert (
+        f"checkpoint at global step 10 not saved in {root}: No space left on device (ENOSPC); training goes on" in line
+    )
+    assert "Traceback" not in proc.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000000005", "ckpt-000000015", "ckpt-000000020", "latest"]
+    state, _ = store.load_state(root / "ckpt-000000015")
+    assert {w: s["consumed"] for w, s in state.iterators.items()} == {"worker:0": 15, "worker:1": 15}
+
+
+def test_a_final_checkpoint_that_cannot_be_saved_fails_the_job_with_one_clear_error(tmp_path, data_dir):
+    proc = start(tmp_path, data_dir, "final", num_ps=1, max_steps=12, save_checkpoints_steps=5, full_disk_at=[12])
+    assert proc.returncode != 0
+    root = store.directory(tmp_path / "final")
+    assert proc.stderr.splitlines()[-1] == (
+        f"shardflow.train.checkpoints.manager.CheckpointSaveError: checkpoint at global step 12 could not be saved in "
+        f"{root}: No space left on device (ENOSPC); it is the final checkpoint: a re-run resumes from "
+        f"{root / 'ckpt-000000010'}"
+    )
+    assert proc.stderr.count("Traceback") == 1 and "job.json" not in proc.stderr
+    assert sorted(p.name for p in root.iterdir()) == ["ckpt-000000005", "ckpt-000000010", "latest"]
+    assert not (tmp_path / "final" / "job.json").exists()

@@ -14,6 +14,7 @@ import torch
 
 import shardflow as sf
 from shardflow import data
+from shardflow.train.checkpoints import store
 
 with open(sys.argv[1]) as f:
     config = json.load(f)
@@ -45,6 +46,25 @@ def loss_fn(model, batch):
                 f.write(json.dumps(ids.tolist()) + "\n")
         x, y = torch.from_numpy(features[ids]), torch.from_numpy(targets[ids])
     return torch.nn.functional.mse_loss(model(x), y)
+
+
+def full_disk_at(steps: list[int]) -> None:
+    """The disk is full while the chief saves these steps: safetensors raises what it raises then."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save_file
+
+    def failing(
+        tensors: dict[str, torch.Tensor], filename: str | os.PathLike, metadata: dict[str, str] | None = None
+    ) -> None:
+        if any(f"ckpt-{step:09d}" in str(filename) for step in steps):
+            raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+        save_file(tensors, filename, metadata)
+
+    store.save_file = failing  # type: ignore[attr-defined]
+
+
+if config.get("full_disk_at"):
+    full_disk_at(config["full_disk_at"])
 
 
 def model_fn() -> torch.nn.Module:
@@ -89,6 +109,7 @@ with open(config["result"], "w") as f:
             "metrics": result.metrics,
             "eval_history": result.eval_history,
             "stopped_early": result.stopped_early,
+            "failed_checkpoint_saves": result.failed_checkpoint_saves,
         },
         f,
     )
