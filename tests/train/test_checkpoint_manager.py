@@ -156,8 +156,7 @@ def test_a_save_that_fails_is_logged_and_counted_and_the_next_interval_saves(tmp
     (warning,) = [r.getMessage() for r in caplog.records]
     assert warning == (
         f"checkpoint at global step 20 not saved in {store.directory(tmp_path)}: No space left on device (ENOSPC); "
-        "training goes on, retrying at the next interval (1 failed so far; the latest checkpoint is still "
-        "ckpt-000000010)"
+        "training goes on, retrying at the next interval (1 failed so far; the latest saved is ckpt-000000010)"
     )
 
 

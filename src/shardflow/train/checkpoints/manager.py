@@ -140,12 +140,12 @@ class CheckpointManager:
             latest = store.latest(self.model_dir)
             log.warning(
                 "checkpoint at global step %d not saved in %s: %s; training goes on, retrying at the next interval "
-                "(%d failed so far; the latest checkpoint is still %s)",
+                "(%d failed so far; %s)",
                 state.step,
                 store.directory(self.model_dir),
                 _cause(error),
                 self.num_failed_saves,
-                latest.name if latest else "none",
+                f"the latest saved is {latest.name}" if latest else "none saved yet",
             )
             return None
         self.last_checkpoint_time = time.monotonic()
