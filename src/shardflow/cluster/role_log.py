@@ -19,7 +19,7 @@ class RoleLog:
         self._say = say
         self._failed = False
         # Unbuffered: nothing is left in a buffer to fail again at close.
-        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def write(self, line: str) -> None:
         try:
