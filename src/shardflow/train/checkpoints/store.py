@@ -119,10 +119,11 @@ def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
     except SafetensorError as error:
-        code = re.search(r"\(os error (\d+)\)", str(error))
-        if code is None:
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
             raise
-        raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(path)) from error
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(path)) from error
 
 
 def _retire(path: Path) -> None:
