@@ -46,6 +46,7 @@ def start(
 def run(tmp_path: Path, data_dir: Path, name: str, model_dir: Path | None = None, **config) -> dict:
     proc = start(tmp_path, data_dir, name, model_dir, **config)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    (tmp_path / f"{name}.log").write_text(proc.stdout + proc.stderr)
     return json.loads((tmp_path / f"{name}.json").read_text())
 
 
@@ -97,6 +98,17 @@ def test_periodic_checkpoints_are_taken_at_exact_steps_and_only_the_newest_kept(
     state, _ = store.load_state(tmp_path / "periodic" / "checkpoints" / "ckpt-000000015")
     # Each worker's input position belongs to the same step: 15 batches of each worker were trained on.
     assert {w: s["consumed"] for w, s in state.iterators.items()} == {"worker:0": 15, "worker:1": 15}
+
+
+def test_a_flipped_digit_in_the_newest_manifest_resumes_from_the_checkpoint_before_and_names_it(tmp_path, data_dir):
+    run(tmp_path, data_dir, "flipped", num_ps=2, max_steps=10, save_checkpoints_steps=5)
+    damaged = tmp_path / "flipped" / "checkpoints" / "ckpt-000000010"
+    text = (damaged / "manifest.json").read_text()
+    assert '"consumed": 10' in text  # a worker's input position
+    (damaged / "manifest.json").write_text(text.replace('"consumed": 10', '"consumed": 11', 1))
+    result = run(tmp_path, data_dir, "rerun", model_dir=tmp_path / "flipped", num_ps=2, max_steps=15)
+    assert (result["start_step"], result["global_step"]) == (5, 15)
+    assert f"skipping damaged checkpoint {damaged}: manifest.json has CRC-32C" in (tmp_path / "rerun.log").read_text()
 
 
 @pytest.mark.parametrize("num_workers", [1, 2, 4])

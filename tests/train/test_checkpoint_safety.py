@@ -56,6 +56,11 @@ def flip_last_byte(path: Path) -> None:
     (path / "model.safetensors").write_bytes(bytes(data))
 
 
+def flip_global_step_digit(path: Path) -> None:
+    text = (path / "manifest.json").read_text()
+    (path / "manifest.json").write_text(text.replace('"global_step": 2,', '"global_step": 3,'))
+
+
 @pytest.mark.parametrize(
     ("damage", "problem"),
     [
@@ -64,6 +69,7 @@ def flip_last_byte(path: Path) -> None:
         (lambda path: (path / "manifest.json").unlink(), "manifest.json is missing"),
         (lambda path: (path / "manifest.json").write_text('{"global_step": 2,'), "not valid JSON"),
         (lambda path: (path / "model.safetensors").unlink(), "model.safetensors is missing"),
+        (flip_global_step_digit, "manifest.json has CRC-32C"),
     ],
 )
 def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_for_the_one_before(tmp_path, caplog, damage, problem):
@@ -83,12 +89,47 @@ def test_a_damaged_newest_checkpoint_is_skipped_with_a_warning_for_the_one_befor
 def test_a_checkpoint_written_before_the_manifest_listed_files_still_loads(tmp_path, caplog):
     path = save(tmp_path, 4, 1.0)
     manifest = store.read_manifest(path)
-    del manifest["files"]
+    del manifest["files"], manifest["manifest_crc32c"]
     (path / "manifest.json").write_text(json.dumps(manifest))
     with caplog.at_level(logging.WARNING):
         assert store.latest(tmp_path) == path
-    assert not caplog.records
     assert store.load_state(path)[0].step == 4
+
+
+def flip_input_position_digit(path: Path) -> None:
+    text = (path / "manifest.json").read_text()
+    assert text.count('"offset": 94') == 1
+    (path / "manifest.json").write_text(text.replace('"offset": 94', '"offset": 84'))
+
+
+def test_a_flipped_digit_in_the_manifest_input_positions_skips_that_checkpoint_naming_it(tmp_path, caplog):
+    iterators = {"worker:0": {"file_index": 0, "offset": 94, "record_index": 3}}
+    intact = save(tmp_path, 1, 1.0, iterators=iterators)
+    damaged = save(tmp_path, 2, 2.0, iterators=iterators)
+    flip_input_position_digit(damaged)
+    with caplog.at_level(logging.WARNING, logger="shardflow.train.checkpoints.store"):
+        assert store.latest(tmp_path) == intact
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"skipping damaged checkpoint {damaged}: manifest.json has CRC-32C" in warning
+    state, _ = store.load_state(intact)  # what restore_latest loads after store.latest
+    assert (state.step, state.iterators) == (1, iterators)
+
+
+def test_the_manifest_checksum_holds_however_the_manifest_is_indented(tmp_path):
+    path = save(tmp_path, 3, 1.0, iterators={"worker:0": {"offset": 94}}, loss=0.1 + 0.2)
+    (path / "manifest.json").write_text(json.dumps(store.read_manifest(path), indent=4, sort_keys=True))
+    assert store.latest(tmp_path) == path
+
+
+def test_a_checkpoint_without_a_manifest_checksum_is_used_with_a_warning(tmp_path, caplog):
+    path = save(tmp_path, 4, 1.0)
+    manifest = store.read_manifest(path)
+    del manifest["manifest_crc32c"]
+    (path / "manifest.json").write_text(json.dumps(manifest))
+    with caplog.at_level(logging.WARNING, logger="shardflow.train.checkpoints.store"):
+        assert store.latest(tmp_path) == path
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert str(path) in warning and "without manifest_crc32c" in warning
 
 
 def test_resaving_a_step_replaces_the_first_copy_only_after_latest_moved_to_the_second(tmp_path):

@@ -93,9 +93,11 @@ def test_a_bad_line_names_the_file_and_line_after_the_rows_before_it_and_reading
     path = write_csv(tmp_path, "rows.csv", b"x,y\n1,a\n2\n3,c\n")
     rows = iter(CsvDataset(path, [[0], [""]], header=True))
     assert next(rows) == (1, b"a")
-    with pytest.raises(InvalidRecordError, match=r"rows\.csv:3: expected 2 fields but found 1") as caught:
+    with pytest.raises(
+        InvalidRecordError, match=r"rows\.csv:3: expected 2 fields but found 1 at byte offset 8"
+    ) as caught:
         next(rows)
-    assert (caught.value.filename, caught.value.line) == (path, 3)
+    assert (caught.value.filename, caught.value.line, caught.value.offset) == (path, 3, 8)
     assert list(rows) == [(3, b"c")]
 
 

@@ -87,9 +87,11 @@ class CsvReader(RecordReader[Row]):
         except CsvRecordError as error:
             if error.index == 0:
                 self._rest = lines[1:]
+                offset = self._lines.position(self._start)["offset"]
                 self._start += 1  # the bad line counts as read
                 line_number = self._lines.position(self._start)["record_index"]
-                raise InvalidRecordError(self._lines.stream.filename, line_number, error.problem) from None
+                filename = self._lines.stream.filename
+                raise InvalidRecordError(filename, line_number, error.problem, offset) from None
             # The rows before the bad line come first; the next call decodes the bad line again and raises.
             self._rest = lines[error.index :]
             lines = lines[: error.index]

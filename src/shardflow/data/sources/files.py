@@ -102,12 +102,18 @@ class ByteStream:
         if self._pushed_back:
             data, self._pushed_back = self._pushed_back, b""
             return data
-        if self._decompressor is None:
-            return self._file.read(self._buffer_size)
         try:
+            if self._decompressor is None:
+                return self._file.read(self._buffer_size)
             return self._decompress(self._decompressor)
         except zlib.error as error:
             raise DataLossError(self.filename, self.offset, f"corrupt compressed stream ({error})") from None
+        except OSError as error:
+            if error.filename is not None:
+                raise
+            # A failing disk or network file system: the error says which file, and how far reading had come.
+            strerror = f"{error.strerror or error} at byte offset {self.offset}"
+            raise OSError(error.errno, strerror, self.filename) from error
 
     def _decompress(self, decompressor: zlib._Decompress) -> bytes:
         while True:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
+from shardflow.data.sources.errors import DataLossError
 from shardflow.data.sources.files import open_to_read
 from shardflow.data.sources.reader import FileDataset, RecordReader
 
@@ -22,8 +24,9 @@ class ParquetDataset(FileDataset[dict[str, Any]]):
     not span files); without, a dict of numpy scalars per row. Strings are bytes (object arrays); nulls are NaN
     in float columns and None in object ones.
 
-    Iterator state: {"file_index", "row": rows of the file already returned}. Resuming reads from the row group
-    holding that row.
+    A file pyarrow cannot open or decode raises DataLossError naming it, with the byte offset of its footer or of
+    the row group that failed; reading goes on with the next file. Iterator state: {"file_index", "row": rows of
+    the file already returned}. Resuming reads from the row group holding that row.
     """
 
     def __init__(self, filenames: object, columns: list[str] | None = None, batch_size: int | None = None) -> None:
@@ -43,22 +46,31 @@ class ParquetReader(RecordReader[dict[str, Any]]):
     def __init__(self, filename: str, columns: list[str] | None, batch_size: int | None, row: int) -> None:
         import pyarrow.parquet as pq  # here, so that importing the sources does not load pyarrow
 
+        self._filename = filename
         self._file = open_to_read(filename)  # closed by close()
-        parquet = pq.ParquetFile(self._file)
-        metadata = parquet.metadata
-        group_rows = [metadata.row_group(index).num_rows for index in range(metadata.num_row_groups)]
+        try:
+            parquet = pq.ParquetFile(self._file)
+            metadata = parquet.metadata
+            self._group_rows = [metadata.row_group(index).num_rows for index in range(metadata.num_row_groups)]
+            self._group_offsets = [_group_offset(metadata.row_group(index)) for index in range(metadata.num_row_groups)]
+        except Exception as error:
+            # pyarrow opens a file by its footer: the metadata before the last 8 bytes.
+            footer = max(os.fstat(self._file.fileno()).st_size - 8, 0)
+            self._file.close()
+            raise DataLossError(filename, footer, f"not a readable Parquet file ({_one_line(error)})") from None
         first_group = 0
         group_start = 0
-        while first_group < len(group_rows) and group_start + group_rows[first_group] <= row:
-            group_start += group_rows[first_group]
+        while first_group < len(self._group_rows) and group_start + self._group_rows[first_group] <= row:
+            group_start += self._group_rows[first_group]
             first_group += 1
         self._batch_size = batch_size
         self._batches = parquet.iter_batches(
             batch_size=max(batch_size or 0, _READ_ROWS),
-            row_groups=range(first_group, len(group_rows)),
+            row_groups=range(first_group, len(self._group_rows)),
             columns=columns,
             use_threads=True,
         )
+        self._read_row = group_start  # row number of the next row pyarrow returns
         self._skip = row - group_start  # rows to drop from the first reads, to start at `row`
         self._row = row  # row number of the last element batch's first row
         self._sizes: list[int] = []  # rows of each element of the last element batch
@@ -94,21 +106,47 @@ class ParquetReader(RecordReader[dict[str, Any]]):
     def _read(self) -> Columns | None:
         """The next record batch as numpy columns, after dropping the rows before the start; None at the end."""
         while True:
-            batch = next(self._batches, None)
-            if batch is None:
-                return None
-            if self._skip >= batch.num_rows:
-                self._skip -= batch.num_rows
-                continue
-            if self._skip:
-                batch, self._skip = batch.slice(self._skip), 0
-            return {name: _to_numpy(batch.column(index)) for index, name in enumerate(batch.schema.names)}
+            try:
+                batch = next(self._batches, None)
+                if batch is None:
+                    return None
+                self._read_row += batch.num_rows
+                if self._skip >= batch.num_rows:
+                    self._skip -= batch.num_rows
+                    continue
+                if self._skip:
+                    batch, self._skip = batch.slice(self._skip), 0
+                return {name: _to_numpy(batch.column(index)) for index, name in enumerate(batch.schema.names)}
+            except Exception as error:
+                raise self._damaged(error) from None
+
+    def _damaged(self, error: Exception) -> DataLossError:
+        """The error for rows pyarrow cannot decode. A read spans row groups, so the one named is the first not yet
+        read whole: the damage is there or in a later one."""
+        group, first_row = 0, 0
+        while group < len(self._group_rows) - 1 and first_row + self._group_rows[group] <= self._read_row:
+            first_row += self._group_rows[group]
+            group += 1
+        offset = self._group_offsets[group] if self._group_offsets else 0
+        problem = f"cannot decode row group {group} (from row {first_row}) or a later one: {_one_line(error)}"
+        return DataLossError(self._filename, offset, problem)
 
     def position(self, count: int) -> dict[str, Any]:
         return {"row": self._row + sum(self._sizes[:count])}
 
     def close(self) -> None:
         self._file.close()
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _group_offset(row_group: Any) -> int:
+    """Where a row group's first page starts in the file."""
+    columns = [row_group.column(index) for index in range(row_group.num_columns)]
+    starts = [c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset for c in columns]
+    return min(starts, default=0)
 
 
 def _num_rows(columns: Columns) -> int:

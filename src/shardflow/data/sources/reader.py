@@ -10,7 +10,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from shardflow.data.dataset import Dataset, DatasetIterator, State
-from shardflow.data.sources.errors import DataLossError
+from shardflow.data.sources.errors import InvalidRecordError
 from shardflow.data.sources.files import filename_list
 
 T = TypeVar("T")
@@ -25,7 +25,7 @@ class RecordReader(abc.ABC, Generic[T]):
     @abc.abstractmethod
     def position(self, count: int) -> dict[str, Any]:
         """Where the file stands after `count` records of the last batch (a JSON-serializable dict). After
-        read_batch() raised an error other than DataLossError, where it stands after the bad record."""
+        read_batch() raised an InvalidRecordError, where it stands after the bad record."""
 
     @abc.abstractmethod
     def close(self) -> None: ...
@@ -77,8 +77,9 @@ class FileDataset(Dataset[T]):
 class FilesIterator(DatasetIterator[T]):
     """Yields the records of every file in order. State: {"file_index": i, **position in file i}.
 
-    A missing file or a DataLossError ends that file: the error is raised and the next call reads the next file.
-    A reader's other errors (a CSV line that cannot be decoded) leave it where it is, past the bad record.
+    A file that cannot be opened, a DataLossError, or any other error of its reader ends that file: the error is
+    raised and the next call reads the next file. Only an InvalidRecordError (a CSV line that cannot be decoded)
+    leaves the reader where it is, past the bad record.
     """
 
     def __init__(self, dataset: FileDataset[T]) -> None:
@@ -112,14 +113,20 @@ class FilesIterator(DatasetIterator[T]):
                     raise StopIteration
                 try:
                     self._reader = self._dataset.open_reader(filenames[self._file_index], None)
-                except OSError:
-                    self._file_index += 1  # so that a caller who skips errors goes on with the next file
+                except Exception:
+                    # A file that cannot be opened (missing, not of this format) is one error: a caller who skips
+                    # errors goes on with the next file instead of opening this one again forever.
+                    self._file_index += 1
                     raise
             self._batch, self._count = [], 0
             try:
                 batch = self._reader.read_batch()
-            except DataLossError:
-                self._next_file()  # past a corrupt or truncated record there is no way to find the next one
+            except InvalidRecordError:
+                raise  # the reader stands past the bad record; the next call reads the one after it
+            except Exception:
+                # Past a corrupt or truncated record there is no way to find the next one; and a reader that failed
+                # otherwise might fail at the same place forever.
+                self._next_file()
                 raise
             if batch:
                 self._batch, self._count = batch, 1

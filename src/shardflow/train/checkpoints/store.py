@@ -1,5 +1,5 @@
-"""Checkpoints in model_dir: safetensors plus a JSON manifest with each file's size and CRC-32C, written under a
-temporary name, synced, renamed in, and only then pointed to; a damaged checkpoint is skipped for an older one.
+"""Checkpoints in model_dir: safetensors plus a JSON manifest with each file's size and CRC-32C and its own, written
+under a temporary name, synced, renamed in, and only then pointed to; a damaged checkpoint is skipped for an older one.
 
 The only module that reads or writes `manifest.json` and `latest` (docs/checkpoints.md describes both)."""
 
@@ -29,6 +29,8 @@ _DIRECTORY = "checkpoints"
 _LATEST = "latest"
 _MODEL = "model.safetensors"
 _MANIFEST = "manifest.json"
+# The manifest's own CRC-32C, of its canonical JSON without this field (see `_manifest_crc32c`).
+_MANIFEST_CRC32C = "manifest_crc32c"
 # Everything under this prefix is a save or a removal in progress, never a checkpoint; `clean` removes it.
 _TEMPORARY = ".tmp-"
 # `ckpt-000000100`; a second copy of the same step (a re-save) is `ckpt-000000100.1`.
@@ -74,6 +76,14 @@ def _file_record(path: Path, *, sync: bool = False) -> dict[str, Any]:
         if sync:
             os.fsync(f.fileno())
     return {"bytes": size, "crc32c": checksum.hexdigest().decode()}
+
+
+def _manifest_crc32c(manifest: dict[str, Any]) -> str:
+    """CRC-32C of the manifest without its own checksum, as canonical JSON (keys sorted, no spaces) of the values
+    as json.loads returns them: the reader computes the same from what it parsed, however the file was indented."""
+    body = {key: value for key, value in manifest.items() if key != _MANIFEST_CRC32C}
+    canonical = json.dumps(json.loads(json.dumps(body)), sort_keys=True, separators=(",", ":"))
+    return f"{google_crc32c.value(canonical.encode()):08x}"
 
 
 def _step_of(path: Path) -> int | None:
@@ -154,6 +164,7 @@ def save(
     try:
         _save_tensors(tensors, tmp / _MODEL)
         full = {"global_step": step, **manifest, "files": {_MODEL: _file_record(tmp / _MODEL, sync=True)}}
+        full[_MANIFEST_CRC32C] = _manifest_crc32c(full)
         text = json.dumps(full, indent=1).encode()
         _write_synced(os.open(tmp / _MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), text)
         _fsync_dir(tmp)
@@ -229,11 +240,26 @@ def _problem(path: Path, step: int) -> str | None:
         return f"{_MANIFEST} is not valid JSON ({error})"
     if not isinstance(manifest, dict):
         return f"{_MANIFEST} is not a JSON object"
+    recorded = manifest.get(_MANIFEST_CRC32C)
+    if recorded is None:
+        log.warning(
+            "checkpoint %s was written without %s (by an older shardflow): its input positions and other "
+            "fields cannot be verified; it is used as it is",
+            path,
+            _MANIFEST_CRC32C,
+        )
+    elif recorded != (crc := _manifest_crc32c(manifest)):
+        return f"{_MANIFEST} has CRC-32C {crc}, its {_MANIFEST_CRC32C} says {recorded}"
     if manifest.get("global_step") != step:
         return f"{_MANIFEST} says global step {manifest.get('global_step')!r}, the directory's name {step}"
     files = manifest.get("files", {})  # none in checkpoints written before the manifest listed them
     if not isinstance(files, dict) or not all(isinstance(r, dict) for r in files.values()):
         return f"{_MANIFEST} has a malformed 'files' entry"
+    return _files_problem(path, files)
+
+
+def _files_problem(path: Path, files: dict[str, dict[str, Any]]) -> str | None:
+    """What is wrong with the files of the checkpoint at `path` against their records in the manifest, or None."""
     for name in {_MODEL, *files}:
         file = path / name
         try:
