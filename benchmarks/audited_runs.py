@@ -27,11 +27,16 @@ class Lines:
 
     def __init__(self) -> None:
         self.lines: list[tuple[float, str]] = []
+        self.log: IO[str] | None = None
+        """Where each line is also written as it arrives, if anywhere."""
         self._lock = threading.Lock()
 
     def add(self, line: str) -> None:
         with self._lock:
             self.lines.append((time.time(), line.rstrip("\n")))
+            if self.log is not None:
+                self.log.write(line if line.endswith("\n") else line + "\n")
+                self.log.flush()
 
     def follow(self, stream: IO[str], prefix: str = "") -> threading.Thread:
         """Copies `stream` into the lines, from a thread of its own, until it ends."""
