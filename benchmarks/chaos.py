@@ -10,7 +10,7 @@ roles SIGKILLed at once; a role SIGKILLed again during its recovery. Each job mu
 deadline, exit 0, at its exact global step with every record applied once; a job that does not is killed with its
 whole process tree, and any process of it still alive after is counted as an orphan.
 
-Usage: python benchmarks/chaos.py [--minutes 10] [--seed S] [--out RELIABILITY.md]
+Usage: python benchmarks/chaos.py [--minutes 10] [--seed S] [--out RELIABILITY.md] [--log-dir DIR] [--job-deadline S]
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -174,7 +175,9 @@ def run_job(plan: JobPlan, workdir: Path, log: IO[str], deadline_s: float | None
     if returncode is None:
         outcome.why = "did not end by itself; " + outcome.why
     if not outcome.survived and (error := job.lines.last(r"\w+(Error|Exceeded): .*")) is not None:
-        outcome.why += f"; last error: {error[1][0][:200]}"
+        # Without the addresses (a run's temporary paths and ports), which say nothing of the fault.
+        text = re.sub(r"(ipc|tcp)://[^ ]*[^ :]", r"\1://...", error[1][0])
+        outcome.why += f"; last error: {text[:240]}"
     measure(job.lines, outcome, time.time())
     return outcome
 
