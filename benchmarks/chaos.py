@@ -243,7 +243,8 @@ def _recovered(role: str) -> str:
         # With every PS alive it says so; with a PS restarted too, every PS is restored and the workers rejoin.
         return r"the chief was restarted: resumed from|rejoins the job"
     if role.startswith("ps"):
-        return rf"{role} was lost and restarted: every PS restored|{role} rejoined"
+        # A chief restarted with it restores every PS as it starts, and says nothing: then a worker rejoining tells.
+        return rf"{role} was lost and restarted: every PS restored|{role} rejoined|\] worker:\d+ rejoins the job"
     return rf"\[{role}\] .*rejoins the job|{role} rejoined"
 
 
