@@ -254,6 +254,10 @@ def measure(lines: Lines, outcome: JobOutcome, ended_at: float) -> None:
     moments = [one.at for one in outcome.fired[1:]] + [ended_at]
     for one, until in zip(outcome.fired, moments, strict=True):
         detected = [lines.first(_detected(role), one.at - 0.05) for role in one.fault.roles]
+        if one.fault.stop_s is not None:
+            # A stall is noticed while it lasts or just after (a heartbeat's timeout); a later exit is another story.
+            noticed_by = one.at + one.fault.stop_s + 20
+            detected = [found if found and found[0] < noticed_by else None for found in detected]
         if all(detected):
             one.detect_s = max(found[0] for found in detected if found) - one.at
         after = one.again_at or one.at

@@ -118,3 +118,11 @@ def test_a_stall_nobody_noticed_is_survived_and_the_roles_exit_0_at_the_end_dete
     outcome.exact = True
     chaos.measure(_lines((50.0, "[supervisor] chief (pid 9) exited with code 0")), outcome, ended_at=60.0)
     assert outcome.fired[0].detect_s is None and outcome.fired[0].survived
+
+
+def test_a_role_failing_long_after_a_stall_ended_is_not_the_stalls_detection():
+    stall = chaos.Fault(chaos.STALL_CHIEF, ("chief",), 5.0, stop_s=6.0)
+    plan = chaos.JobPlan(2, "sync", "TF_CONFIG", (stall,))
+    outcome = chaos.JobOutcome(plan, [chaos.Fired(stall, at=10.0)], returncode=None, started=0.0, seconds=400)
+    chaos.measure(_lines((130.0, "[supervisor] chief (pid 9) exited with code 1; restarting it")), outcome, 400.0)
+    assert outcome.fired[0].detect_s is None and not outcome.fired[0].survived
