@@ -258,9 +258,10 @@ def measure(lines: Lines, outcome: JobOutcome, ended_at: float) -> None:
             # A stall is noticed while it lasts or just after (a heartbeat's timeout); a later exit is another story.
             noticed_by = one.at + one.fault.stop_s + 20
             detected = [found if found and found[0] < noticed_by else None for found in detected]
+        after = one.again_at or one.at
         if all(detected):
             one.detect_s = max(found[0] for found in detected if found) - one.at
-        after = one.again_at or one.at
+            after = max(after, one.at + one.detect_s)  # back after it was missed, not before
         recovered = [lines.first(_recovered(role), after) for role in one.fault.roles]
         if all(recovered):
             one.recover_s = max(found[0] for found in recovered if found) - one.at
