@@ -1,4 +1,4 @@
-# One command each: make demo, make test, make bench, make lint.
+# One command each: make demo, make test, make bench, make lint (make faults and make chaos: RELIABILITY.md).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 BASE := $(VENV)/.installed-base
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench faults lint clean
+.PHONY: demo test bench faults chaos lint clean
 
 $(BASE): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ bench: $(STAMP)
 # Each fault injected into real jobs 3 times at random moments; writes RELIABILITY.md (about 5 minutes).
 faults: $(STAMP)
 	$(PY) benchmarks/faults.py
+
+# Random roles killed and hung at random moments of real jobs for 10 minutes; writes its block of RELIABILITY.md.
+# `python benchmarks/chaos.py --minutes N --seed S` for another length or the same schedule again.
+chaos: $(STAMP)
+	$(PY) benchmarks/chaos.py
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

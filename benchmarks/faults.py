@@ -21,24 +21,16 @@ import datetime
 import json
 import os
 import random
-import re
 import signal
-import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
+from audited_runs import BATCH, NUM_RECORDS, ROOT, Run, audit, fmt, median, write_block
 from safetensors.torch import load_file
-
-ROOT = Path(__file__).resolve().parent.parent
-JOB = ROOT / "tests" / "integration" / "jobs" / "audit.py"
-NUM_RECORDS, BATCH = 1024, 8
 
 
 @dataclass(frozen=True)
@@ -101,67 +93,6 @@ class Outcome:
     recover_s: float | None
 
 
-class Run:
-    """One job, its output lines with the moment each arrived."""
-
-    def __init__(self, workdir: Path, config: dict[str, Any], env: dict[str, str]) -> None:
-        path = workdir / "config.json"
-        path.write_text(json.dumps(config))
-        self.proc = subprocess.Popen(
-            [sys.executable, str(JOB), str(path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        )
-        self.lines: list[tuple[float, str]] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append((time.time(), line.rstrip("\n")))
-
-    def wait(self, timeout_s: float = 300) -> int:
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(5)
-        return self.proc.returncode
-
-    def first(self, pattern: str, after: float = 0.0) -> tuple[float, re.Match[str]] | None:
-        for at, line in self.lines:
-            if at >= after and (found := re.search(pattern, line)):
-                return at, found
-        return None
-
-    def last(self, pattern: str, after: float = 0.0) -> tuple[float, re.Match[str]] | None:
-        found = None
-        for at, line in self.lines:
-            if at >= after and (match := re.search(pattern, line)):
-                found = at, match
-        return found
-
-    @property
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
-
-
-def _audit(workdir: Path, mode: str) -> tuple[bool, int, int, str]:
-    """Whether the result is exact, with the counts of records applied twice (or more) and never."""
-    result_path = workdir / "result.json"
-    if not result_path.exists():
-        return False, 0, 0, "no result"
-    result = json.loads(result_path.read_text())
-    replicas = 2 if mode == "sync" else 1
-    seen = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * replicas
-    applied = seen.round().long()
-    twice, never = int((applied >= 2).sum()), int((applied == 0).sum())
-    exact_step = result["global_step"] == NUM_RECORDS // BATCH // replicas
-    exact = exact_step and bool(torch.equal(seen, torch.ones_like(seen)))
-    why = "" if exact else f"global step {result['global_step']}, {twice} twice, {never} never"
-    return exact, twice, never, why
-
-
 def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
     config = {
         "model_dir": str(workdir / "model"),
@@ -220,7 +151,7 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
             steps_lost = step - int(resumed["start_step"])
     if fault.point == "nan":
         return _refused_batch(fault, step, workdir, returncode, run.text)
-    exact, twice, never, why = _audit(workdir, fault.mode)
+    exact, twice, never, why = audit(workdir, fault.mode)
     if not exact:
         how += f"; audit failed: {why}"
     return Outcome(fault.name, step, exact, how, twice, never, steps_lost, detect_s, recover_s)
@@ -259,15 +190,9 @@ def _refused_batch(fault: Fault, batch: int | None, workdir: Path, returncode: i
     return Outcome(fault.name, batch, exact and named, how, twice, never, 1, None, None)
 
 
-def _fmt(value: float | None, unit: str = "s") -> str:
-    return "-" if value is None else f"{value:.2f} {unit}".strip()
-
-
 def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: float) -> None:
     today = datetime.date.today().isoformat()
     lines = [
-        "# Reliability",
-        "",
         f"Measured {today} by `{command}` on this machine (2 cores), {seconds / 60:.0f} minutes in all.",
         "Every run is `tests/integration/jobs/audit.py`: 2 PS, 2 workers, 1024 records in batches of 8, one",
         "epoch, whose final parameters count how many times each record's gradient was applied. *Survived* means",
@@ -289,17 +214,12 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         runs = [o for o in outcomes if o.fault == fault.name]
         if not runs:
             continue
-
-        def median(values: list[float | None]) -> float | None:
-            present = [v for v in values if v is not None]
-            return statistics.median(present) if present else None
-
         lost = median([o.steps_lost for o in runs])
         lines.append(
             f"| {fault.name} | {len(runs)} | {sum(o.survived for o in runs)} of {len(runs)} "
             f"| {sum(o.twice for o in runs)} / {sum(o.never for o in runs)} "
-            f"| {'-' if lost is None else f'{lost:.0f}'} | {_fmt(median([o.detect_s for o in runs]))} "
-            f"| {_fmt(median([o.recover_s for o in runs]))} |"
+            f"| {'-' if lost is None else f'{lost:.0f}'} | {fmt(median([o.detect_s for o in runs]))} "
+            f"| {fmt(median([o.recover_s for o in runs]))} |"
         )
     lines += [
         "",
@@ -312,7 +232,7 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         lines.append(
             f"| {o.fault} | {'random moment' if o.step is None else o.step} | {'yes' if o.survived else 'NO'} "
             f"| {o.how} | {o.twice} / {o.never} | {'-' if o.steps_lost is None else o.steps_lost} "
-            f"| {_fmt(o.detect_s)} | {_fmt(o.recover_s)} |"
+            f"| {fmt(o.detect_s)} | {fmt(o.recover_s)} |"
         )
     lines += [
         "",
@@ -321,7 +241,7 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         "and the next run resumes from the newest intact checkpoint.",
         "",
     ]
-    path.write_text("\n".join(lines))
+    write_block(path, "make faults", "\n".join(lines))
 
 
 def main() -> int:
@@ -344,7 +264,7 @@ def main() -> int:
             print(
                 f"{fault.name} #{attempt + 1}: step {outcome.step}, survived {outcome.survived} ({outcome.how}), "
                 f"twice {outcome.twice}, never {outcome.never}, lost {outcome.steps_lost}, "
-                f"detect {_fmt(outcome.detect_s)}, recover {_fmt(outcome.recover_s)}",
+                f"detect {fmt(outcome.detect_s)}, recover {fmt(outcome.recover_s)}",
                 flush=True,
             )
     command = (
