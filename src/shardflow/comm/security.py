@@ -3,9 +3,12 @@
 Every server of a job (the chief's control service, each PS, the chief's clock) accepts only holders of the
 job's secret. The mechanism depends on the address both ends use, so they always agree:
 
-- loopback (and `SHARDFLOW_ENCRYPT` is not `always`): ZeroMQ PLAIN with a password derived from the secret.
-  Authenticated, not encrypted: only root can read loopback traffic, and encryption measurably costs.
-- any other address: CURVE with server and client keys derived from the secret: authenticated and encrypted.
+- a UNIX socket in a directory only this user can enter (a local cluster's runtime directory), unless
+  `SHARDFLOW_ENCRYPT` is `always`: ZeroMQ PLAIN with a password derived from the secret. Authenticated, not
+  encrypted: no other user can bind there or read the traffic, and encryption measurably costs.
+- any TCP address, loopback included: CURVE with server and client keys derived from the secret, authenticated
+  and encrypted. Any local process may bind a free loopback port first (a restarted role's, say); PLAIN would hand
+  it the password, while CURVE's client sends nothing it could replay to a server whose secret key it lacks.
 - no secret and `SHARDFLOW_INSECURE=1`: nothing (NULL), logged loudly, on any address. Without that opt-out a
   role refuses to serve or connect off loopback without a secret, and says how to give one.
 
@@ -62,6 +65,18 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def is_private_socket(address: str) -> bool:
+    """Whether `address` is a UNIX socket in a directory that this user owns and no other user may enter, so that
+    no other user's process can bind it first or listen to it (an abstract-namespace name is open to everyone)."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return False
+    try:
+        directory = os.stat(os.path.dirname(address.removeprefix("ipc://")) or ".")
+    except OSError:
+        return False
+    return directory.st_uid == os.geteuid() and directory.st_mode & 0o077 == 0
+
+
 @dataclass(frozen=True)
 class Credentials:
     """The job secret this process holds (None: none was given), and what it derives for each mechanism."""
@@ -72,9 +87,9 @@ class Credentials:
         """The mechanism for a connection to (or a server advertised at) `address`; both ends compute the same."""
         if self.secret is None and env.get(env.INSECURE) == "1":
             return NULL
-        if is_loopback(address) and env.get(env.ENCRYPT) != "always":
+        if env.get(env.ENCRYPT) != "always" and is_private_socket(address):
             return PLAIN
-        if self.secret is not None:
+        if self.secret is not None or is_loopback(address):
             return CURVE
         raise SecurityError(
             f"{address} is not a loopback address and this process has no cluster secret: set "
