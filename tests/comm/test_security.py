@@ -194,6 +194,23 @@ def test_a_server_of_another_secret_fails_the_handshake_and_learns_nothing_to_re
     assert b"INITIATE" not in sent, "the client never vouched for itself to a server that could not prove its key"
 
 
+def test_a_plain_squatter_on_a_loopback_port_is_never_sent_a_password():
+    """What harvested the password before: a ROUTER that offers PLAIN and a ZAP handler that records what it gets."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    zap = context.socket(zmq.REP)
+    zap.bind("inproc://zeromq.zap.01")
+    squatter = context.socket(zmq.ROUTER)
+    squatter.plain_server = True
+    squatter.zap_domain = b"squatter"
+    port = squatter.bind_to_random_port("tcp://127.0.0.1")
+    with Client("worker:0", credentials=Credentials("s3cret")) as client:
+        client.connect("chief", f"tcp://127.0.0.1:{port}")
+        client.send("chief", {"op": "get"})
+        assert zap.poll(1000) == 0, "the client offered the squatter credentials to check"
+    assert squatter.poll(0) == 0
+    context.destroy(linger=0)
+
+
 @pytest.mark.parametrize(("mode", "mechanism"), [(0o700, "plain"), (0o750, "curve"), (0o755, "curve")])
 def test_plain_only_on_a_unix_socket_that_no_other_user_may_reach(tmp_path, mode, mechanism):
     tmp_path.chmod(mode)
