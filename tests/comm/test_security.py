@@ -211,6 +211,25 @@ def test_a_plain_squatter_on_a_loopback_port_is_never_sent_a_password():
     context.destroy(linger=0)
 
 
+def test_a_client_gets_through_once_a_squatter_of_another_mechanism_has_left_the_port():
+    """libzmq gives a connection up for good when its handshake breaks the protocol; the client opens a new one."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    squatter = context.socket(zmq.ROUTER)  # NULL: not what the client speaks
+    port = squatter.bind_to_random_port("tcp://127.0.0.1")
+    job = Credentials("s3cret")
+    with Client("worker:0", credentials=job) as client:
+        client.connect("chief", f"tcp://127.0.0.1:{port}")
+        with pytest.raises(CommError):
+            client.request("chief", {"op": "echo"}, timeout_s=0.5)
+        context.destroy(linger=0)
+        server = Server(f"tcp://127.0.0.1:{port}", credentials=job)
+        thread = _echo_once(server)
+        header, _ = client.request("chief", {"op": "echo"}, timeout_s=1.0, retries=4)
+    thread.join()
+    server.close()
+    assert header["ok"]
+
+
 @pytest.mark.parametrize(("mode", "mechanism"), [(0o700, "plain"), (0o750, "curve"), (0o755, "curve")])
 def test_plain_only_on_a_unix_socket_that_no_other_user_may_reach(tmp_path, mode, mechanism):
     tmp_path.chmod(mode)

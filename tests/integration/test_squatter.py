@@ -1,12 +1,14 @@
 """A squatted port: while the chief of a TF_CONFIG job is down, a local process binds its control port first. Every
 role's control connection reconnects to it; it must learn nothing it could replay to the job's servers, get nothing
-it sends accepted by a PS, and the job must end at its exact global step once the real chief is back."""
+it sends accepted by a PS, and the job must end at its exact global step once the real chief is back (a handshake
+that broke on the squatter's other mechanism made libzmq give those connections up: the roles open new ones)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,30 @@ from .conftest import TFConfigJob
 
 NUM_RECORDS, BATCH = 512, 8
 SECRET = "squatted-port"
+
+
+def _harvest(address: str, seconds: float) -> list[list[bytes]]:
+    """Serve `address` as what harvested the password before: a ROUTER offering PLAIN, whose ZAP handler keeps the
+    credentials every client offers; returns them. Asserts that no request got through."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        zap = context.socket(zmq.REP)
+        zap.bind("inproc://zeromq.zap.01")
+        squatter = context.socket(zmq.ROUTER)
+        squatter.plain_server = True
+        squatter.zap_domain = b"squatter"
+        squatter.bind(f"tcp://{address}")
+        offered = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            if zap.poll(int(left * 1000)):
+                request = zap.recv_multipart()
+                offered.append(request)
+                zap.send_multipart([b"1.0", request[1], b"200", b"OK", b"", b""])
+        assert squatter.poll(0) == 0, "a role's request reached the squatter"
+        return offered
+    finally:
+        context.destroy(linger=0)
 
 
 def _squat(address: str, seconds: float) -> list[int]:
@@ -57,7 +83,9 @@ def test_a_squatter_on_the_restarted_chiefs_port_learns_nothing_and_the_job_ends
     try:
         first_out, _ = roles.procs["chief", 0].communicate(timeout=120)
         assert roles.procs["chief", 0].returncode == -signal.SIGKILL, first_out
-        events = _squat(roles.cluster["chief"][0], seconds=3.0)
+        chief = roles.cluster["chief"][0]
+        assert _harvest(chief, seconds=2.0) == [], "a role offered its credentials to the squatter"
+        events = _squat(chief, seconds=2.0)
         # The roles came (their reconnects reached the squatter), and not one handshake completed.
         assert zmq.EVENT_ACCEPTED in events, events
         assert zmq.EVENT_HANDSHAKE_SUCCEEDED not in events, events
