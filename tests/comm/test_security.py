@@ -101,17 +101,21 @@ def test_a_unix_socket_that_cannot_be_made_leaves_tcp_alone(tmp_path, caplog):
     assert header["ok"]
 
 
-def test_a_client_without_the_secret_is_refused_and_its_address_logged_once(tmp_path, caplog):
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_client_without_the_secret_is_refused_and_its_address_logged_once(tmp_path, caplog, transport):
     tmp_path.chmod(0o700)
     server = Server("tcp://127.0.0.1:0", credentials=Credentials("s3cret"), local=f"ipc://{tmp_path}/ps-0")
     assert server.local_address is not None
+    address = server.address if transport == "tcp" else server.local_address
     thread = _echo_once(server)
-    peer = f"localhost:{os.getuid()}:{os.getgid()}:{os.getpid()}"  # a UNIX socket's peer: its uid, gid and pid
+    # Over TCP the handshake fails at CURVE's hello, where a loopback listener's peer is on loopback; over a UNIX
+    # socket, PLAIN's ZAP request names the peer's uid, gid and pid.
+    peer = "127.0.0.1" if transport == "tcp" else f"localhost:{os.getuid()}:{os.getgid()}:{os.getpid()}"
     before = refused_peers().get(peer, 0)
     with caplog.at_level(logging.WARNING, logger="shardflow.comm.security"):
         for attempt in range(3):
             with Client(f"intruder-{attempt}", credentials=Credentials("guess")) as client:
-                client.connect("ps:0", server.local_address)
+                client.connect("ps:0", address)
                 # Refused either way: no reply by the deadline, or (when ZeroMQ has already dropped the refused
                 # connection) the request cannot even be queued; both name the peer.
                 with pytest.raises(CommError, match="ps:0"):

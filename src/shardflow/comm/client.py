@@ -69,7 +69,7 @@ class Client:
         self._peers[peer] = _Peer(peer, address, socket)
 
     def _open(self, peer: str, address: str) -> zmq.Socket[bytes]:
-        socket = self._context.socket(zmq.DEALER)
+        socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         if self.credentials is not None:
             try:
                 secure_client_socket(socket, address, self.credentials)

@@ -30,7 +30,13 @@ from shardflow.comm.framing import (
     send_frames,
     timeout_ms,
 )
-from shardflow.comm.security import Credentials, is_loopback, job_credentials, secure_server_socket
+from shardflow.comm.security import (
+    Credentials,
+    is_loopback,
+    job_credentials,
+    secure_server_socket,
+    watch_handshakes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +103,8 @@ class Server:
         if credentials is not None:
             try:
                 self.mechanism = secure_server_socket(self._socket, advertise or bind, credentials)
+                if self.mechanism != "null":
+                    watch_handshakes(self._socket)
             except Exception:
                 self._socket.close(linger=0)
                 raise
