@@ -31,6 +31,7 @@ from shardflow.comm.framing import (
     timeout_ms,
 )
 from shardflow.comm.security import (
+    NULL,
     Credentials,
     is_loopback,
     job_credentials,
@@ -103,7 +104,7 @@ class Server:
         if credentials is not None:
             try:
                 self.mechanism = secure_server_socket(self._socket, advertise or bind, credentials)
-                if self.mechanism != "null":
+                if self.mechanism != NULL:
                     watch_handshakes(self._socket)
             except Exception:
                 self._socket.close(linger=0)
