@@ -279,7 +279,9 @@ def _write_job_file(job: JobConfig, role: RoleContext) -> Path:
     job.model_dir.mkdir(parents=True, exist_ok=True)
     path = job.model_dir / "job.json"
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"control": role.control.address, "pid": os.getpid()}))
+    tmp.unlink(missing_ok=True)  # the control address and pid are this user's business only (mode 0600)
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(json.dumps({"control": role.control.address, "pid": os.getpid()}))
     os.replace(tmp, path)
     secret = job_credentials().secret
     if secret is not None and is_loopback(f"tcp://{role.control.address}"):
