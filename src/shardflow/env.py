@@ -10,7 +10,7 @@ Set by users:
 - `SHARDFLOW_CLUSTER_SECRET`: the secret every process of a job shares; every server of the job (the chief's
   control service, each PS) accepts only its holders. The local launcher makes one per job by itself.
 - `SHARDFLOW_CLUSTER_SECRET_FILE`: a file holding that secret (a Kubernetes Secret mounted as a file).
-- `SHARDFLOW_ENCRYPT`: `always` encrypts loopback traffic too (a machine shared with untrusted users).
+- `SHARDFLOW_ENCRYPT`: `always` encrypts a local cluster's private UNIX sockets too (TCP always is).
 - `SHARDFLOW_INSECURE`: `1`, with no secret given, turns authentication and encryption off on every address
   (logged loudly), so that a role may serve off loopback without a secret. Off by default.
 - `SHARDFLOW_BIND_ADDRESS`: the interface a role listens on when its address in the cluster spec is not

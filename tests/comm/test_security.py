@@ -1,13 +1,18 @@
-"""Only holders of the job secret talk to a job's servers: PLAIN on loopback, CURVE elsewhere, refusals logged."""
+"""Only holders of the job secret talk to a job's servers: PLAIN on a private UNIX socket, CURVE on TCP (loopback
+included, where any local process may bind a port first), refusals logged."""
 
 import logging
 import os
+import selectors
+import socket
 import stat
 import threading
+import time
 
 import pytest
 import torch
 import zmq
+from zmq.utils import z85
 
 from shardflow.comm import security
 from shardflow.comm.client import Client
@@ -29,7 +34,7 @@ from shardflow.comm.server import Server, secure_server
         ("ipc:///run/sf-x/ps-0", True),
     ],
 )
-def test_only_loopback_addresses_go_unencrypted(address, loopback):
+def test_which_addresses_stay_on_this_machine(address, loopback):
     assert is_loopback(address) is loopback
 
 
@@ -50,7 +55,7 @@ def test_a_round_trip_with_the_job_secret(monkeypatch, encrypt):
         monkeypatch.setenv("SHARDFLOW_ENCRYPT", encrypt)
     job = Credentials("s3cret")
     server = Server("tcp://127.0.0.1:0", credentials=job)
-    assert server.mechanism == ("curve" if encrypt else "plain")
+    assert server.mechanism == "curve"
     thread = _echo_once(server)
     with Client("worker:0", credentials=job) as client:
         client.connect("ps:0", server.address)
@@ -96,28 +101,34 @@ def test_a_unix_socket_that_cannot_be_made_leaves_tcp_alone(tmp_path, caplog):
     assert header["ok"]
 
 
-def test_a_client_without_the_secret_is_refused_and_its_address_logged_once(caplog):
-    server = Server("tcp://127.0.0.1:0", credentials=Credentials("s3cret"))
+@pytest.mark.parametrize("transport", ["tcp", "ipc"])
+def test_a_client_without_the_secret_is_refused_and_its_address_logged_once(tmp_path, caplog, transport):
+    tmp_path.chmod(0o700)
+    server = Server("tcp://127.0.0.1:0", credentials=Credentials("s3cret"), local=f"ipc://{tmp_path}/ps-0")
+    assert server.local_address is not None
+    address = server.address if transport == "tcp" else server.local_address
     thread = _echo_once(server)
-    before = refused_peers().get("127.0.0.1", 0)
+    # Over TCP the handshake fails at CURVE's hello, where a loopback listener's peer is on loopback; over a UNIX
+    # socket, PLAIN's ZAP request names the peer's uid, gid and pid.
+    peer = "127.0.0.1" if transport == "tcp" else f"localhost:{os.getuid()}:{os.getgid()}:{os.getpid()}"
+    before = refused_peers().get(peer, 0)
     with caplog.at_level(logging.WARNING, logger="shardflow.comm.security"):
         for attempt in range(3):
             with Client(f"intruder-{attempt}", credentials=Credentials("guess")) as client:
-                client.connect("ps:0", server.address)
+                client.connect("ps:0", address)
                 # Refused either way: no reply by the deadline, or (when ZeroMQ has already dropped the refused
                 # connection) the request cannot even be queued; both name the peer.
                 with pytest.raises(CommError, match="ps:0"):
                     client.request("ps:0", {"op": "echo"}, timeout_s=1.0)
     thread.join()
     server.close()
-    assert refused_peers()["127.0.0.1"] >= before + 3
+    assert refused_peers()[peer] >= before + 3
     if before == 0:  # logged once per peer address in this process
-        lines = [r.getMessage() for r in caplog.records if "refused a connection from 127.0.0.1" in r.getMessage()]
+        lines = [r.getMessage() for r in caplog.records if f"refused a connection from {peer}" in r.getMessage()]
         assert len(lines) == 1, lines
 
 
-def test_encrypted_a_client_that_knows_the_server_key_but_not_the_secret_is_refused(monkeypatch):
-    monkeypatch.setenv("SHARDFLOW_ENCRYPT", "always")
+def test_a_client_that_knows_the_server_key_but_not_the_secret_is_refused():
     job = Credentials("s3cret")
     server = Server("tcp://127.0.0.1:0", credentials=job)
     thread = _echo_once(server)
@@ -136,6 +147,111 @@ def test_encrypted_a_client_that_knows_the_server_key_but_not_the_secret_is_refu
     thread.join()
     server.close()
     assert refused_peers()["127.0.0.1"] > before
+
+
+def _recording_relay(target: str) -> tuple[str, list[bytes], threading.Thread]:
+    """A loopback TCP relay to `target` that keeps what its first client sends, as a squatter in between would."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(5)
+    received: list[bytes] = []
+
+    def relay() -> None:
+        with listener:
+            client, _ = listener.accept()
+        host, port = target.removeprefix("tcp://").rsplit(":", 1)
+        with client, socket.create_connection((host, int(port))) as upstream, selectors.DefaultSelector() as sel:
+            sel.register(client, selectors.EVENT_READ, upstream)
+            sel.register(upstream, selectors.EVENT_READ, client)
+            deadline = time.monotonic() + 3
+            while time.monotonic() < deadline:
+                for key, _ in sel.select(timeout=0.1):
+                    data = key.fileobj.recv(65536)  # type: ignore[union-attr]
+                    if not data:
+                        return
+                    if key.fileobj is client:
+                        received.append(data)
+                    key.data.sendall(data)
+
+    thread = threading.Thread(target=relay, daemon=True)
+    thread.start()
+    return f"tcp://127.0.0.1:{listener.getsockname()[1]}", received, thread
+
+
+def test_a_server_of_another_secret_fails_the_handshake_and_learns_nothing_to_replay():
+    """A squatter on a loopback port, even one running our server with a guessed secret, cannot answer the client's
+    CURVE hello: the handshake fails before the client sends its long-term key, and no password ever goes out."""
+    job = Credentials("s3cret")
+    squatter = Server("tcp://127.0.0.1:0", credentials=Credentials("a guess"))
+    address, received, relay = _recording_relay(squatter.address)
+    with Client("worker:0", credentials=job) as client:
+        client.connect("ps:0", address)
+        with pytest.raises(CommError, match="ps:0"):
+            client.request("ps:0", {"op": "stop"}, timeout_s=1.0)
+    assert squatter.recv(timeout_s=0.5) is None, "nothing the client sent reached the squatter as a request"
+    relay.join()
+    squatter.close()
+    sent = b"".join(received)
+    assert b"CURVE" in sent and b"HELLO" in sent, "the client spoke CURVE, not PLAIN"
+    public, secret_key = job.client_keys()
+    for replayable in (job.plain_password(), b"s3cret", secret_key, z85.decode(secret_key), z85.decode(public)):
+        assert replayable not in sent
+    assert b"INITIATE" not in sent, "the client never vouched for itself to a server that could not prove its key"
+
+
+def test_a_plain_squatter_on_a_loopback_port_is_never_sent_a_password():
+    """What harvested the password before: a ROUTER that offers PLAIN and a ZAP handler that records what it gets."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    zap = context.socket(zmq.REP)
+    zap.bind("inproc://zeromq.zap.01")
+    squatter = context.socket(zmq.ROUTER)
+    squatter.plain_server = True
+    squatter.zap_domain = b"squatter"
+    port = squatter.bind_to_random_port("tcp://127.0.0.1")
+    with Client("worker:0", credentials=Credentials("s3cret")) as client:
+        client.connect("chief", f"tcp://127.0.0.1:{port}")
+        client.send("chief", {"op": "get"})
+        assert zap.poll(1000) == 0, "the client offered the squatter credentials to check"
+    assert squatter.poll(0) == 0
+    context.destroy(linger=0)
+
+
+def test_a_client_gets_through_once_a_squatter_of_another_mechanism_has_left_the_port():
+    """libzmq gives a connection up for good when its handshake breaks the protocol; the client opens a new one."""
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    squatter = context.socket(zmq.ROUTER)  # NULL: not what the client speaks
+    port = squatter.bind_to_random_port("tcp://127.0.0.1")
+    job = Credentials("s3cret")
+    with Client("worker:0", credentials=job) as client:
+        client.connect("chief", f"tcp://127.0.0.1:{port}")
+        with pytest.raises(CommError):
+            client.request("chief", {"op": "echo"}, timeout_s=0.5)
+        context.destroy(linger=0)
+        server = Server(f"tcp://127.0.0.1:{port}", credentials=job)
+        done = threading.Event()
+
+        def serve() -> None:  # every request: the first may come too, when its connection had not broken yet
+            while not done.is_set():
+                request = server.recv(timeout_s=0.1)
+                if request is not None:
+                    server.reply(request, {"ok": True})
+
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        header, _ = client.request("chief", {"op": "echo"}, timeout_s=1.0, retries=4)
+    done.set()
+    thread.join()
+    server.close()
+    assert header["ok"]
+
+
+@pytest.mark.parametrize(("mode", "mechanism"), [(0o700, "plain"), (0o750, "curve"), (0o755, "curve")])
+def test_plain_only_on_a_unix_socket_that_no_other_user_may_reach(tmp_path, mode, mechanism):
+    tmp_path.chmod(mode)
+    job = Credentials("s3cret")
+    assert job.mechanism(f"ipc://{tmp_path}/ps-0") == mechanism
+    assert job.mechanism("ipc://@shardflow-ps-0") == "curve", "the abstract namespace is open to every user"
+    assert job.mechanism(f"ipc://{tmp_path}/missing/ps-0") == "curve"
+    assert job.mechanism("tcp://127.0.0.1:5555") == "curve", "any local process may bind a loopback port first"
 
 
 def test_a_client_with_no_credentials_cannot_talk_to_a_job_server():

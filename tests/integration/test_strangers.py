@@ -64,6 +64,7 @@ def test_a_stranger_without_the_secret_can_do_nothing_and_the_job_ends_exact(sta
     model_dir = tmp_path / "model"
     job.wait_for_file(model_dir / "job.json")
     chief = json.loads((model_dir / "job.json").read_text())["control"]
+    assert (model_dir / "job.json").stat().st_mode & 0o077 == 0, "job.json is readable by this user only"
     logs = model_dir / "logs"
     ps_addresses, local_addresses = [], []
     for k in range(2):

@@ -62,7 +62,14 @@ class Client:
     def connect(self, peer: str, address: str) -> None:
         """Open a socket to `peer` (a role name such as "ps:0") at `address`; a second call for
         the same peer replaces its socket and forgets the requests in flight on it."""
-        socket = self._context.socket(zmq.DEALER)
+        socket = self._open(peer, address)
+        old = self._peers.pop(peer, None)
+        if old is not None:
+            old.socket.close(linger=0)
+        self._peers[peer] = _Peer(peer, address, socket)
+
+    def _open(self, peer: str, address: str) -> zmq.Socket[bytes]:
+        socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         if self.credentials is not None:
             try:
                 secure_client_socket(socket, address, self.credentials)
@@ -83,10 +90,7 @@ class Client:
         except zmq.ZMQError as error:
             socket.close(linger=0)
             raise CommError(f"cannot connect to {peer} at {address!r}: {error}") from error
-        old = self._peers.pop(peer, None)
-        if old is not None:
-            old.socket.close(linger=0)
-        self._peers[peer] = _Peer(peer, address, socket)
+        return socket
 
     def address(self, peer: str) -> str:
         """The address `peer` is connected at."""
@@ -207,14 +211,22 @@ class Client:
         return seq, frames
 
     def _send_frames(self, connection: _Peer, frames: list[Any]) -> None:
-        try:
-            send_frames(connection.socket, frames, NOBLOCK)
-        except zmq.Again:
-            raise CommError(
-                f"{_SEND_QUEUE_LIMIT} requests queued for {connection.name} at "
-                f"{connection.address} and none sent; is the process running and reachable, and does this process hold "
-                "the job's secret?"
-            ) from None
+        for attempt in range(2):
+            try:
+                send_frames(connection.socket, frames, NOBLOCK)
+                return
+            except zmq.Again:
+                if attempt == 1 or len(connection.pending) >= _SEND_QUEUE_LIMIT:
+                    raise CommError(
+                        f"{_SEND_QUEUE_LIMIT} requests queued for {connection.name} at "
+                        f"{connection.address} and none sent; is the process running and reachable, and does this "
+                        "process hold the job's secret?"
+                    ) from None
+            # Nowhere to queue: libzmq gives a connection up for good when its handshake breaks the protocol, as with
+            # whatever squatted the port while the peer was down (another mechanism). A new socket connects again.
+            connection.socket.close(linger=0)
+            connection.socket = self._open(connection.name, connection.address)
+            connection.receiver = Receiver(connection.socket)
 
 
 def _checked(connection: _Peer, reply: Reply) -> Reply:

@@ -3,9 +3,12 @@
 Every server of a job (the chief's control service, each PS, the chief's clock) accepts only holders of the
 job's secret. The mechanism depends on the address both ends use, so they always agree:
 
-- loopback (and `SHARDFLOW_ENCRYPT` is not `always`): ZeroMQ PLAIN with a password derived from the secret.
-  Authenticated, not encrypted: only root can read loopback traffic, and encryption measurably costs.
-- any other address: CURVE with server and client keys derived from the secret: authenticated and encrypted.
+- a UNIX socket in a directory only this user can enter (a local cluster's runtime directory), unless
+  `SHARDFLOW_ENCRYPT` is `always`: ZeroMQ PLAIN with a password derived from the secret. Authenticated, not
+  encrypted: no other user can bind there or read the traffic, and encryption measurably costs.
+- any TCP address, loopback included: CURVE with server and client keys derived from the secret, authenticated
+  and encrypted. Any local process may bind a free loopback port first (a restarted role's, say); PLAIN would hand
+  it the password, while CURVE's client sends nothing it could replay to a server whose secret key it lacks.
 - no secret and `SHARDFLOW_INSECURE=1`: nothing (NULL), logged loudly, on any address. Without that opt-out a
   role refuses to serve or connect off loopback without a secret, and says how to give one.
 
@@ -20,6 +23,7 @@ import functools
 import hashlib
 import hmac
 import ipaddress
+import itertools
 import logging
 import os
 import secrets
@@ -31,6 +35,7 @@ from urllib.parse import urlsplit
 
 import zmq
 from zmq.utils import z85
+from zmq.utils.monitor import recv_monitor_message
 
 from shardflow import env
 
@@ -40,6 +45,8 @@ NULL, PLAIN, CURVE = "null", "plain", "curve"
 ZAP_DOMAIN = b"shardflow"
 _PLAIN_USER = b"shardflow"
 _ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_WATCH_ENDPOINT = "inproc://shardflow.gatekeeper.watch"
+_watch_numbers = itertools.count()
 _LOCAL_SECRET = Path.home() / ".shardflow" / "cluster-secret"
 SECRET_FILE = "job.secret"
 """The file in model_dir where a local job's chief leaves its secret for the user's tools (mode 0600)."""
@@ -62,6 +69,18 @@ def is_loopback(address: str) -> bool:
         return False
 
 
+def is_private_socket(address: str) -> bool:
+    """Whether `address` is a UNIX socket in a directory that this user owns and no other user may enter, so that
+    no other user's process can bind it first or listen to it (an abstract-namespace name is open to everyone)."""
+    if not address.startswith("ipc://") or address.startswith("ipc://@"):
+        return False
+    try:
+        directory = os.stat(os.path.dirname(address.removeprefix("ipc://")) or ".")
+    except OSError:
+        return False
+    return directory.st_uid == os.geteuid() and directory.st_mode & 0o077 == 0
+
+
 @dataclass(frozen=True)
 class Credentials:
     """The job secret this process holds (None: none was given), and what it derives for each mechanism."""
@@ -72,9 +91,9 @@ class Credentials:
         """The mechanism for a connection to (or a server advertised at) `address`; both ends compute the same."""
         if self.secret is None and env.get(env.INSECURE) == "1":
             return NULL
-        if is_loopback(address) and env.get(env.ENCRYPT) != "always":
+        if env.get(env.ENCRYPT) != "always" and is_private_socket(address):
             return PLAIN
-        if self.secret is not None:
+        if self.secret is not None or is_loopback(address):
             return CURVE
         raise SecurityError(
             f"{address} is not a loopback address and this process has no cluster secret: set "
@@ -217,16 +236,21 @@ def _warn_insecure(address: str) -> None:
 
 class _Gatekeeper:
     """The context's ZAP handler: answers each handshake from the passwords and client keys its servers allow,
-    and logs each refused peer address once (then counts)."""
+    and logs each refused peer address once (then counts). It also watches its servers' sockets for handshakes
+    that fail before ZAP is asked: CURVE from another secret, or another mechanism."""
 
     def __init__(self, context: zmq.Context[Any]) -> None:
         self.passwords: set[bytes] = set()
         self.keys: set[bytes] = set()
         self.refused: dict[str, int] = {}
         """Refused handshakes by peer address."""
+        self._context = context
         self._socket: zmq.Socket[bytes] = context.socket(zmq.REP)
         self._socket.linger = 0
         self._socket.bind(_ZAP_ENDPOINT)
+        self._watch_requests: zmq.Socket[bytes] = context.socket(zmq.REP)
+        self._watch_requests.linger = 0
+        self._watch_requests.bind(_WATCH_ENDPOINT)
         self._thread = threading.Thread(target=self._serve, name="shardflow-zap", daemon=True)
         self._thread.start()
 
@@ -236,17 +260,56 @@ class _Gatekeeper:
     def allow_key(self, key: bytes) -> None:
         self.keys.add(key)
 
+    def watch(self, socket: zmq.Socket[Any]) -> None:
+        """Log the handshakes that fail on `socket`'s protocol; returns once they are watched."""
+        endpoint = f"inproc://shardflow.handshakes.{next(_watch_numbers)}"
+        socket.monitor(endpoint, zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_MONITOR_STOPPED)
+        request: zmq.Socket[bytes] = self._context.socket(zmq.REQ)
+        try:
+            request.connect(_WATCH_ENDPOINT)
+            request.send_string(endpoint)
+            request.recv()
+        finally:
+            request.close(linger=0)
+
     def _serve(self) -> None:
-        while True:
-            try:
-                request = self._socket.recv_multipart()
-            except zmq.ContextTerminated:
-                self._socket.close(linger=0)
-                return
-            request_id = request[1] if len(request) > 1 else b""
-            ok = self._check(request)
-            status = (b"200", b"OK") if ok else (b"400", b"not a member of this job")
-            self._socket.send_multipart([b"1.0", request_id, *status, b"", b""])
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._watch_requests, zmq.POLLIN)
+        try:
+            while True:
+                for ready, _ in poller.poll():
+                    if ready is self._socket:
+                        self._answer(self._socket.recv_multipart())
+                    elif ready is self._watch_requests:
+                        monitor = self._context.socket(zmq.PAIR)
+                        monitor.connect(self._watch_requests.recv_string())
+                        poller.register(monitor, zmq.POLLIN)
+                        self._watch_requests.send(b"")
+                    else:
+                        self._handshake_failed(ready, poller)
+        except zmq.ContextTerminated:
+            for socket, _ in poller.sockets:
+                socket.close(linger=0)
+
+    def _answer(self, request: list[bytes]) -> None:
+        request_id = request[1] if len(request) > 1 else b""
+        ok = self._check(request)
+        status = (b"200", b"OK") if ok else (b"400", b"not a member of this job")
+        self._socket.send_multipart([b"1.0", request_id, *status, b"", b""])
+
+    def _handshake_failed(self, monitor: zmq.Socket[Any], poller: zmq.Poller) -> None:
+        event = recv_monitor_message(monitor)
+        if event["event"] == zmq.EVENT_MONITOR_STOPPED:  # its socket was closed
+            poller.unregister(monitor)
+            monitor.close(linger=0)
+            return
+        # The peer's own address is not in the event: a loopback listener's peers are on loopback.
+        endpoint = event["endpoint"].decode(errors="replace")
+        address = urlsplit(endpoint).hostname or endpoint
+        if not is_loopback(endpoint):
+            address = f"a peer of {endpoint}"
+        self._refuse(address, "handshake (CURVE of another secret, or another mechanism)")
 
     def _check(self, request: list[bytes]) -> bool:
         # ZAP 1.0: version, request id, domain, address, routing id, mechanism, credentials...
@@ -260,15 +323,13 @@ class _Gatekeeper:
         else:
             ok = False
         if not ok:
-            self._refuse(address.decode(errors="replace"), mechanism.decode(errors="replace"))
+            self._refuse(address.decode(errors="replace"), f"{mechanism.decode(errors='replace')} credentials")
         return ok
 
-    def _refuse(self, address: str, mechanism: str) -> None:
+    def _refuse(self, address: str, what: str) -> None:
         count = self.refused.get(address, 0) + 1
         if count == 1 and len(self.refused) < 10_000:
-            log.warning(
-                "refused a connection from %s: its %s credentials do not hold this job's secret", address, mechanism
-            )
+            log.warning("refused a connection from %s: its %s do not hold this job's secret", address, what)
         if address in self.refused or len(self.refused) < 10_000:
             self.refused[address] = count
 
@@ -283,6 +344,11 @@ def _gatekeeper(context: zmq.Context[Any]) -> _Gatekeeper:
         if found is None:
             found = _gatekeepers[id(context)] = _Gatekeeper(context)
         return found
+
+
+def watch_handshakes(socket: zmq.Socket[Any]) -> None:
+    """Have the gatekeeper log the handshakes that fail on a server's `socket` before its ZAP handler is asked."""
+    _gatekeeper(socket.context).watch(socket)
 
 
 def refused_peers(context: zmq.Context[Any] | None = None) -> dict[str, int]:

@@ -30,7 +30,14 @@ from shardflow.comm.framing import (
     send_frames,
     timeout_ms,
 )
-from shardflow.comm.security import Credentials, is_loopback, job_credentials, secure_server_socket
+from shardflow.comm.security import (
+    NULL,
+    Credentials,
+    is_loopback,
+    job_credentials,
+    secure_server_socket,
+    watch_handshakes,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +104,8 @@ class Server:
         if credentials is not None:
             try:
                 self.mechanism = secure_server_socket(self._socket, advertise or bind, credentials)
+                if self.mechanism != NULL:
+                    watch_handshakes(self._socket)
             except Exception:
                 self._socket.close(linger=0)
                 raise
@@ -118,9 +127,11 @@ class Server:
         self.local_address: str | None = None
         """An ipc:// endpoint the processes of this machine reach this server at, or None. A UNIX socket costs
         a fraction of loopback TCP's CPU time per byte (the kernel skips the TCP stack): a local cluster's PS
-        traffic moves megabytes per step. The same authentication applies."""
+        traffic moves megabytes per step. The same secret admits a client (by PLAIN in a private directory)."""
         if local is not None:
             try:
+                if credentials is not None:  # a listener keeps the mechanism set when it was bound: TCP's stays
+                    secure_server_socket(self._socket, local, credentials)
                 self._socket.bind(local)
                 self.local_address = local
             except zmq.ZMQError as error:  # e.g. a path over the 107 bytes a UNIX socket's name may have

@@ -22,7 +22,7 @@ from shardflow.train.role_context import RoleContext
 
 _REPUBLISH_S = 1.0
 _SECURITY = {
-    PLAIN: "authenticated, plaintext on loopback",
+    PLAIN: "authenticated, plaintext on a private UNIX socket",
     CURVE: "authenticated and CURVE-encrypted",
     NULL: "NOT authenticated",
 }
