@@ -61,6 +61,9 @@ def test_tf_config_in_each_process_runs_the_job(tmp_path):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["global_step"] == 60
     assert result["worker_steps"] == {"worker:0": 30, "worker:1": 30}
+    # One machine without a launcher: the PS serves its peers on a private UNIX socket of its own as well (over TCP
+    # every role would speak CURVE, at half the speed).
+    assert "for this machine's roles" in outputs[1], outputs[1]
 
 
 def test_torchrun_ranks_map_to_chief_ps_and_workers(tmp_path):

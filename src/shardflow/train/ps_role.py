@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import socket
 import time
+from collections.abc import Iterator
 
 import torch
 
 from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlaneError
+from shardflow.cluster.launcher import make_runtime_dir
 from shardflow.cluster.spec import DYNAMIC, TaskSpec
 from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
-from shardflow.comm.server import secure_server
+from shardflow.comm.server import Server, secure_server
 from shardflow.ps.clipping import StoreNormExchange
 from shardflow.ps.server import ParameterServer
 from shardflow.train.heartbeat import Heartbeat
@@ -38,17 +42,26 @@ def advertised_address(address: str, chief_address: str) -> str:
     return f"tcp://{socket.gethostbyname(socket.gethostname())}:0"
 
 
-def local_endpoint(task: TaskSpec, advertised: str) -> str | None:
-    """The ipc:// endpoint a PS of a local cluster serves its roles at as well (in the launcher's private runtime
-    directory; a restarted PS takes its predecessor's), or None: a PS advertised off loopback may have peers on
-    other machines, and then every peer uses TCP."""
+@contextlib.contextmanager
+def local_endpoint(task: TaskSpec, advertised: str) -> Iterator[str | None]:
+    """The ipc:// endpoint a PS on loopback serves this machine's roles at as well, or None: a PS advertised off
+    loopback may have peers on other machines, and then every peer uses TCP. Under a local launcher the socket is
+    in the launcher's private runtime directory (a restarted PS takes its predecessor's); a job on one machine
+    without one (TF_CONFIG, torchrun) gets a private directory of this PS's own, removed when it stops. Over TCP
+    every role speaks CURVE, which costs a loopback job half its speed; a private socket needs only PLAIN."""
     setting = env.get(env.LOCAL_SOCKETS) or "on"
     if setting not in ("on", "off"):
         raise ValueError(f"{env.LOCAL_SOCKETS}={setting!r}: use on (the default) or off (loopback TCP)")
+    if setting == "off" or not is_loopback(advertised):
+        yield None
+        return
     runtime_dir = env.get(env.RUNTIME_DIR)
-    if runtime_dir is None or setting == "off" or not is_loopback(advertised):
-        return None
-    return f"ipc://{os.path.join(runtime_dir, task.name.replace(':', '-'))}"
+    own = make_runtime_dir() if runtime_dir is None else None
+    try:
+        yield f"ipc://{os.path.join(runtime_dir or own or '', task.name.replace(':', '-'))}"
+    finally:
+        if own is not None:
+            shutil.rmtree(own, ignore_errors=True)
 
 
 def run_ps(role: RoleContext) -> None:
@@ -59,7 +72,11 @@ def run_ps(role: RoleContext) -> None:
     torch.sparse.check_sparse_tensor_invariants.disable()
     chief = role.spec.address(TaskSpec("chief", 0))
     advertised = advertised_address(role.spec.address(role.task), chief)
-    server = secure_server(advertised, local=local_endpoint(role.task, advertised))
+    with local_endpoint(role.task, advertised) as local:
+        _serve(role, secure_server(advertised, local=local))
+
+
+def _serve(role: RoleContext, server: Server) -> None:
     try:
         # A local cluster's roles all run here: they reach the PS over its UNIX socket. Other processes (tools,
         # what the cluster spec names) over TCP.
