@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from shardflow.cluster import ClusterSpec, LocalLauncher, RoleExit, TaskSpec, run_local
-from shardflow.cluster.launcher import make_runtime_dir
+from shardflow.cluster.runtime_dir import make_runtime_dir
 
 # Prints its role, then sleeps or exits as the per-role table in argv[1] says ({"worker:1": 3}).
 ROLE_SCRIPT = """\

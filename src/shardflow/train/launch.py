@@ -262,6 +262,7 @@ def _run_embedded(job: JobConfig, on_connect: OnConnect) -> TrainResult:
         log_dir=job.model_dir / "logs",
         max_restarts=strategy.max_restarts,
         restart_backoff_s=strategy.restart_backoff_s,
+        hung_timeout_s=strategy.hung_timeout_s,
         # The roles run this script too: what it imported so far, they import from the zygote.
         preload=installed_modules(),
     )
