@@ -225,7 +225,7 @@ class LocalLauncher:
                         continue
                     liveness.forget(self._liveness_file(task))  # one kill per hang
                     self._say(
-                        f"{task.name} (pid {process.pid}) is hung: no heartbeat for {silent_s:.0f}s "
+                        f"{task.name} (pid {process.pid}) is hung: no heartbeat for {silent_s:.1f}s "
                         f"(hung_timeout_s={timeout_s:g}); killing it to restart it"
                     )
                     with contextlib.suppress(ProcessLookupError, PermissionError):
