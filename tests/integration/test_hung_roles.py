@@ -78,4 +78,5 @@ def test_a_worker_that_wakes_after_its_shard_was_handed_over_stands_down(tmp_pat
         out = _finish(proc)
     assert proc.returncode == 0, out
     assert "worker:1 did not come back within worker_rejoin_timeout_s=1s: worker:0 reads the rest" in out, out
+    assert "worker:1: worker:0 reads the rest of this worker's shard since it was lost; it stands down" in out, out
     _audit(tmp_path, num_records=LONG)
