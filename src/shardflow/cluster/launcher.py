@@ -124,17 +124,14 @@ class LocalLauncher:
         self._restart_backoff_s = restart_backoff_s
         self._restartable = frozenset(restartable)
         self._restart_counts: dict[TaskSpec, int] = {}
-        self._healthy_run_s = healthy_run_s
+        self._healthy_run_s, self._hung_timeout_s = healthy_run_s, hung_timeout_s
         self._backoff_levels: dict[TaskSpec, int] = {}  # the back-off of the next restart is 2**level times the first
         self._started_at: dict[TaskSpec, float] = {}
-        self._hung_timeout_s = hung_timeout_s
         # Deaths waiting out their back-off: when to start the task again, and how its last process ended.
         self._pending: dict[TaskSpec, tuple[float, RoleExit]] = {}
         self.restarts: list[RoleExit] = []
         """Every death that was followed by a restart, in order."""
-        self._started = False
-        self._stopping = False
-        self._stopped = False
+        self._started = self._stopping = self._stopped = False
 
     def start(self) -> None:
         """Starts every task not skipped. Call it from a thread that outlives the children.
