@@ -90,7 +90,7 @@ def test_a_resent_request_of_a_sender_the_server_never_heard_from_is_dropped(ser
 
 def test_a_client_sends_its_requests_in_flight_again_once_the_connection_is_made_again():
     address = f"tcp://127.0.0.1:{free_port()}"
-    context = zmq.Context.instance()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
     first: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
     first.linger = 0
     first.bind(address)
