@@ -41,9 +41,10 @@ _MAX_SENDERS = 1024
 _MAX_SENDER_CHARS = 256
 _QUEUE_LIMIT = 100_000
 # Per sender, far above the requests one has in flight: beyond them, the oldest delivered are taken for settled
-# (a client that gives up requests, as the chief's status polls of a silent PS, never acknowledges them).
+# (a client that gives up requests, as the chief's status polls of a silent PS, never acknowledges them). A reply
+# may hold a copy of a PS's parameters: few are kept.
 _MAX_DELIVERED = 4096
-_MAX_REPLIES_KEPT = 64
+_MAX_REPLIES_KEPT = 8
 
 
 @dataclass
