@@ -5,6 +5,7 @@ drops resent requests of a sender it never heard from (it is a new process at th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -39,18 +40,29 @@ def _send(raw: zmq.Socket[bytes], seq: int, acknowledged: int, resent: bool = Fa
     raw.send_multipart([msgpack.packb(header)])
 
 
-def _delivered(server: Server) -> list[int]:
+def _delivered(server: Server, count: int) -> list[int]:
+    """The sequence numbers of the next `count` requests delivered, answered; then none for a while."""
     seqs = []
-    while (request := server.recv(timeout_s=0.3)) is not None:
+    while len(seqs) < count and (request := server.recv(timeout_s=5)) is not None:
         seqs.append(request.seq)
         server.reply(request, {"answer": request.seq})
+    assert server.recv(timeout_s=0.3) is None, "a duplicate was delivered"
     return seqs
 
 
-def _replies(raw: zmq.Socket[bytes]) -> list[int]:
+def _duplicates(server: Server, expected: int) -> int:
+    """The server's count of duplicates once it is `expected` or 5 s passed (it counts them as it reads them)."""
+    deadline = time.monotonic() + 5
+    while server.duplicates < expected and time.monotonic() < deadline:
+        assert server.recv(timeout_s=0.1) is None
+    return server.duplicates
+
+
+def _replies(raw: zmq.Socket[bytes], count: int) -> list[int]:
     answers = []
-    while raw.poll(300):
+    while len(answers) < count and raw.poll(5000):
         answers.append(decode(raw.recv_multipart())[0]["answer"])
+    assert not raw.poll(300), "an answer to a request not delivered"
     return answers
 
 
@@ -58,34 +70,34 @@ def test_a_resent_request_that_comes_after_a_later_one_is_delivered_once(server,
     _send(raw, 5, acknowledged=3)
     _send(raw, 3, acknowledged=3, resent=True)  # lost on the old connection, sent again after 5 was
     _send(raw, 5, acknowledged=3, resent=True)
-    assert _delivered(server) == [5, 3]
-    assert server.duplicates == 1
+    assert _delivered(server, 2) == [5, 3]
+    assert _duplicates(server, 1) == 1
 
 
 def test_every_reply_the_client_still_awaits_is_kept_for_its_resent_request(server, raw):
     _send(raw, 3, acknowledged=3)
     _send(raw, 5, acknowledged=3)
-    assert _delivered(server) == [3, 5]
-    assert sorted(_replies(raw)) == [3, 5]
+    assert _delivered(server, 2) == [3, 5]
+    assert sorted(_replies(raw, 2)) == [3, 5]
     # Both replies were lost with the connection: the client sends both again.
     _send(raw, 3, acknowledged=3, resent=True)
     _send(raw, 5, acknowledged=3, resent=True)
-    assert _delivered(server) == []
-    assert _replies(raw) == [3, 5]
+    assert _delivered(server, 0) == []
+    assert _replies(raw, 2) == [3, 5]
     # A request acknowledging both: their replies are no longer kept, and a copy of either is never delivered.
     _send(raw, 7, acknowledged=7)
     _send(raw, 3, acknowledged=3, resent=True)
-    assert _delivered(server) == [7]
-    assert _replies(raw) == [7]
+    assert _delivered(server, 1) == [7]
+    assert _replies(raw, 1) == [7]
 
 
 def test_a_resent_request_of_a_sender_the_server_never_heard_from_is_dropped(server, raw):
     # The PS was restarted: the request was meant for the process before, which may have applied it.
     _send(raw, 4, acknowledged=4, resent=True)
-    assert _delivered(server) == []
-    assert server.duplicates == 1
+    assert _delivered(server, 0) == []
+    assert _duplicates(server, 1) == 1
     _send(raw, 6, acknowledged=6)
-    assert _delivered(server) == [6]
+    assert _delivered(server, 1) == [6]
 
 
 def test_a_client_sends_its_requests_in_flight_again_once_the_connection_is_made_again():
