@@ -42,7 +42,7 @@ def _send(raw: zmq.Socket[bytes], seq: int, acknowledged: int, resent: bool = Fa
 
 def _delivered(server: Server, count: int) -> list[int]:
     """The sequence numbers of the next `count` requests delivered, answered; then none for a while."""
-    seqs = []
+    seqs: list[int] = []
     while len(seqs) < count and (request := server.recv(timeout_s=5)) is not None:
         seqs.append(request.seq)
         server.reply(request, {"answer": request.seq})
@@ -59,7 +59,7 @@ def _duplicates(server: Server, expected: int) -> int:
 
 
 def _replies(raw: zmq.Socket[bytes], count: int) -> list[int]:
-    answers = []
+    answers: list[int] = []
     while len(answers) < count and raw.poll(5000):
         answers.append(decode(raw.recv_multipart())[0]["answer"])
     assert not raw.poll(300), "an answer to a request not delivered"
@@ -114,7 +114,14 @@ def test_a_client_sends_its_requests_in_flight_again_once_the_connection_is_made
         first.close()  # the connection drops with the request on it, unanswered
         second: zmq.Socket[bytes] = context.socket(zmq.ROUTER)
         second.linger = 0
-        second.bind(address)
+        deadline = time.monotonic() + 5
+        while True:  # ZeroMQ closes the first listener in the background
+            try:
+                second.bind(address)
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
         got: list[dict[str, Any]] = []
 
         def answer() -> None:
