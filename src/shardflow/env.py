@@ -22,6 +22,8 @@ Set by users:
   and shardflow once; `off` starts each role as a fresh Python.
 - `SHARDFLOW_LOCAL_SOCKETS`: `on` (the default) has a local cluster's roles reach each PS over a UNIX socket; `off`
   over loopback TCP, as roles on other machines would (to watch the traffic with a packet capture, or compare).
+- `SHARDFLOW_LIVENESS_FILE`: a file a worker or PS touches with every heartbeat, for its supervisor to find it hung
+  (cluster/liveness.py): deploy/'s manifests set it for their liveness probe, the local launcher for its own watch.
 - `SHARDFLOW_SHARED_MEMORY`: `on` (the default) has a worker move its gradients and parameters to and from each PS
   it reaches over a UNIX socket through shared memory (ps/lanes.py); `off` through the socket.
 
@@ -63,6 +65,7 @@ ZYGOTE = "SHARDFLOW_ZYGOTE"
 RUNTIME_DIR = "SHARDFLOW_RUNTIME_DIR"
 LOCAL_SOCKETS = "SHARDFLOW_LOCAL_SOCKETS"
 SHARED_MEMORY = "SHARDFLOW_SHARED_MEMORY"
+LIVENESS_FILE = "SHARDFLOW_LIVENESS_FILE"
 
 ALL = (
     CLUSTER,
@@ -85,6 +88,7 @@ ALL = (
     RUNTIME_DIR,
     LOCAL_SOCKETS,
     SHARED_MEMORY,
+    LIVENESS_FILE,
 )
 
 

@@ -1,6 +1,7 @@
 """LocalLauncher and run_local with real processes running small throwaway scripts."""
 
 import io
+import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +13,7 @@ import psutil
 import pytest
 
 from shardflow.cluster import ClusterSpec, LocalLauncher, RoleExit, TaskSpec, run_local
-from shardflow.cluster.launcher import make_runtime_dir
+from shardflow.cluster.runtime_dir import make_runtime_dir
 
 # Prints its role, then sleeps or exits as the per-role table in argv[1] says ({"worker:1": 3}).
 ROLE_SCRIPT = """\
@@ -34,6 +35,21 @@ elif action == "fail-once":
         sys.exit(0)
     open(marker, "w").close()
     os.kill(os.getpid(), signal.SIGKILL)
+elif isinstance(action, list):  # seconds each run lives before it is SIGKILLed; then exit 0
+    runs = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".runs")
+    count = len(open(runs).read()) if os.path.exists(runs) else 0
+    open(runs, "a").write("x")
+    if count < len(action):
+        time.sleep(action[count])
+        os.kill(os.getpid(), signal.SIGKILL)
+    sys.exit(0)
+elif action == "hang-once":  # beats once, then is silent for good; its restart exits 0
+    marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".hung")
+    if os.path.exists(marker):
+        sys.exit(0)
+    open(marker, "w").close()
+    open(os.environ["SHARDFLOW_LIVENESS_FILE"], "w").close()
+    time.sleep(60)
 sys.exit(action)
 """
 
@@ -242,3 +258,43 @@ def test_stop_during_a_back_off_calls_the_restart_off(spec, role_command):
     launcher.stop()
     assert time.monotonic() - started < 10
     assert_gone(launcher.pids.values())
+
+
+def test_a_role_that_ran_healthily_starts_its_back_off_over(spec, role_command):
+    output = io.StringIO()
+    # worker:1 dies at once, then after a healthy run (0.6s >= healthy_run_s), then at once, then exits 0.
+    actions = {"worker:1": [0, 0.6, 0]}
+    launcher = LocalLauncher(
+        spec, role_command(actions), output=output, max_restarts=3, restart_backoff_s=0.2, healthy_run_s=0.5
+    )
+    with launcher:
+        launcher.start()
+        assert launcher.wait(timeout_s=20) is None
+    delays = re.findall(r"worker:1 .* restarting it in (\S+)s", output.getvalue())
+    # 0.2s, then 0.2s again instead of 0.4s (the run before was healthy), then doubled: 0.4s.
+    assert delays == ["0.2", "0.2", "0.4"], output.getvalue()
+
+
+def test_a_hung_role_is_killed_and_restarted(spec, role_command):
+    output = io.StringIO()
+    launcher = LocalLauncher(
+        spec,
+        role_command({"worker:1": "hang-once"}),
+        output=output,
+        max_restarts=1,
+        restart_backoff_s=0.1,
+        hung_timeout_s=0.5,
+    )
+    with launcher:
+        launcher.start()
+        first = launcher.pids["worker:1"]
+        assert launcher.wait(timeout_s=20) is None
+    text = output.getvalue()
+    hung = (
+        rf"\[launcher\] worker:1 \(pid {first}\) is hung: no heartbeat for [\d.]+s \(hung_timeout_s=0.5\); killing it"
+    )
+    assert re.search(hung, text), text
+    assert f"worker:1 (pid {first}) exited with code -9 (SIGKILL); restarting it in 0.1s" in text
+    assert text.count("hello from worker:1") == 2
+    # Nothing else was taken for hung: the other roles never beat.
+    assert text.count("is hung") == 1

@@ -27,9 +27,11 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+import pytest
 import yaml
 
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
+from shardflow.train.strategy import ParameterServerStrategy
 
 from .fake_srun import on_host, task_environment
 
@@ -194,6 +196,47 @@ def test_jobset_restarts_a_failed_ps_or_worker_alone_and_succeeds_with_the_chief
     assert spec["replicatedJobs"][0]["replicas"] == 1
 
 
+def _containers(name: str) -> dict[str, dict[str, Any]]:
+    """Each role's container in deploy/<name>, by role."""
+    (manifest,) = _load(name)
+    if manifest["kind"] == "JobSet":
+        return {
+            job["name"]: job["template"]["spec"]["template"]["spec"]["containers"][0]
+            for job in manifest["spec"]["replicatedJobs"]
+        }
+    replica_specs = manifest["spec"]["tfReplicaSpecs"]
+    return {role.lower(): spec["template"]["spec"]["containers"][0] for role, spec in replica_specs.items()}
+
+
+def _probe(container: Mapping[str, Any], liveness_file: Path) -> int:
+    """The exit status of the container's liveness probe, run as the kubelet runs it: in the container's env."""
+    probe = container["livenessProbe"]
+    environ = {**_base_env(), "SHARDFLOW_LIVENESS_FILE": str(liveness_file)}
+    return subprocess.run(probe["exec"]["command"], env=environ, timeout=10, check=False).returncode
+
+
+@pytest.mark.parametrize("manifest", ["jobset.yaml", "tfjob.yaml"])
+def test_a_hung_ps_or_worker_fails_its_liveness_probe_and_is_restarted(manifest, tmp_path):
+    containers = _containers(manifest)
+    assert "livenessProbe" not in containers["chief"]  # the chief is what every role hangs on; its restart is manual
+    for role in ("ps", "worker"):
+        container = containers[role]
+        env = {entry["name"]: entry.get("value") for entry in container["env"]}
+        assert env["SHARDFLOW_LIVENESS_FILE"] == "/tmp/shardflow-alive", role
+        probe = container["livenessProbe"]
+        # A stopped process ignores the SIGTERM that comes first: SIGKILL follows within seconds.
+        assert probe["terminationGracePeriodSeconds"] <= 5 and probe["periodSeconds"] <= 10, probe
+        alive = tmp_path / f"{role}.alive"
+        assert _probe(container, alive) == 0, "a role still starting (no file yet) is alive"
+        alive.touch()
+        assert _probe(container, alive) == 0, "a role that beat just now is alive"
+        os.utime(alive, (time.time() - 31, time.time() - 31))  # silent past hung_timeout_s (30 s)
+        assert _probe(container, alive) != 0, "a role silent for 31 s is hung"
+    # The JobSet's failure policy restarts a failed ps or worker Job; the TFJob's ExitCode policy a pod killed by
+    # a signal (137).
+    assert ParameterServerStrategy().hung_timeout_s == 30
+
+
 def test_jobset_pods_find_one_cluster_at_their_stable_dns_names():
     (jobset,) = _load("jobset.yaml")
     pods = _jobset_pods(jobset["spec"], jobset["metadata"]["name"])
@@ -208,6 +251,9 @@ def test_jobset_roles_train_together_as_local_processes(tmp_path):
     result = _run_pods(pods, tmp_path)
     assert result["global_step"] == NUM_BATCHES
     assert result["worker_steps"] == {"worker:0": NUM_BATCHES // 2, "worker:1": NUM_BATCHES // 2}
+    # Each PS and worker kept its liveness file fresh for the probe.
+    beating = sorted(path.name for path in tmp_path.glob("*.alive"))
+    assert beating == [f"{pod.name}.alive" for pod in pods if "-chief-" not in pod.name], beating
 
 
 def test_training_runtime_ships_the_jobset_and_its_trainjob_names_the_pods():
@@ -399,6 +445,8 @@ def _run_pods(pods: Sequence[Pod], tmp_path: Path) -> dict[str, Any]:
         for pod in pods:
             assert list(pod.command) == ["python", "train.py"], pod.command
             environ = {**_base_env(), **pod.env, "SHARDFLOW_BIND_ADDRESS": addresses[pod.host]}
+            if "SHARDFLOW_LIVENESS_FILE" in environ:  # each container has a /tmp of its own
+                environ["SHARDFLOW_LIVENESS_FILE"] = str(tmp_path / f"{pod.name}.alive")
             with open(logs[pod.name], "w") as out:
                 argv = on_host([sys.executable, str(REGRESSION_JOB), str(config)], str(hosts))
                 processes[pod.name] = subprocess.Popen(argv, env=environ, stdout=out, stderr=subprocess.STDOUT)

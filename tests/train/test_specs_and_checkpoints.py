@@ -26,6 +26,7 @@ def test_train_spec_needs_a_length():
         ({"replicas_to_aggregate": 0}, "replicas_to_aggregate"),
         ({"max_staleness": -1}, "max_staleness"),
         ({"request_timeout_s": 0}, "request_timeout_s"),
+        ({"hung_timeout_s": 0}, "hung_timeout_s"),
     ],
 )
 def test_strategy_errors_name_the_field(kwargs, field):

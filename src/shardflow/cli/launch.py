@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable
 
 from shardflow.cluster.launcher import run_local
+from shardflow.cluster.liveness import HUNG_TIMEOUT_S
 from shardflow.cluster.spec import ClusterSpec
 
 EPILOG = """\
@@ -16,8 +17,9 @@ example:
 
 Every role runs `python train.py --lr 0.1`; the environment variable SHARDFLOW_CLUSTER tells
 each process its role. Output lines are prefixed with the role, e.g. "[worker:0] ...".
-A worker, PS or evaluator that dies is restarted (--max-restarts times, after a back-off that
-doubles from --restart-backoff seconds); a restarted worker resumes its input after the last step
+A worker, PS or evaluator that dies, or hangs (no heartbeat for --hung-timeout seconds: it is
+killed), is restarted (--max-restarts times, after a back-off that doubles from --restart-backoff
+seconds, and starts over after a minute's healthy run); a restarted worker resumes its input after the last step
 every PS applied, and a restarted PS makes every PS reload the latest checkpoint, so no record is
 applied twice or lost. If a role fails for good (the chief dies, a role raises, or the restarts
 run out), the others are stopped and the exit code is 1; Ctrl-C stops all roles (130).
@@ -62,6 +64,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="wait before a role's first restart, doubled for each further one, at most 30 (1)",
     )
+    parser.add_argument(
+        "--hung-timeout",
+        type=float,
+        default=HUNG_TIMEOUT_S,
+        metavar="SECONDS",
+        help="a worker or PS whose heartbeat stops this long is killed and restarted, while it has restarts left; "
+        f"as the script's ParameterServerStrategy.hung_timeout_s ({HUNG_TIMEOUT_S:g})",
+    )
     parser.add_argument("script", help="the Python training script every role runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched")
 
@@ -82,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
         termination_grace_s=args.termination_grace,
         max_restarts=args.max_restarts,
         restart_backoff_s=args.restart_backoff,
+        hung_timeout_s=args.hung_timeout,
     )
 
 

@@ -11,18 +11,19 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from types import FrameType, TracebackType
-from typing import IO, Any, Protocol, TextIO
+from types import TracebackType
+from typing import IO, Protocol, TextIO
 
 from shardflow import env
-from shardflow.cluster import zygote
+from shardflow.cluster import liveness, zygote
+from shardflow.cluster.interrupts import Interrupted, ignore_interrupts, install_interrupt_handlers, restore_handlers
 from shardflow.cluster.role_log import RoleLog
+from shardflow.cluster.runtime_dir import make_runtime_dir
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
 from shardflow.cluster.zygote import Zygote, ZygoteError
 from shardflow.comm.security import new_secret
@@ -32,6 +33,9 @@ RESTARTABLE = ("worker", "ps", "evaluator")
 the PS say it stopped; a restarted PS gets every PS restored from the latest checkpoint
 (train/checkpoints/restore.py)."""
 MAX_BACKOFF_S = 30.0
+HEALTHY_RUN_S = 60.0
+"""A role whose process ran this long before it died starts its restart back-off over from restart_backoff_s: a
+death now and then in a long job is no crash loop, and its recovery should not wait out a back-off grown earlier."""
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 """How a preempted job's chief exits, checkpointed or not: the status SIGTERM gives (143)."""
 
@@ -66,33 +70,6 @@ class RoleExit:
         return text
 
 
-RUNTIME_DIR_PREFIX = "shardflow-"
-_OWNER_FILE = "launcher.pid"
-
-
-def make_runtime_dir() -> str:
-    """A fresh directory for a local cluster's UNIX sockets (a PS serves this machine's roles there as well as over
-    TCP), private to this user (mkdtemp makes it 0700); the launcher removes it when it stops. A launcher that was
-    SIGKILLed could not: first the directories of this user's launchers that are gone are removed."""
-    for path in Path(tempfile.gettempdir()).glob(RUNTIME_DIR_PREFIX + "*"):
-        with contextlib.suppress(OSError, ValueError):
-            if path.stat().st_uid == os.getuid() and not _alive(int((path / _OWNER_FILE).read_text())):
-                shutil.rmtree(path, ignore_errors=True)
-    made = tempfile.mkdtemp(prefix=RUNTIME_DIR_PREFIX)
-    (Path(made) / _OWNER_FILE).write_text(str(os.getpid()))
-    return made
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
 class LocalLauncher:
     """Starts one process per task of a ClusterSpec, all running one command, and watches them."""
 
@@ -110,11 +87,15 @@ class LocalLauncher:
         restart_backoff_s: float = 1.0,
         restartable: Collection[str] = RESTARTABLE,
         preload: Sequence[str] = (),
+        hung_timeout_s: float | None = None,
+        healthy_run_s: float = HEALTHY_RUN_S,
     ) -> None:
         """`max_restarts`: how many times a process of a task whose type is in `restartable` is started again
         after it dies (any exit but 0, while the launcher is not stopping), `restart_backoff_s` after its first
-        death, doubling each time up to MAX_BACKOFF_S; a death beyond that is the task's failure. `preload`: modules
-        the zygote imports for every forked role (see zygote.installed_modules)."""
+        death, doubling each time up to MAX_BACKOFF_S, and again from `restart_backoff_s` after a run of
+        `healthy_run_s`; a death beyond that is the task's failure. `hung_timeout_s`: such a process whose heartbeat
+        (its liveness file, cluster/liveness.py) stops for this long while it has restarts left is killed, and so
+        restarted. `preload`: modules the zygote imports for every forked role (see zygote.installed_modules)."""
         if not command or isinstance(command, str):
             raise ValueError(
                 f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
@@ -144,13 +125,14 @@ class LocalLauncher:
         self._restart_backoff_s = restart_backoff_s
         self._restartable = frozenset(restartable)
         self._restart_counts: dict[TaskSpec, int] = {}
+        self._healthy_run_s, self._hung_timeout_s = healthy_run_s, hung_timeout_s
+        self._backoff_levels: dict[TaskSpec, int] = {}  # the back-off of the next restart is 2**level times the first
+        self._started_at: dict[TaskSpec, float] = {}
         # Deaths waiting out their back-off: when to start the task again, and how its last process ended.
         self._pending: dict[TaskSpec, tuple[float, RoleExit]] = {}
         self.restarts: list[RoleExit] = []
         """Every death that was followed by a restart, in order."""
-        self._started = False
-        self._stopping = False
-        self._stopped = False
+        self._started = self._stopping = self._stopped = False
 
     def start(self) -> None:
         """Starts every task not skipped. Call it from a thread that outlives the children.
@@ -174,6 +156,8 @@ class LocalLauncher:
             # Restarted processes are forked by this thread, which lives as long as the launcher: a child's
             # parent-death signal fires when the thread that forked it ends.
             self._start_thread(self._restart_when_due)
+            if self._hung_timeout_s is not None:
+                self._start_thread(self._kill_when_hung, self._hung_timeout_s)
 
     def _start_zygote(self) -> None:
         if not (zygote.wanted() and zygote.can_fork(self._command)):
@@ -188,6 +172,9 @@ class LocalLauncher:
             self._zygote.preload(self._preload, self._job_env())
 
     def _spawn(self, task: TaskSpec) -> RoleProcess:
+        self._started_at[task] = time.monotonic()
+        if self._hung_timeout_s is not None:
+            liveness.forget(self._liveness_file(task))
         if self._zygote is not None and self._forking:
             try:
                 return self._zygote.spawn(self._command, self._child_env(task), zygote.process_name(task.name))
@@ -222,6 +209,32 @@ class LocalLauncher:
                 self._exits.append(role_exit)
             self._pending.clear()
             self._state.notify_all()
+
+    def _kill_when_hung(self, timeout_s: float) -> None:
+        """SIGKILL to a role silent past `timeout_s` that can be restarted: _wait_for then restarts it. One that
+        cannot is left to the chief, which waits for it, hands its shard over or fails the job naming it."""
+        with self._state:
+            while not self._state.wait_for(lambda: self._stopping, min(1.0, timeout_s / 4)):
+                for task, process in self._processes.items():
+                    silent_s = liveness.silent_for(self._liveness_file(task))
+                    if silent_s is None or silent_s <= timeout_s:
+                        continue
+                    if task in self._pending or not self._can_restart(task):
+                        continue
+                    liveness.forget(self._liveness_file(task))  # one kill per hang
+                    self._say(
+                        f"{task.name} (pid {process.pid}) is hung: no heartbeat for {silent_s:.1f}s "
+                        f"(hung_timeout_s={timeout_s:g}); killing it to restart it"
+                    )
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(process.pid, signal.SIGKILL)
+
+    def _can_restart(self, task: TaskSpec) -> bool:
+        return task.type in self._restartable and self._restart_counts.get(task, 0) < self._max_restarts
+
+    def _liveness_file(self, task: TaskSpec) -> Path:
+        assert self._runtime_dir is not None
+        return Path(self._runtime_dir) / f"{task.name.replace(':', '-')}.alive"
 
     @property
     def pids(self) -> dict[str, int]:
@@ -308,7 +321,10 @@ class LocalLauncher:
         self.stop()
 
     def _child_env(self, task: TaskSpec) -> dict[str, str]:
-        return {**self._job_env(), env.CLUSTER: self._spec.to_json(task)}
+        child = {**self._job_env(), env.CLUSTER: self._spec.to_json(task)}
+        if self._hung_timeout_s is not None:
+            child[env.LIVENESS_FILE] = str(self._liveness_file(task))
+        return child
 
     def _job_env(self) -> dict[str, str]:
         """Every role's environment but its task: also the zygote's, so that what reads the environment at import
@@ -341,20 +357,16 @@ class LocalLauncher:
         returncode = process.wait()
         with self._state:
             role_exit = RoleExit(task, process.pid, returncode)
-            restarts = self._restart_counts.get(task, 0)
-            if (
-                returncode != 0
-                and not self._stopping
-                and task.type in self._restartable
-                and restarts < self._max_restarts
-            ):
-                self._restart_counts[task] = restarts + 1
-                delay = min(self._restart_backoff_s * 2**restarts, MAX_BACKOFF_S)
+            if returncode != 0 and not self._stopping and self._can_restart(task):
+                restarts = self._restart_counts[task] = self._restart_counts.get(task, 0) + 1
+                ran_s = time.monotonic() - self._started_at[task]
+                level = 0 if ran_s >= self._healthy_run_s else self._backoff_levels.get(task, 0)
+                self._backoff_levels[task] = level + 1
+                delay = min(self._restart_backoff_s * 2**level, MAX_BACKOFF_S)
                 self._pending[task] = (time.monotonic() + delay, role_exit)
                 self.restarts.append(role_exit)
                 self._say(
-                    f"{role_exit.describe()}; restarting it in {delay:g}s (restart {restarts + 1} of "
-                    f"{self._max_restarts})"
+                    f"{role_exit.describe()}; restarting it in {delay:g}s (restart {restarts} of {self._max_restarts})"
                 )
                 self._state.notify_all()
                 return
@@ -421,14 +433,20 @@ def run_local(
     termination_grace_s: float = 30.0,
     max_restarts: int = 0,
     restart_backoff_s: float = 1.0,
+    hung_timeout_s: float | None = liveness.HUNG_TIMEOUT_S,
 ) -> int:
-    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`); a worker or evaluator
-    that dies is restarted up to `max_restarts` times. SIGTERM preempts the job: the chief checkpoints and every
-    task gets `termination_grace_s` to exit; the exit status is then 143."""
+    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`); a worker, PS or evaluator
+    that dies, or is hung for `hung_timeout_s`, is restarted up to `max_restarts` times. SIGTERM preempts the job: the
+    chief checkpoints and every task gets `termination_grace_s` to exit; the exit status is then 143."""
     launcher = LocalLauncher(
-        spec, command, env=local_threads(spec), max_restarts=max_restarts, restart_backoff_s=restart_backoff_s
+        spec,
+        command,
+        env=local_threads(spec),
+        max_restarts=max_restarts,
+        restart_backoff_s=restart_backoff_s,
+        hung_timeout_s=hung_timeout_s,
     )
-    previous = _install_interrupt_handlers()
+    previous = install_interrupt_handlers()
     try:
         launcher.start()
         failure = launcher.wait()
@@ -445,7 +463,7 @@ def run_local(
             flush=True,
         )
         return 1
-    except _Interrupted as interrupted:
+    except Interrupted as interrupted:
         if interrupted.signum != signal.SIGTERM:
             print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
             return 130
@@ -456,44 +474,10 @@ def run_local(
         )
         try:
             launcher.preempt(termination_grace_s)
-        except _Interrupted:  # a second signal: stop now
+        except Interrupted:  # a second signal: stop now
             print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
         return PREEMPTED_EXIT_CODE
     finally:
-        _ignore_interrupts(previous)
+        ignore_interrupts(previous)
         launcher.stop(grace_s)
-        _restore_handlers(previous)
-
-
-class _Interrupted(Exception):
-    """SIGINT or SIGTERM reached the launcher."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signum)
-        self.signum = signum
-
-
-_Handler = Callable[[int, FrameType | None], Any] | int | signal.Handlers | None
-_Handlers = dict[signal.Signals, _Handler]
-
-
-def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    raise _Interrupted(signum)
-
-
-def _install_interrupt_handlers() -> _Handlers:
-    if threading.current_thread() is not threading.main_thread():
-        return {}  # only the main thread may set handlers; the caller handles its own signals
-    return {signum: signal.signal(signum, _raise_interrupted) for signum in (signal.SIGINT, signal.SIGTERM)}
-
-
-def _ignore_interrupts(previous: _Handlers) -> None:
-    # A second Ctrl-C must not cut stop() short and leave tasks behind; stop() is bounded anyway.
-    for signum in previous:
-        signal.signal(signum, signal.SIG_IGN)
-
-
-def _restore_handlers(previous: _Handlers) -> None:
-    for signum, handler in previous.items():
-        # None means it was set outside Python and cannot be put back.
-        signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        restore_handlers(previous)

@@ -1,4 +1,5 @@
-"""Request side of the data plane: one DEALER socket per peer, pipelined requests, deadlines."""
+"""Request side of the data plane: one DEALER socket per peer, pipelined requests, deadlines, and requests sent
+again on a new connection when the one they went out on dropped."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import msgpack
 import torch
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
+from shardflow.comm.envelope import ACKNOWLEDGED, RESENT
 from shardflow.comm.errors import CommError, DeadlineExceeded, ProtocolError
 from shardflow.comm.framing import NOBLOCK, Receiver, decode, encode, send_frames, timeout_ms
 from shardflow.comm.security import Credentials, secure_client_socket
@@ -22,6 +26,19 @@ HEARTBEAT_IVL_MS = 2000
 HEARTBEAT_TIMEOUT_MS = 6000
 # Far above any real number of requests in flight: a full queue means the peer is gone.
 _SEND_QUEUE_LIMIT = 100_000
+# How often a wait for a reply looks whether the connection was made again meanwhile.
+_RECONNECT_CHECK_S = 0.5
+# Sent again on one new connection at most: the one made once a silent peer wakes. A request that itself makes the
+# server drop the connection (over its size limits) is not sent for ever, and ZeroMQ's queue to a peer whose
+# connections keep dropping was seen to stall for good after a few such copies.
+_MAX_RESENDS = 1
+
+
+@dataclass
+class _InFlight:
+    op: str
+    frames: list[Any]
+    resends: int = 0
 
 
 @dataclass
@@ -29,8 +46,11 @@ class _Peer:
     name: str
     address: str
     socket: zmq.Socket[bytes]
-    pending: dict[int, str] = field(default_factory=dict)
-    """Op name of each request sent and not yet answered, by sequence number."""
+    monitor: zmq.Socket[bytes]
+    """Tells each handshake of `socket`'s connection: a second one is a new connection."""
+    pending: dict[int, _InFlight] = field(default_factory=dict)
+    """Each request sent and not yet answered, by sequence number."""
+    handshakes: int = 0
     arrived: dict[int, Reply] = field(default_factory=dict)
     """Replies that came while waiting for another one, by sequence number."""
     receiver: Receiver = field(init=False)
@@ -42,7 +62,9 @@ class _Peer:
 class Client:
     """DEALER socket per peer. Requests are pipelined: send() returns at once, recv() waits with a
     deadline. Every request carries (sender, seq), so the server applies a retried one at most
-    once. A Client belongs to one thread at a time, as its sockets do.
+    once. A connection that dropped (its peer was silent past HEARTBEAT_TIMEOUT_MS: stopped, or
+    cut off) loses what was on it; once made again, every request still unanswered is sent again
+    on it (see `recv`). A Client belongs to one thread at a time, as its sockets do.
     """
 
     def __init__(
@@ -62,13 +84,14 @@ class Client:
     def connect(self, peer: str, address: str) -> None:
         """Open a socket to `peer` (a role name such as "ps:0") at `address`; a second call for
         the same peer replaces its socket and forgets the requests in flight on it."""
-        socket = self._open(peer, address)
+        socket, monitor = self._open(peer, address)
         old = self._peers.pop(peer, None)
         if old is not None:
-            old.socket.close(linger=0)
-        self._peers[peer] = _Peer(peer, address, socket)
+            _close(old.socket, old.monitor)
+        self._peers[peer] = _Peer(peer, address, socket, monitor)
 
-    def _open(self, peer: str, address: str) -> zmq.Socket[bytes]:
+    def _open(self, peer: str, address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        """A socket connecting to `peer` at `address`, and the monitor that tells its handshakes."""
         socket: zmq.Socket[bytes] = self._context.socket(zmq.DEALER)
         if self.credentials is not None:
             try:
@@ -85,12 +108,13 @@ class Client:
         socket.rcvhwm = _SEND_QUEUE_LIMIT
         # A fixed routing id keeps replies routable across reconnects (the server enables handover).
         socket.routing_id = self.sender_id.encode()
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         try:
             socket.connect(address)
         except zmq.ZMQError as error:
-            socket.close(linger=0)
+            _close(socket, monitor)
             raise CommError(f"cannot connect to {peer} at {address!r}: {error}") from error
-        return socket
+        return socket, monitor
 
     def address(self, peer: str) -> str:
         """The address `peer` is connected at."""
@@ -109,7 +133,8 @@ class Client:
 
         Replies to other requests in flight are kept for their own recv(); others are dropped.
         Raises DeadlineExceeded when the time is up (the request stays in flight, so a later
-        recv() can still get it) and CommError when the peer replied with an error.
+        recv() can still get it) and CommError when the peer replied with an error. A wait that
+        finds the connection made again sends every request in flight on it again (`_resend`).
         """
         connection = self._peer(peer)
         reply = connection.arrived.pop(seq, None)
@@ -118,11 +143,13 @@ class Client:
         if seq not in connection.pending:
             raise ValueError(f"request {seq} is not in flight to {peer}: not sent or already received")
         deadline = time.monotonic() + timeout_s
-        wait_ms = timeout_ms(timeout_s)
         while True:
-            frames = connection.receiver.recv(wait_ms)
+            frames = connection.receiver.recv(timeout_ms(min(deadline - time.monotonic(), _RECONNECT_CHECK_S)))
             if frames is None:
-                what = f"{connection.pending[seq]!r} (seq {seq})"
+                self._resend(connection)
+                if time.monotonic() < deadline:
+                    continue
+                what = f"{connection.pending[seq].op!r} (seq {seq})"
                 raise DeadlineExceeded(peer, connection.address, what, timeout_s)
             try:
                 reply = decode(frames)
@@ -134,7 +161,6 @@ class Client:
                 return _checked(connection, reply)
             if connection.pending.pop(reply_seq, None) is not None:
                 connection.arrived[reply_seq] = reply
-            wait_ms = timeout_ms(deadline - time.monotonic())
 
     def request(
         self,
@@ -173,7 +199,7 @@ class Client:
     def close(self) -> None:
         """Close every socket at once, dropping unsent requests."""
         for connection in self._peers.values():
-            connection.socket.close(linger=0)
+            _close(connection.socket, connection.monitor)
         self._peers.clear()
 
     def __enter__(self) -> Client:
@@ -205,10 +231,30 @@ class Client:
         self._next_seq += 1
         header["s"] = self.sender_id
         header["q"] = seq
+        # Every reply before the oldest request still in flight has arrived: the server need keep none of them.
+        header[ACKNOWLEDGED] = min(connection.pending, default=seq)
         frames = encode(header, tensors)
         self._send_frames(connection, frames)
-        connection.pending[seq] = op
+        connection.pending[seq] = _InFlight(op, frames)
         return seq, frames
+
+    def _resend(self, connection: _Peer) -> None:
+        """Once the connection to the peer was made again, every request in flight on it goes out again, oldest
+        first: the old connection may have lost the request, or its reply. Marked as resent, so that the server
+        applies each at most once by its (sender, seq) and sends the kept reply of one it answered already; a new
+        process at the address (a restarted PS) drops them, knowing nothing of this sender."""
+        handshakes = connection.handshakes
+        while connection.monitor.poll(0):
+            recv_monitor_message(connection.monitor)
+            connection.handshakes += 1
+        if handshakes == connection.handshakes or connection.handshakes < 2:
+            return
+        for _, request in sorted(connection.pending.items()):
+            if request.resends < _MAX_RESENDS:
+                request.resends += 1
+                header = msgpack.unpackb(request.frames[0])
+                header[RESENT] = True
+                self._send_frames(connection, [msgpack.packb(header), *request.frames[1:]])
 
     def _send_frames(self, connection: _Peer, frames: list[Any]) -> None:
         for attempt in range(2):
@@ -224,9 +270,16 @@ class Client:
                     ) from None
             # Nowhere to queue: libzmq gives a connection up for good when its handshake breaks the protocol, as with
             # whatever squatted the port while the peer was down (another mechanism). A new socket connects again.
-            connection.socket.close(linger=0)
-            connection.socket = self._open(connection.name, connection.address)
+            # Its first handshake counts as a new connection: what was queued on the old socket is sent again.
+            _close(connection.socket, connection.monitor)
+            connection.socket, connection.monitor = self._open(connection.name, connection.address)
             connection.receiver = Receiver(connection.socket)
+
+
+def _close(socket: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:
+    socket.disable_monitor()
+    monitor.close(linger=0)
+    socket.close(linger=0)
 
 
 def _checked(connection: _Peer, reply: Reply) -> Reply:

@@ -13,8 +13,12 @@ OP = "op"
 """The message's kind; a protocol module's union of message types reads it as its tag."""
 SENDER = "s"
 SEQUENCE = "q"
-ENVELOPE = (OP, SENDER, SEQUENCE)
-"""Keys comm/ sets in a request or reply header: the op name, the sender and the sequence number."""
+ACKNOWLEDGED = "a"
+"""In a request: the oldest sequence number the sender still awaits a reply to from this peer."""
+RESENT = "r"
+"""In a request: sent again on a new connection (comm/client.py Client._resend)."""
+ENVELOPE = (OP, SENDER, SEQUENCE, ACKNOWLEDGED, RESENT)
+"""Keys comm/ sets in a request or reply header: the op name, the sender, the sequence number and the two above."""
 
 _repr = reprlib.Repr()
 _repr.maxstring = _repr.maxother = 40
@@ -24,8 +28,11 @@ short = _repr.repr
 
 
 def message_fields(header: dict[str, Any]) -> dict[str, Any]:
-    """The header without the sender and the sequence number: the op (a tag) and the message's own fields."""
-    return {name: value for name, value in header.items() if name != SENDER and name != SEQUENCE}
+    """The header without comm/'s keys but the op: the op (a tag) and the message's own fields."""
+    return {name: value for name, value in header.items() if name not in _NOT_FIELDS}
+
+
+_NOT_FIELDS = frozenset((SENDER, SEQUENCE, ACKNOWLEDGED, RESENT))
 
 
 # msgspec's errors: "<problem> - at `$.field[0]`", or "Object missing required field `field`" (or "contains unknown").

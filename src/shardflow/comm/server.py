@@ -8,7 +8,7 @@ import reprlib
 import socket
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 from urllib.parse import urlsplit
@@ -18,6 +18,7 @@ import zmq
 
 from shardflow import env
 from shardflow.comm.client import HEARTBEAT_IVL_MS, HEARTBEAT_TIMEOUT_MS
+from shardflow.comm.envelope import ACKNOWLEDGED, RESENT
 from shardflow.comm.errors import CommError, ProtocolError
 from shardflow.comm.framing import (
     SNDMORE,
@@ -46,6 +47,11 @@ logger = logging.getLogger(__name__)
 _MAX_SENDERS = 1024
 _MAX_SENDER_CHARS = 256
 _QUEUE_LIMIT = 100_000
+# Per sender, far above the requests one has in flight: beyond them, the oldest delivered are taken for settled
+# (a client that gives up requests, as the chief's status polls of a silent PS, never acknowledges them). A reply
+# may hold a copy of a PS's parameters: few are kept.
+_MAX_DELIVERED = 4096
+_MAX_REPLIES_KEPT = 8
 
 
 @dataclass
@@ -73,16 +79,41 @@ class Request:
 
 @dataclass
 class _Sender:
-    highest_seq: int
-    """Highest sequence number delivered; anything at or below it is a duplicate."""
-    reply_seq: int = -1
-    reply_frames: list[Any] | None = None
+    floor: int
+    """Every sequence number at or below it counts as delivered: the client acknowledged its reply."""
+    delivered: set[int] = field(default_factory=set)
+    """The sequence numbers above `floor` delivered: a request sent again on a new connection may come after a
+    later one, so a higher number delivered says nothing of a lower one."""
+    replies: dict[int, list[Any]] = field(default_factory=dict)
+    """Replies kept for a retry of their request, by sequence number, until the client acknowledges them."""
+
+    def settle(self, acknowledged: int) -> None:
+        """The client has every reply before `acknowledged`: forget them."""
+        floor = self.floor
+        if acknowledged - 1 > floor:
+            self.floor = acknowledged - 1
+            for seq in [seq for seq in self.replies if seq <= self.floor]:
+                del self.replies[seq]
+        if len(self.delivered) > _MAX_DELIVERED:
+            self.floor = max(self.floor, sorted(self.delivered)[len(self.delivered) // 2])
+        if self.floor > floor and len(self.delivered) > 16:
+            self.delivered = {seq for seq in self.delivered if seq > self.floor}
+        while len(self.replies) > _MAX_REPLIES_KEPT:
+            del self.replies[next(iter(self.replies))]
+
+    def is_new(self, seq: int) -> bool:
+        if seq <= self.floor or seq in self.delivered:
+            return False
+        self.delivered.add(seq)
+        return True
 
 
 class Server:
     """ROUTER socket. Requests are delivered at most once per (sender, seq); a duplicate (a client
-    retry) is never delivered again: the server re-sends the cached reply if that seq was already
-    answered, and drops it otherwise (the pending reply will reach the same socket).
+    retry, or a request sent again on a new connection) is never delivered again: the server
+    re-sends the kept reply if that seq was already answered, and drops it otherwise (the pending
+    reply will reach the same socket). A request sent again to a server that does not know its
+    sender (a new process at the address) is dropped: it was meant for the one before.
 
     Replies may be sent in any order and at any later time. A Server belongs to one thread.
     """
@@ -174,9 +205,8 @@ class Server:
         frames = encode(header, tensors)
         self._send(request.identity, frames)
         state = self._senders.get(request.sender)
-        if state is not None:
-            state.reply_seq = request.seq
-            state.reply_frames = frames
+        if state is not None and request.seq > state.floor:
+            state.replies[request.seq] = frames
 
     def reply_error(self, request: Request, message: str) -> None:
         """Answer `request` with an error; the client raises CommError with `message`."""
@@ -217,21 +247,25 @@ class Server:
             problem = f"a request header needs 'op' (str), 's' (str of at most {_MAX_SENDER_CHARS}) and 'q' (int)"
             self._reject(identity, header, problem)
             return None
+        acknowledged = header.get(ACKNOWLEDGED)
+        acknowledged = acknowledged if type(acknowledged) is int and acknowledged <= seq else seq
         state = self._senders.pop(sender, None)
         if state is None:
+            if header.get(RESENT):
+                self.duplicates += 1
+                return None
             if len(self._senders) >= _MAX_SENDERS:
                 del self._senders[next(iter(self._senders))]  # the least recently heard from
-            self._senders[sender] = _Sender(seq)
-            return Request(identity, header, tensors)
+            state = _Sender(acknowledged - 1)
         self._senders[sender] = state  # now the most recently heard from
-        if seq > state.highest_seq:
-            state.highest_seq = seq
-        else:
-            self.duplicates += 1
-            if seq == state.reply_seq and state.reply_frames is not None:
-                self._send(identity, state.reply_frames)
-            return None
-        return Request(identity, header, tensors)
+        state.settle(acknowledged)
+        if state.is_new(seq):
+            return Request(identity, header, tensors)
+        self.duplicates += 1
+        kept = state.replies.get(seq)
+        if kept is not None:
+            self._send(identity, kept)
+        return None
 
     def _send(self, identity: bytes, frames: list[Any]) -> None:
         # A ROUTER never blocks: a reply to a client that is gone is dropped.

@@ -25,6 +25,7 @@ from shardflow.cluster.zygote import exit_without_final_collection, installed_mo
 from shardflow.comm.errors import CommError
 from shardflow.comm.security import new_secret
 from shardflow.ps.connection import PSConnection
+from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.chief import run_chief
 from shardflow.train.evaluator import run_evaluator
@@ -183,15 +184,39 @@ def _run_other_role(job: JobConfig, spec: ClusterSpec, task: TaskSpec, on_connec
         elif task.type == "evaluator":
             run_evaluator(job, role)
     except Exception as error:
-        if task.type == "worker" and not isinstance(error, ControlPlaneError):  # else the chief cannot hear it
+        if task.type != "worker" or isinstance(error, ControlPlaneError):  # the chief cannot hear the latter
+            raise
+        if not _stands_down(role, error):
             with contextlib.suppress(ControlPlaneError):
                 role.control.set(control_keys.failed(task.name), f"{type(error).__name__}: {error}")
-        raise
+            raise
     with contextlib.suppress(ControlPlaneError):
         role.control.set(control_keys.goodbye(task.name), "1")
     role.control.close()
     sys.stdout.flush()
     raise SystemExit(0)
+
+
+def _stands_down(role: RoleContext, error: Exception) -> bool:
+    """Whether this worker's shard went to another worker while it was silent (hung, then woken: the chief took it
+    for lost for good, see train/chief_loop.py): then what it sends is refused or repeated, and the error that ended
+    it is no failure of the job. The adopter reads the rest of the shard as this worker, so every record is still
+    applied once."""
+    for task in role.spec.tasks():
+        if task.type != "worker" or task == role.task:
+            continue
+        with contextlib.suppress(ControlPlaneError):
+            handover = role.control.read_if_set(job_keys.handover(task.name))
+            if handover is not None and role.task.name in handover.workers:
+                log.warning(
+                    "%s: %s reads the rest of this worker's shard since it was lost; it stands down (%s: %s)",
+                    role.task.name,
+                    task.name,
+                    type(error).__name__,
+                    error,
+                )
+                return True
+    return False
 
 
 def _log_to(path: Path) -> list[logging.Handler]:
@@ -280,6 +305,7 @@ def _run_embedded(job: JobConfig, on_connect: OnConnect) -> TrainResult:
         log_dir=job.model_dir / "logs",
         max_restarts=strategy.max_restarts,
         restart_backoff_s=strategy.restart_backoff_s,
+        hung_timeout_s=strategy.hung_timeout_s,
         # The roles run this script too: what it imported so far, they import from the zygote.
         preload=installed_modules(),
     )

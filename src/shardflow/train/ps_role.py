@@ -14,7 +14,7 @@ import torch
 from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlaneError
-from shardflow.cluster.launcher import make_runtime_dir
+from shardflow.cluster.runtime_dir import make_runtime_dir
 from shardflow.cluster.spec import DYNAMIC, TaskSpec
 from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
 from shardflow.comm.server import Server, secure_server

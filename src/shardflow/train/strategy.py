@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shardflow.cluster.liveness import HUNG_TIMEOUT_S
 from shardflow.ps.placement import Partitioner
 from shardflow.ps.update_rules import UpdateRule
 from shardflow.train.precision import check_mixed_precision
@@ -42,6 +43,11 @@ class ParameterServerStrategy(UpdateRule):
     """sync and ssp, while a worker is lost: "wait" holds the steps it takes part in until it is restarted and
     rejoins (none of its records is skipped); "continue" completes them with the remaining replicas and lets the
     others run ahead of it. Async never waits."""
+    hung_timeout_s: float = HUNG_TIMEOUT_S
+    """A worker or PS whose heartbeat stops for this long is hung: the local launcher kills it to restart it (while
+    it has restarts left), as the liveness probe of deploy/'s manifests does on Kubernetes. Keep it above
+    heartbeat_timeout_s (a role silent for less comes back by itself) and below request_timeout_s and
+    worker_rejoin_timeout_s."""
     max_restarts: int = 3
     """How many times the local launcher (the embedded cluster, `shardflow launch`) restarts each worker or
     evaluator process that dies; on a cluster manager its restart policy does this."""
@@ -86,7 +92,13 @@ class ParameterServerStrategy(UpdateRule):
             raise ValueError(f"ParameterServerStrategy.max_restarts must be an int >= 0, got {self.max_restarts!r}")
         if self.restart_backoff_s < 0:
             raise ValueError(f"ParameterServerStrategy.restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
-        for name in ("request_timeout_s", "startup_timeout_s", "heartbeat_timeout_s", "worker_rejoin_timeout_s"):
+        for name in (
+            "request_timeout_s",
+            "startup_timeout_s",
+            "heartbeat_timeout_s",
+            "worker_rejoin_timeout_s",
+            "hung_timeout_s",
+        ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"ParameterServerStrategy.{name} must be positive")
         if not isinstance(self.fail_on_save_error, bool):

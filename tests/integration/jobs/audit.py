@@ -68,6 +68,7 @@ strategy = sf.ParameterServerStrategy(
     partitioner=sf.Partitioner(min_slice_bytes=256),
     heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
     worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
+    hung_timeout_s=config.get("hung_timeout_s", 30.0),
     lost_worker_policy=config.get("lost_worker_policy", "wait"),
     max_restarts=config.get("max_restarts", 3),
     restart_backoff_s=config.get("restart_backoff_s", 0.5),

@@ -1,0 +1,82 @@
+"""Hung roles, stopped from outside (SIGSTOP: alive and silent): a PS that never wakes is killed by the launcher and
+restarted, a PS that stalls past the data plane's connection deadline and wakes has its requests sent again, and a
+worker that wakes after its shard went to another stands down. Every job ends by itself, at its exact global step,
+with every record's gradient applied once (tests/integration/jobs/audit.py)."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .test_worker_loss import JOBS, NUM_RECORDS, _audit, _kill_if_running, _role, _wait_for_training, _write_config
+
+LONG = 8 * NUM_RECORDS
+"""Records enough that training still runs when a role is stopped 1 s in."""
+
+
+def _start(tmp_path: Path, **config: Any) -> subprocess.Popen[str]:
+    path = _write_config(tmp_path, num_records=LONG, step_delay_s=0.01, **config)
+    command = [sys.executable, str(JOBS / "audit.py"), str(path)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _finish(proc: subprocess.Popen[str], timeout_s: float = 120) -> str:
+    try:
+        out, _ = proc.communicate(timeout=timeout_s)
+    finally:
+        _kill_if_running(proc)
+    return out
+
+
+def test_a_ps_stopped_for_good_is_killed_and_restarted_and_the_job_ends_exact(tmp_path):
+    proc = _start(
+        tmp_path, save_checkpoints_steps=64, heartbeat_timeout_s=1.0, hung_timeout_s=3.0, restart_backoff_s=0.1
+    )
+    try:
+        _wait_for_training(proc, tmp_path, 1.0)
+        _role(proc, "ps:1").send_signal(signal.SIGSTOP)
+    finally:
+        out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert "ps:1 is lost" in out and "is hung: no heartbeat for" in out and "restarting it" in out, out
+    _audit(tmp_path, num_records=LONG)
+
+
+def test_a_ps_stopped_past_the_connection_deadline_then_resumed_loses_no_request(tmp_path):
+    # 10 s: the data plane drops the connection to a silent peer after 6 s.
+    proc = _start(tmp_path, heartbeat_timeout_s=2.0)
+    try:
+        _wait_for_training(proc, tmp_path, 1.0)
+        ps = _role(proc, "ps:1")
+        ps.send_signal(signal.SIGSTOP)
+        time.sleep(10.0)
+        ps.send_signal(signal.SIGCONT)
+    finally:
+        out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert "ps:1 rejoined" in out, out
+    _audit(tmp_path, num_records=LONG)
+
+
+def test_a_worker_that_wakes_after_its_shard_was_handed_over_stands_down(tmp_path):
+    # Lost after 1 s, handed over 1 s later; the launcher has no restart to give it, so it never kills it.
+    proc = _start(tmp_path, heartbeat_timeout_s=1.0, worker_rejoin_timeout_s=1.0, max_restarts=0)
+    try:
+        _wait_for_training(proc, tmp_path, 1.0)
+        worker = _role(proc, "worker:1")
+        worker.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "model" / "logs" / "chief.log").read_text().count("reads the rest of its shard"):
+            assert time.monotonic() < deadline, "the shard was never handed over"
+            time.sleep(0.1)
+        worker.send_signal(signal.SIGCONT)
+    finally:
+        out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert "worker:1 did not come back within worker_rejoin_timeout_s=1s: worker:0 reads the rest" in out, out
+    assert "worker:1: worker:0 reads the rest of this worker's shard since it was lost; it stands down" in out, out
+    _audit(tmp_path, num_records=LONG)
