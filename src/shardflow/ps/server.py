@@ -123,23 +123,30 @@ class ParameterServer:
         self._handling_since = time.perf_counter_ns()
         try:
             message = protocol.decode_request(request.header, request.tensors, self.limits, request.sender)
+            if self._turned_away(request, message):
+                return
             self._check_slots(request.sender, message)
         except PSProtocolError as error:
             self.stats["malformed"] += 1
             self._log("malformed", request.sender, error.op, f"ps:{self.index} refused a malformed request: {error}")
             self.server.reply_error(request, f"ps:{self.index} refused a malformed request: {error}")
             return
-        if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
-            self.server.reply_error(request, f"ps:{self.index} is not initialised yet; the chief sends 'init' first")
-            return
-        if self.generation and isinstance(message, _FENCED) and message.worker_index not in self.rejoined:
-            # A request of the training before this PS was restored: its worker has not heard of the restore.
-            self.server.reply_error(request, f"{RESTORED} (recovery {self.generation}); rejoin first")
-            return
         if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
             self._guarded(request, message, ParameterServer._defer)
         else:
             self._guarded(request, message, HANDLERS[type(message)])
+
+    def _turned_away(self, request: Request, message: protocol.PSRequest) -> bool:
+        """Answer a request of another generation than this PS's: True if it was. Before the lane slots are checked:
+        a slot of a lane to this PS's previous process names none here."""
+        if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
+            self.server.reply(request, protocol.Unserved(unserved=self.index).header())  # sender awaits the restore
+            return True
+        if self.generation and isinstance(message, _FENCED) and message.worker_index not in self.rejoined:
+            # A request of the training before this PS was restored: its worker has not heard of the restore.
+            self.server.reply_error(request, f"{RESTORED} (recovery {self.generation}); rejoin first")
+            return True
+        return False
 
     def _guarded(self, request: Request, message: protocol.PSRequest, handler: Handler) -> None:
         """Run `handler`; a request it cannot hold or serve is answered with an error and counted."""

@@ -150,14 +150,24 @@ class ChiefLoop:
     # -- workers ----------------------------------------------------------------------------------
 
     def _watch_servers(self) -> None:
-        """A PS that was restarted holds nothing: restore every PS (train/checkpoints/restore.py). One lost for good (no
-        beat within worker_rejoin_timeout_s) fails the job."""
-        for k in range(self.role.num_ps):
-            name = f"ps:{k}"
-            if self.heartbeats.check(name) and self.recovery is not None:
-                state = self.recovery.restore(name, self.global_step)
-                self.global_step = state.step
-                self.checkpoints.restored(state.step)
+        """A PS that was restarted holds nothing: restore every PS (train/checkpoints/restore.py), and again while
+        another was restarted meanwhile, even during the restore, until none was. One lost for good (no beat within
+        worker_rejoin_timeout_s) fails the job."""
+        restarted = self._restarted_servers()
+        while restarted and self.recovery is not None:
+            try:
+                state = self.recovery.restore(restarted[0], self.global_step)
+            except PSRestarted as again:
+                log.warning("%s; every PS is restored again", again)
+                restarted = self._restarted_servers() or restarted
+                continue
+            self.global_step = state.step
+            self.checkpoints.restored(state.step)
+            restarted = self._restarted_servers()
+
+    def _restarted_servers(self) -> list[str]:
+        """The PS restarted since the last check (their beats come from a new process)."""
+        return [name for name in (f"ps:{k}" for k in range(self.role.num_ps)) if self.heartbeats.check(name)]
 
     def _watch_workers(self) -> bool:
         """Read progress reports and heartbeats; fail on a reported failure or a worker lost for good; True once
