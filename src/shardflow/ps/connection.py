@@ -95,14 +95,14 @@ class PSConnection:
         """`peer` was restarted and holds nothing yet: what was asked of it belongs to the training before, and
         ends with the chief's restore of every PS (then `interrupt` raises). Raises PSNotRestored if no restore
         came within `timeout_s`, or at once without an `interrupt` to say when it came."""
+        problem = f"{peer} at {self.client.address(peer)} was restarted and holds nothing yet"
+        if self.interrupt is None:
+            raise PSNotRestored(f"{problem}; the chief restores every PS after one was lost")
         deadline = time.monotonic() + timeout_s
-        while self.interrupt is not None and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
             self.interrupt()
             time.sleep(_RESTORE_CHECK_S / 5)
-        raise PSNotRestored(
-            f"{peer} at {self.client.address(peer)} was restarted and holds nothing yet, and the chief did not "
-            f"restore the parameter servers within {timeout_s:g}s"
-        )
+        raise PSNotRestored(f"{problem}, and the chief did not restore the parameter servers within {timeout_s:g}s")
 
     def exchange(
         self,
