@@ -28,7 +28,8 @@ from .test_worker_loss import JOBS, NUM_RECORDS, _audit, _kill_if_running, _wait
 
 RUNS = int(os.environ.get("SHARDFLOW_KILL_RUNS", "1"))
 # 2048 records of 8 over 2 workers, steps of at least 15 ms: about 3 s of training, checkpoints every 16 steps.
-PACE = {"num_records": 2 * NUM_RECORDS, "step_delay_s": 0.015, "save_checkpoints_steps": 16}
+NUM_KILL_RECORDS = 2 * NUM_RECORDS
+PACE = {"num_records": NUM_KILL_RECORDS, "step_delay_s": 0.015, "save_checkpoints_steps": 16}
 RESTORED = "was lost and restarted: every PS restored"
 
 
@@ -90,7 +91,7 @@ class _Job:
         out = self.output()
         assert self.proc.returncode == 0, f"{what}\n{out}"
         assert "SIGKILL" in out and "restarting it" in out and RESTORED in out, f"{what}\n{out}"
-        _audit(self.tmp_path, num_records=PACE["num_records"], replicas=2 if self.mode == "sync" else 1)
+        _audit(self.tmp_path, num_records=NUM_KILL_RECORDS, replicas=2 if self.mode == "sync" else 1)
         return out
 
     def stop(self) -> None:
