@@ -1,11 +1,12 @@
 """The chief's recovery from a lost PS converges when another PS is lost while it restores: it restores every PS
-again, as many times as it takes, until no PS was restarted since."""
+again, as many times as it takes, until no PS was restarted since; and before the final checkpoint too."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 from typing import Any
 
+from shardflow.ps.replies import StatusReply
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.heartbeat import PSRestarted
 
@@ -67,3 +68,23 @@ def test_no_ps_restarted_no_restore():
     recovery = _Recovery(lost_again=0)
     assert _watch_servers(_Heartbeats(set()), recovery) == 40
     assert recovery.restored == []
+
+
+def _status(initialized: bool) -> StatusReply:
+    return StatusReply(step=64, stop=True, initialized=initialized, snapshots=(), stats={})
+
+
+def _final_status(status: Any) -> list[StatusReply] | None:
+    loop: Any = ChiefLoop.__new__(ChiefLoop)  # only what _final_status reads
+    loop.client = SimpleNamespace(status=status)
+    return loop._final_status()
+
+
+def test_a_ps_restarted_as_the_workers_finish_is_restored_before_the_final_checkpoint():
+    def restarted() -> list[StatusReply]:
+        raise PSRestarted("ps:1 was restarted while the chief waited for it")
+
+    assert _final_status(restarted) is None
+    # Restarted, and answering before the chief saw it beat: it holds nothing, so it is no final state either.
+    assert _final_status(lambda: [_status(True), _status(False)]) is None
+    assert _final_status(lambda: [_status(True), _status(True)]) == [_status(True), _status(True)]

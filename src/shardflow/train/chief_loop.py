@@ -102,9 +102,8 @@ class ChiefLoop:
             while True:
                 done = self._watch_workers()
                 now = time.monotonic()
-                if done or now >= stop_waiting_at:
+                if (done or now >= stop_waiting_at) and (replies := self._final_status()) is not None:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
-                    replies = self.client.status()
                     self.global_step = replies[0].step  # the final summaries' step
                     self.checkpoints.save_snapshots(replies, self._evaluate_snapshot)
                     return
@@ -125,6 +124,16 @@ class ChiefLoop:
             self.summaries.training(self.global_step, self.progress, self._ps_stats, final=True)
             self.display.update(self.global_step, self.progress)
             self.display.close()
+
+    def _final_status(self) -> list[StatusReply] | None:
+        """Every PS's status once the workers are done; None if a PS was restarted meanwhile: the next watch restores
+        every PS, and the workers train again from there."""
+        try:
+            replies = self.client.status()
+        except PSRestarted as restarted:
+            log.warning("%s; every PS is restored next", restarted)
+            return None
+        return replies if all(reply.initialized for reply in replies) else None
 
     def _preempt(self, preemption: Preemption, ask_roles: bool) -> bool:
         """Whether this process got SIGTERM or (when `ask_roles`) another role told that it did; if so, end training
