@@ -2,16 +2,18 @@
 
 Every run is tests/integration/jobs/audit.py (2 PS, 2 workers, 1024 records of 8), whose final parameters count how
 many times each record's gradient was applied. A fault is a SIGKILL at an exact point (SHARDFLOW_FAULT, see
-src/shardflow/faults.py) at a random step, or a SIGTERM from outside at a random moment. After each run: did the job
-end by itself with exit status 0 at the exact global step (or, for a fault the job cannot survive alone, did the
-next run of the same command resume and end so), how many records were applied twice or never, how many steps were
-lost, how long until the fault was detected and until training went on.
+src/shardflow/faults.py) at a random step, a SIGKILL of a PS from outside at a random moment (as an operator or the
+kernel's OOM killer would; shared-memory lanes on and off), or a SIGTERM from outside at a random moment. After each
+run: did the job end by itself with exit status 0 at the exact global step (or, for a fault the job cannot survive
+alone, did the next run of the same command resume and end so), how many records were applied twice or never, how
+many steps were lost, how long until the fault was detected and until training went on.
 
 Times come from the moments lines of output arrive: the fault is when its marker file was written (the process dies
 0.1 s later), detection is the launcher's line saying the process exited, recovery is the last line of a rejoining
 worker after it.
 
-Usage: python benchmarks/faults.py [--runs N] [--seed S] [--out RELIABILITY.md]
+Usage: python benchmarks/faults.py [--runs N] [--seed S] [--out RELIABILITY.md] [--only TEXT]
+(the issue's "each PS killed from outside, 5 runs each": --runs 5 --only "from outside")
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 from audited_runs import BATCH, NUM_RECORDS, ROOT, Run, audit, fmt, median, write_block
 from safetensors.torch import load_file
+
+from shardflow import env as shardflow_env
+from shardflow.cluster.zygote import role_of
 
 
 @dataclass(frozen=True)
@@ -43,7 +49,10 @@ class Fault:
     """The fault's step is drawn from this range (inclusive)."""
     sigterm: bool = False
     """SIGTERM to the job from outside, 1 to 3 s into training, in place of a fault point."""
+    killed_from_outside: bool = False
+    """SIGKILL to `role`'s process from outside, 0.2 to 2 s into training, in place of a fault point."""
     config: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 FAULTS = [
@@ -74,6 +83,19 @@ FAULTS = [
         config={"save_checkpoints_steps": 16, "step_delay_s": 0.02},
     ),
     Fault("SIGTERM to the job (preemption)", "async", sigterm=True, config={"step_delay_s": 0.05}),
+    *[
+        Fault(
+            f"{ps} SIGKILLed from outside ({mode}, lanes {lanes})",
+            mode,
+            ps,
+            killed_from_outside=True,
+            config={"save_checkpoints_steps": 16, "step_delay_s": 0.04},
+            env={shardflow_env.SHARED_MEMORY: lanes},
+        )
+        for ps in ("ps:0", "ps:1")
+        for mode in ("async", "sync")
+        for lanes in ("on", "off")
+    ],
     # A NaN loss in one batch of worker:1, with max_nonfinite_updates=2: that batch is refused on every PS and
     # counted, and training goes on; its 8 records are the only ones never applied.
     Fault("NaN loss in one batch", "async", point="nan", steps=(0, 63), config={"max_nonfinite_updates": 2}),
@@ -101,14 +123,14 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
         "restart_backoff_s": 0.5,
         **fault.config,
     }
-    env = dict(os.environ)
+    env = {**os.environ, **fault.env}
     marker = workdir / "fault.fired"
     step = None
     if fault.point == "nan":
         batch = 2 * rng.randint(*fault.steps) + 1  # worker:1 reads batches 1, 3, 5, ...
         config["nan_at"] = [1, batch * BATCH]
         step = batch
-    elif not fault.sigterm:
+    elif not fault.sigterm and not fault.killed_from_outside:
         step = rng.randint(*fault.steps)
         if fault.point == "checkpoint":
             step *= int(fault.config["save_checkpoints_steps"])
@@ -119,6 +141,8 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
     fired_at: float | None = None
     if fault.sigterm:
         fired_at = _sigterm_during_training(run, workdir, rng)
+    if fault.killed_from_outside:
+        fired_at = _kill_during_training(run, workdir, rng, fault.role)
     returncode = run.wait()
     if marker.exists():
         fired_at = marker.stat().st_mtime + 0.1  # the process sleeps 0.1 s, then SIGKILLs itself
@@ -128,7 +152,8 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
     if fired_at is not None and not fault.sigterm:
         detected = run.first(r"\[launcher\] .* exited with code -9", fired_at - 0.5)
         detect_s = detected[0] - fired_at if detected else None
-        rejoined = run.last(r"rejoins the job", fired_at)
+        # A worker restored to the start of the run (no checkpoint yet) has no steps to rejoin with.
+        rejoined = run.last(r"rejoins the job|restored; rejoining", fired_at)
         recover_s = rejoined[0] - fired_at if rejoined else None
         lost = run.first(r"the (\d+) steps since are done again")
         steps_lost = int(lost[1][1]) if lost else (0 if fault.role.startswith("worker") else None)
@@ -167,6 +192,27 @@ def _sigterm_during_training(run: Run, workdir: Path, rng: random.Random) -> flo
     fired_at = time.time()
     run.proc.send_signal(signal.SIGTERM)
     return fired_at
+
+
+def _kill_during_training(run: Run, workdir: Path, rng: random.Random, role: str) -> float | None:
+    """SIGKILL to `role`'s process at a random moment once training has started; returns that moment (None: the
+    job ended before it could be killed)."""
+    job_file = workdir / "model" / "job.json"
+    deadline = time.monotonic() + 120
+    while not job_file.exists() and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(rng.uniform(0.2, 2.0))  # of about 2.5 s of training
+    while run.proc.poll() is None:
+        for child in psutil.Process(run.proc.pid).children(recursive=True):
+            try:
+                if role_of(child) == role:
+                    fired_at = time.time()
+                    os.kill(child.pid, signal.SIGKILL)
+                    return fired_at
+            except (psutil.Error, ProcessLookupError):
+                continue
+        time.sleep(0.02)  # between two runs of it
+    return None
 
 
 def _refused_batch(fault: Fault, batch: int | None, workdir: Path, returncode: int, out: str) -> Outcome:

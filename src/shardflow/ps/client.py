@@ -365,6 +365,8 @@ class ParameterClient(PSConnection):
             raise
 
     def close(self) -> None:
+        """Remove the hooks, drop the lanes and close the sockets, dropping what they hold unsent: a request left
+        queued for a PS that was lost would otherwise reach its restarted process, a slot of an old lane with it."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -372,3 +374,4 @@ class ParameterClient(PSConnection):
             if lane is not None:
                 lane.close()  # the model may still point into it: the mapping stays while it does
         self.lanes = [None] * len(self.lanes)
+        self.client.close()

@@ -15,10 +15,14 @@ from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.ps import protocol
 from shardflow.ps.layout import ShardLayout
 from shardflow.ps.placement import Placement
-from shardflow.ps.protocol import StatusReply, StepReply
+from shardflow.ps.protocol import StatusReply, StepReply, Unserved
 
 # How often a wait longer than this checks whether the PS were restored meanwhile.
 _RESTORE_CHECK_S = 0.5
+
+
+class PSNotRestored(CommError):
+    """A PS answered `Unserved` (it was restarted and holds nothing) and the chief did not restore it in time."""
 
 
 def read_global_step(client: Client, peer: str, timeout_s: float) -> int:
@@ -61,10 +65,19 @@ class PSConnection:
 
     def recv(self, peer: str, seq: int, timeout_s: float | None = None) -> tuple[dict[str, Any], list[torch.Tensor]]:
         """A wait for a reply: within the request deadline (default timeout_s), and cut short (by whatever
-        `interrupt` raises) once a PS was restarted or the PS restored, since a lost PS never answers."""
+        `interrupt` raises) once a PS was restarted or the PS restored, since a lost PS never answers. A PS that
+        was restarted and not restored yet answers `Unserved`: this waits for the restore (see `_await_restore`)."""
         timeout_s = timeout_s or self.timeout_s
         if self.interrupt is None:
-            return self.client.recv(peer, seq, timeout_s)
+            reply = self.client.recv(peer, seq, timeout_s)
+        else:
+            reply = self._recv_interrupted(peer, seq, timeout_s)
+        if Unserved.found_in(reply[0], peer) is not None:
+            self._await_restore(peer, timeout_s)
+        return reply
+
+    def _recv_interrupted(self, peer: str, seq: int, timeout_s: float) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        assert self.interrupt is not None
         deadline = time.monotonic() + timeout_s
         while True:
             slice_s = min(_RESTORE_CHECK_S, deadline - time.monotonic())
@@ -77,6 +90,19 @@ class PSConnection:
             except CommError:
                 self.interrupt()  # a PS refuses a push of the training before its restore
                 raise
+
+    def _await_restore(self, peer: str, timeout_s: float) -> None:
+        """`peer` was restarted and holds nothing yet: what was asked of it belongs to the training before, and
+        ends with the chief's restore of every PS (then `interrupt` raises). Raises PSNotRestored if no restore
+        came within `timeout_s`, or at once without an `interrupt` to say when it came."""
+        problem = f"{peer} at {self.client.address(peer)} was restarted and holds nothing yet"
+        if self.interrupt is None:
+            raise PSNotRestored(f"{problem}; the chief restores every PS after one was lost")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            self.interrupt()
+            time.sleep(_RESTORE_CHECK_S / 5)
+        raise PSNotRestored(f"{problem}, and the chief did not restore the parameter servers within {timeout_s:g}s")
 
     def exchange(
         self,

@@ -22,6 +22,7 @@ from shardflow.ps.replies import RejoinReply as RejoinReply
 from shardflow.ps.replies import StateReply as StateReply
 from shardflow.ps.replies import StatusReply as StatusReply
 from shardflow.ps.replies import StepReply as StepReply
+from shardflow.ps.replies import Unserved as Unserved
 from shardflow.ps.update_rules import ApplyConfig
 
 SlotIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]

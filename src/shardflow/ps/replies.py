@@ -95,3 +95,19 @@ class StateReply(_Answer, frozen=True):
     worker_steps: dict[str, Count]
     """By "worker:<index>", the last of its steps this PS had."""
     stats: dict[str, int | float]
+
+
+class Unserved(Message, frozen=True):
+    """What a PS answers, in place of any other reply, to a request it cannot serve yet: it was started or restarted
+    and the chief has not initialised (restored) it. Nothing was applied. A worker waits for the chief's restore
+    and rejoins; it never fails of it (see ps/connection.py)."""
+
+    unserved: Count
+    """The index of the PS, which holds no state yet."""
+
+    @classmethod
+    def found_in(cls, header: dict[Any, Any], sender: str) -> Self | None:
+        """The answer in `header` if it is one (a check of one key: every reply passes here)."""
+        if "unserved" not in header:
+            return None
+        return cls.from_header(header, "unserved", sender)

@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 RESTORED = "the parameter servers were restored from a checkpoint after one was lost"
 """The start of the error a PS answers a worker's push with after a restore, until the worker rejoins."""
 _FENCED = (protocol.Push, protocol.NonFinite, protocol.Done)
-"""What a worker sends that changes the update rule's state: refused from a worker that has not rejoined since a
+"""What a worker sends that changes the update rule's state: refused from a sender that has not rejoined since a
 restore."""
 _WITH_PARAMS = (protocol.Push, protocol.NonFinite, protocol.Pull)
 """The requests answered with the parameters, into a reply slot of the sender's lane if they name one."""
@@ -80,10 +80,10 @@ class ParameterServer:
         # restarted worker resumes from these (see `_on_rejoin`); ps:0's positions go into checkpoints.
         self.worker_steps: dict[str, int] = {}
         self.iterators: dict[str, Any] = {}
-        # Raised by every `init` after a PS was lost (train/checkpoints/restore.py): until a worker rejoins, its pushes
-        # belong to the state before the restore and are refused.
+        # Raised by every `init` after a PS was lost (train/checkpoints/restore.py): until a sender rejoins, its pushes
+        # belong to the state before and are refused; by sender, so those a worker's previous client left queued too.
         self.generation = 0
-        self.rejoined: set[int] = set()
+        self.rejoined: set[str] = set()
         self._deferred_pushes: list[Received] = []
         self._handling_since = 0
         self._shutdown = False
@@ -123,23 +123,30 @@ class ParameterServer:
         self._handling_since = time.perf_counter_ns()
         try:
             message = protocol.decode_request(request.header, request.tensors, self.limits, request.sender)
+            if self._turned_away(request, message):
+                return
             self._check_slots(request.sender, message)
         except PSProtocolError as error:
             self.stats["malformed"] += 1
             self._log("malformed", request.sender, error.op, f"ps:{self.index} refused a malformed request: {error}")
             self.server.reply_error(request, f"ps:{self.index} refused a malformed request: {error}")
             return
-        if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
-            self.server.reply_error(request, f"ps:{self.index} is not initialised yet; the chief sends 'init' first")
-            return
-        if self.generation and isinstance(message, _FENCED) and message.worker_index not in self.rejoined:
-            # A request of the training before this PS was restored: its worker has not heard of the restore.
-            self.server.reply_error(request, f"{RESTORED} (recovery {self.generation}); rejoin first")
-            return
         if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
             self._guarded(request, message, ParameterServer._defer)
         else:
             self._guarded(request, message, HANDLERS[type(message)])
+
+    def _turned_away(self, request: Request, message: protocol.PSRequest) -> bool:
+        """Answer a request of another generation than this PS's: True if it was. Before the lane slots are checked:
+        a slot of a lane to this PS's previous process names none here."""
+        if self.limits is None and not isinstance(message, protocol.BEFORE_INIT):
+            self.server.reply(request, protocol.Unserved(unserved=self.index).header())  # sender awaits the restore
+            return True
+        if self.generation and isinstance(message, _FENCED) and request.sender not in self.rejoined:
+            # A request of the training before this PS was restored: its worker has not heard of the restore.
+            self.server.reply_error(request, f"{RESTORED} (recovery {self.generation}); rejoin first")
+            return True
+        return False
 
     def _guarded(self, request: Request, message: protocol.PSRequest, handler: Handler) -> None:
         """Run `handler`; a request it cannot hold or serve is answered with an error and counted."""
@@ -460,7 +467,7 @@ class ParameterServer:
     def _on_rejoin(self, request: Request, rejoin: protocol.Rejoin) -> None:
         worker = rejoin.worker_index
         self.updates.rejoined(worker)
-        self.rejoined.add(worker)
+        self.rejoined.add(request.sender)
         name = f"worker:{worker}"
         reply = protocol.RejoinReply(
             step=self.step,

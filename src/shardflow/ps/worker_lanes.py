@@ -41,12 +41,20 @@ def offer_lanes(connection: PSConnection, worker_index: int) -> list[WorkerLane 
             reply_slots=lane.reply_slots,
         )
         requests[ps] = lane, connection.client.send(peer, attach.header())
-    for ps, (lane, seq) in requests.items():
-        try:
-            connection.recv(connection.peers[ps], seq)
-        except CommError as error:
-            log.warning("%s: %s; it uses the socket", role, error)
-            lane.close()
-            continue
-        lanes[ps] = lane
+    closed: set[int] = set()
+    try:
+        for ps, (lane, seq) in requests.items():
+            try:
+                connection.recv(connection.peers[ps], seq)
+            except CommError as error:
+                log.warning("%s: %s; it uses the socket", role, error)
+                lane.close()
+                closed.add(ps)
+                continue
+            lanes[ps] = lane
+    except BaseException:  # a PS restarted meanwhile (PSRestored once restored): no lane of this offer is used
+        for ps, (lane, _) in requests.items():
+            if ps not in closed:
+                lane.close()
+        raise
     return lanes

@@ -102,9 +102,8 @@ class ChiefLoop:
             while True:
                 done = self._watch_workers()
                 now = time.monotonic()
-                if done or now >= stop_waiting_at:
+                if (done or now >= stop_waiting_at) and (replies := self._final_status()) is not None:
                     # Snapshots taken since the last poll are still saved, before the final checkpoint.
-                    replies = self.client.status()
                     self.global_step = replies[0].step  # the final summaries' step
                     self.checkpoints.save_snapshots(replies, self._evaluate_snapshot)
                     return
@@ -125,6 +124,16 @@ class ChiefLoop:
             self.summaries.training(self.global_step, self.progress, self._ps_stats, final=True)
             self.display.update(self.global_step, self.progress)
             self.display.close()
+
+    def _final_status(self) -> list[StatusReply] | None:
+        """Every PS's status once the workers are done; None if a PS was restarted meanwhile: the next watch restores
+        every PS, and the workers train again from there."""
+        try:
+            replies = self.client.status()
+        except PSRestarted as restarted:
+            log.warning("%s; every PS is restored next", restarted)
+            return None
+        return replies if all(reply.initialized for reply in replies) else None
 
     def _preempt(self, preemption: Preemption, ask_roles: bool) -> bool:
         """Whether this process got SIGTERM or (when `ask_roles`) another role told that it did; if so, end training
@@ -150,14 +159,24 @@ class ChiefLoop:
     # -- workers ----------------------------------------------------------------------------------
 
     def _watch_servers(self) -> None:
-        """A PS that was restarted holds nothing: restore every PS (train/checkpoints/restore.py). One lost for good (no
-        beat within worker_rejoin_timeout_s) fails the job."""
-        for k in range(self.role.num_ps):
-            name = f"ps:{k}"
-            if self.heartbeats.check(name) and self.recovery is not None:
-                state = self.recovery.restore(name, self.global_step)
-                self.global_step = state.step
-                self.checkpoints.restored(state.step)
+        """A PS that was restarted holds nothing: restore every PS (train/checkpoints/restore.py), and again while
+        another was restarted meanwhile, even during the restore, until none was. One lost for good (no beat within
+        worker_rejoin_timeout_s) fails the job."""
+        restarted = self._restarted_servers()
+        while restarted and self.recovery is not None:
+            try:
+                state = self.recovery.restore(restarted[0], self.global_step)
+            except PSRestarted as again:
+                log.warning("%s; every PS is restored again", again)
+                restarted = self._restarted_servers() or restarted
+                continue
+            self.global_step = state.step
+            self.checkpoints.restored(state.step)
+            restarted = self._restarted_servers()
+
+    def _restarted_servers(self) -> list[str]:
+        """The PS restarted since the last check (their beats come from a new process)."""
+        return [name for name in (f"ps:{k}" for k in range(self.role.num_ps)) if self.heartbeats.check(name)]
 
     def _watch_workers(self) -> bool:
         """Read progress reports and heartbeats; fail on a reported failure or a worker lost for good; True once

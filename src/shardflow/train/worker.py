@@ -52,7 +52,11 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
         interrupt=lambda: _check_restored(role, generation),
     )
     if role.task.type == "worker" and _shared_memory():
-        client.attach_lanes()
+        try:
+            client.attach_lanes()  # a PS restarted meanwhile: it waits for the restore, then raises PSRestored
+        except BaseException:
+            client.close()
+            raise
     return client
 
 
@@ -194,13 +198,19 @@ def run_worker(
     role.control.get(control_keys.READY, waiting_for="the chief to initialise the parameter servers")
     model = job.build_model().to(job.strategy.worker_device())
     generation = recovery_generation(role)
-    params = connect_parameters(job, role, model, generation)
-    on_connect(params)
-    position = InputPosition(job.train_spec, InputContext(role.num_workers, role.task.index), _resume(role, params))
-    profiler.check_requests()
-    hooks = StepHooks(job.train_spec.hooks, name, role.task.index)
-    report = Report(role, params.local_step, job.save_summary_steps, generation)
     try:
+        # A PS restarted from here on (even before this worker rejoined) ends in PSRestored once it is restored.
+        params = connect_parameters(job, role, model, generation)
+    except BaseException:
+        profiler.finish()
+        heartbeat.stop()
+        raise
+    hooks = StepHooks(job.train_spec.hooks, name, role.task.index)
+    try:
+        on_connect(params)
+        position = InputPosition(job.train_spec, InputContext(role.num_workers, role.task.index), _resume(role, params))
+        profiler.check_requests()
+        report = Report(role, params.local_step, job.save_summary_steps, generation)
         step = _train(WorkerStep(name, job, model, params, position, report, profiler.recorder), hooks, profiler)
         params.done()
     finally:
