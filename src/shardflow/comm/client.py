@@ -3,6 +3,7 @@ again on a new connection when the one they went out on dropped."""
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -201,6 +202,12 @@ class Client:
         for connection in self._peers.values():
             _close(connection.socket, connection.monitor)
         self._peers.clear()
+
+    def __del__(self) -> None:
+        # A client dropped without close(): its sockets' monitors go first. A socket collected with its monitor on
+        # can leave libzmq unable to connect sockets made after it (seen: a new client's requests never left).
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> Client:
         return self
