@@ -49,9 +49,11 @@ _MAX_SENDER_CHARS = 256
 _QUEUE_LIMIT = 100_000
 # Per sender, far above the requests one has in flight: beyond them, the oldest delivered are taken for settled
 # (a client that gives up requests, as the chief's status polls of a silent PS, never acknowledges them). A reply
-# may hold a copy of a PS's parameters: few are kept.
+# may hold a PS's parameters: the replies kept are bounded by count and by bytes. A client with many requests in
+# flight (the fuzz test keeps about 70) gets every reply of them again after its connection was made again.
 _MAX_DELIVERED = 4096
-_MAX_REPLIES_KEPT = 8
+_MAX_REPLIES_KEPT = 256
+_MAX_REPLY_BYTES_KEPT = 64 << 20
 
 
 @dataclass
@@ -86,6 +88,12 @@ class _Sender:
     later one, so a higher number delivered says nothing of a lower one."""
     replies: dict[int, list[Any]] = field(default_factory=dict)
     """Replies kept for a retry of their request, by sequence number, until the client acknowledges them."""
+    reply_bytes: int = 0
+    """The bytes of the frames in `replies`."""
+
+    def keep(self, seq: int, frames: list[Any]) -> None:
+        self.replies[seq] = frames
+        self.reply_bytes += _size(frames)
 
     def settle(self, acknowledged: int) -> None:
         """The client has every reply before `acknowledged`: forget them."""
@@ -93,19 +101,23 @@ class _Sender:
         if acknowledged - 1 > floor:
             self.floor = acknowledged - 1
             for seq in [seq for seq in self.replies if seq <= self.floor]:
-                del self.replies[seq]
+                self.reply_bytes -= _size(self.replies.pop(seq))
         if len(self.delivered) > _MAX_DELIVERED:
             self.floor = max(self.floor, sorted(self.delivered)[len(self.delivered) // 2])
         if self.floor > floor and len(self.delivered) > 16:
             self.delivered = {seq for seq in self.delivered if seq > self.floor}
-        while len(self.replies) > _MAX_REPLIES_KEPT:
-            del self.replies[next(iter(self.replies))]
+        while len(self.replies) > _MAX_REPLIES_KEPT or self.reply_bytes > _MAX_REPLY_BYTES_KEPT:
+            self.reply_bytes -= _size(self.replies.pop(next(iter(self.replies))))
 
     def is_new(self, seq: int) -> bool:
         if seq <= self.floor or seq in self.delivered:
             return False
         self.delivered.add(seq)
         return True
+
+
+def _size(frames: list[Any]) -> int:
+    return sum(frame.nbytes if isinstance(frame, memoryview) else len(frame) for frame in frames)
 
 
 class Server:
@@ -206,7 +218,7 @@ class Server:
         self._send(request.identity, frames)
         state = self._senders.get(request.sender)
         if state is not None and request.seq > state.floor:
-            state.replies[request.seq] = frames
+            state.keep(request.seq, frames)
 
     def reply_error(self, request: Request, message: str) -> None:
         """Answer `request` with an error; the client raises CommError with `message`."""
