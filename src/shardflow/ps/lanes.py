@@ -160,5 +160,36 @@ def open_lane(pid: int, fd: int, buffers: Buffers, push_slots: int, reply_slots:
     return Lane(memory, buffers, push_slots, reply_slots)
 
 
+class AttachedLanes(dict[str, Lane]):
+    """A PS's lanes to the workers of its machine, by sender: at most one per worker (a restarted worker's replaces
+    the lane of the process it replaces, whose memory goes once nothing of the PS uses it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._senders: dict[int, str] = {}
+
+    def attach(self, worker_index: int, sender: str, lane: Lane) -> None:
+        self.drop(worker_index)
+        self[sender] = lane
+        self._senders[worker_index] = sender
+
+    def drop(self, worker_index: int) -> None:
+        sender = self._senders.pop(worker_index, None)
+        if sender is not None:
+            self.pop(sender, None)  # gone already if that sender attached again as another worker
+
+    def slot_problem(self, sender: str, slot: int | None, reply_slot: int | None) -> tuple[str, str] | None:
+        """What is wrong with the lane slots a request of `sender` names, as (field, problem), or None."""
+        lane = self.get(sender)
+        for name, value, limit in (("slot", slot, "push_slots"), ("reply_slot", reply_slot, "reply_slots")):
+            if value is None:
+                continue
+            if lane is None:
+                return name, "names a lane slot, but no lane is attached"
+            if value >= getattr(lane, limit):
+                return name, f"is {value}, but the lane has {getattr(lane, limit)} of them"
+        return None
+
+
 def _regular_and_ours(info: os.stat_result) -> bool:
     return stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid()

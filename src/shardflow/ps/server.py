@@ -15,7 +15,7 @@ from shardflow.comm.server import LogLimiter, Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import clipping, protocol
-from shardflow.ps.lanes import Lane, LaneError, open_lane
+from shardflow.ps.lanes import AttachedLanes, LaneError, open_lane
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.shards import Shards, finite, nbytes
 from shardflow.ps.state import ShardState, Snapshots, capture
@@ -71,9 +71,8 @@ class ParameterServer:
         self.updates: Updates[Received] = Updates(ApplyConfig(), 0, self._apply, self._answer)
         self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         """Counters; see COUNTERS."""
-        self.lanes: dict[str, Lane] = {}
+        self.lanes = AttachedLanes()
         """The shared-memory lanes of this machine's workers (ps/lanes.py), by sender: at most one per worker."""
-        self._lane_senders: dict[int, str] = {}
         # Checkpoint snapshots taken at exact steps, until the chief saved them, with the input positions.
         self.snapshots = Snapshots()
         # Per worker, the last of its steps this PS had and (by "worker:<index>") its input position after it: a
@@ -167,18 +166,9 @@ class ParameterServer:
         """A request that names lane slots must name slots of its sender's lane."""
         slot = message.slot if isinstance(message, protocol.Push) else None
         reply_slot = message.reply_slot if isinstance(message, _WITH_PARAMS) else None
-        if slot is None and reply_slot is None:
-            return
-        lane = self.lanes.get(sender)
-        for name, value, limit in (("slot", slot, "push_slots"), ("reply_slot", reply_slot, "reply_slots")):
-            if value is None:
-                continue
-            if lane is None:
-                raise PSProtocolError(message.op, name, sender, "names a lane slot, but no lane is attached")
-            if value >= getattr(lane, limit):
-                raise PSProtocolError(
-                    message.op, name, sender, f"is {value}, but the lane has {getattr(lane, limit)} of them"
-                )
+        problem = self.lanes.slot_problem(sender, slot, reply_slot)
+        if problem is not None:
+            raise PSProtocolError(message.op, problem[0], sender, problem[1])
 
     def _defer(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
         """Hold a push until the chief saved the snapshots this PS holds (see `_on_release_snapshots`)."""
@@ -370,17 +360,8 @@ class ParameterServer:
             self._log("lanes_refused", request.sender, attach.op, f"{line}; it goes on over the socket")
             self.server.reply_error(request, line)
             return
-        # One per worker: a restarted worker (a new sender) replaces the lane of the process it replaces, whose memory
-        # goes once nothing of this PS uses it.
-        self._drop_lane(attach.worker_index)
-        self.lanes[request.sender] = lane
-        self._lane_senders[attach.worker_index] = request.sender
+        self.lanes.attach(attach.worker_index, request.sender, lane)
         self._reply(request)
-
-    def _drop_lane(self, worker_index: int) -> None:
-        sender = self._lane_senders.pop(worker_index, None)
-        if sender is not None:
-            self.lanes.pop(sender, None)  # gone already if that sender attached again as another worker
 
     def _on_pull(self, request: Request, pull: protocol.Pull) -> None:
         self.updates.pull(Received(request, pull), pull.min_step)
@@ -460,7 +441,7 @@ class ParameterServer:
         )
 
     def _on_done(self, request: Request, done: protocol.Done) -> None:
-        self._drop_lane(done.worker_index)
+        self.lanes.drop(done.worker_index)
         self._reply(request)
         self.updates.done(done.worker_index)
 
