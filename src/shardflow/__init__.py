@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import subprocess
     from collections.abc import Mapping
 
-    from shardflow import optim
+    from shardflow import nn, optim
     from shardflow.ps.placement import Partitioner
     from shardflow.train.estimator import Estimator, train_and_evaluate
     from shardflow.train.hooks import Hook, StepInfo
@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 # Imported on first use, so that the command-line tool and `shardflow.data` start without torch's import cost.
 _LAZY = {
     "optim": "shardflow.optim",
+    "nn": "shardflow.nn",
     "Estimator": "shardflow.train.estimator",
     "RoleFailedError": "shardflow.train.job",
     "train_and_evaluate": "shardflow.train.estimator",
@@ -53,13 +54,14 @@ __all__ = [
     "StepInfo",
     "TrainResult",
     "TrainSpec",
+    "nn",
     "optim",
     "train_and_evaluate",
 ]
 __version__ = "0.1.0"
 
 
-__getattr__ = lazy_getattr(__name__, _LAZY, submodules=("optim",))
+__getattr__ = lazy_getattr(__name__, _LAZY, submodules=("optim", "nn"))
 
 
 # A local cluster's roles are forked from a zygote, a process that imports torch and shardflow once for all of them

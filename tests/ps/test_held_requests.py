@@ -44,7 +44,7 @@ class _Recorded:
 
 
 def _gradients() -> Gradients:
-    return [torch.ones(2)], []
+    return Gradients([torch.ones(2)], [], [])
 
 
 def test_a_held_pull_past_its_deadline_is_given_back_with_the_step_it_waited_for() -> None:

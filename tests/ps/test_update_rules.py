@@ -59,7 +59,7 @@ class _Recorded:
 
 
 def _gradients() -> Gradients:
-    return [torch.ones(2)], []
+    return Gradients([torch.ones(2)], [], [])
 
 
 def test_a_refused_push_is_answered_at_once_counted_per_worker_and_is_not_a_replica():

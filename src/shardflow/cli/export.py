@@ -73,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _export_tables(checkpoint: Path, out_dir: Path, tables: list[str] | None) -> int:
     from shardflow.cli.tables import print_table
-    from shardflow.ps.embeddings.export import INDEX, export_tables
+    from shardflow.train.checkpoints.table_rows import INDEX, export_tables
 
     try:
         exported = export_tables(checkpoint, out_dir, tables)

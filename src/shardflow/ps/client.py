@@ -15,6 +15,8 @@ from shardflow.comm.client import Client
 from shardflow.comm.errors import CommError
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
+from shardflow.nn.lookups import TableLookups
+from shardflow.nn.modules import tables
 from shardflow.ps import protocol
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.lanes import WorkerLane
@@ -103,6 +105,8 @@ class ParameterClient(PSConnection):
         self._index_of = {peer: k for k, peer in enumerate(self.peers)}
         self.staging = HostStaging(_device_of(self.named))
         self.rows = TableRows(self, self.staging)
+        self.tables = TableLookups(self, model) if tables(model) else None
+        """The lookups of the model's `sf.nn` tables; None: it has none."""
         # Per PS, once its pieces are complete: this step's tensors to check for NaN, its frames (on the host) and
         # frame counts.
         self._prepared: dict[int, tuple[list[torch.Tensor], list[torch.Tensor], list[int]]] = {}
@@ -221,6 +225,8 @@ class ParameterClient(PSConnection):
         self._early = early
         self._base_step = base_step
         self.rows.begin_step()
+        if self.tables is not None:
+            self.tables.begin_step()
         self._prepared = {}
         self._pushed = None
         self._slots = [lane.take_push() if lane is not None else None for lane in self.lanes]
@@ -273,11 +279,19 @@ class ParameterClient(PSConnection):
                 elif count:
                     torch.cat(frames[start : start + count], out=buffer)
                 start += count
-            rows = self.rows.grad_frames(ps)
+            rows = self.staging.to_host(self.rows.grad_frames(ps) + self._table_frames(ps))
             self._prepared[ps] = [*buffers, *rows], rows, [0] * len(counts)
             return
-        frames = self.staging.to_host(frames + self.rows.grad_frames(ps))
+        frames = self.staging.to_host(frames + self.rows.grad_frames(ps) + self._table_frames(ps))
         self._prepared[ps] = frames, frames, counts
+
+    def _table_frames(self, ps: int) -> list[torch.Tensor]:
+        return self.tables.grad_frames(ps) if self.tables is not None else []
+
+    def lookup_min_steps(self, overlapped: bool) -> list[int]:
+        """Per PS, the global step a lookup sent ahead for the next step must wait for: the one this step's update
+        makes, unless steps overlap (async: the next step is computed before this one is applied)."""
+        return [0] * len(self._ps_steps) if overlapped else [step + 1 for step in self._ps_steps]
 
     def _send(self, request: PushRequest) -> None:
         """Send this step to every PS: the pushes, or `NonFinite` to each if the loss or any gradient held NaN or

@@ -48,13 +48,14 @@ def clamp_(grads: Sequence[torch.Tensor], clip_value: float) -> None:
         (grad._values() if grad.is_sparse else grad).clamp_(-clip_value, clip_value)
 
 
-def clip_local_gradients(model: torch.nn.Module, max_norm: float) -> None:
-    """Scale this process's gradients of `model` to at most `max_norm` in global L2 norm (async and ssp mode)."""
+def clip_local_gradients(model: torch.nn.Module, max_norm: float, extra: Sequence[torch.Tensor] = ()) -> None:
+    """Scale this process's gradients of `model`, and `extra` ones (the rows of `sf.nn` tables looked up), to at
+    most `max_norm` in global L2 norm (async and ssp mode)."""
     params = [p for p in model.parameters() if p.grad is not None]
     for param in params:
         if param.grad is not None and param.grad.is_sparse:
             param.grad = param.grad.coalesce()
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [p.grad for p in params if p.grad is not None] + list(extra)
     scale_(grads, clip_coefficient(squared_norm(grads) ** 0.5, max_norm))
 
 

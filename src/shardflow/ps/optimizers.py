@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from shardflow.ps.embeddings.spec import RowOptimizer, TableSpec
 from shardflow.ps.schedules import ScheduleSpec
 
 # Element-wise optimizers only: the PS applies them to one flat buffer per dtype, which is exactly
@@ -76,6 +77,38 @@ class OptimizerSpec:
         only their moments: SparseAdam, TF's LazyAdam)."""
         optimizer, kwargs = self._sparse("the row-sparse tables")
         return optimizer(tables, **kwargs)
+
+    def rows(self, table: TableSpec) -> RowOptimizer:
+        """This optimizer as the row optimizer of an `sf.nn` table that names none: SGD, Adagrad and Adam (lazy,
+        with per-row steps on a dynamic table, whose rows appear late) as torch's sparse path computes them."""
+        kwargs = self._kwargs()
+        blocking = {k: v for k, v in kwargs.items() if k in _SPARSE_NEUTRAL and v != _SPARSE_NEUTRAL[k]}
+        if self.name not in _SPARSE or blocking:
+            why = self.name + (f" with {', '.join(f'{k}={v}' for k, v in blocking.items())}" if blocking else "")
+            raise ValueError(
+                f"sf.nn table {table.name!r} takes the job's optimizer, {why}, which has no row-wise form: give the "
+                "table its own, e.g. optimizer=sf.nn.adagrad(lr=0.05) (sgd, adagrad, rowwise_adagrad, lazy_adam)"
+            )
+        lr = float(kwargs.get("lr", inspect.signature(_OPTIMIZERS[self.name]).parameters["lr"].default))
+        if self.name == "SGD":
+            return RowOptimizer(name="sgd", lr=lr)
+        if self.name == "Adagrad":
+            return RowOptimizer(
+                name="adagrad",
+                lr=lr,
+                eps=float(kwargs.get("eps", 1e-10)),
+                initial_accumulator_value=float(kwargs.get("initial_accumulator_value", 0.0)),
+                lr_decay=float(kwargs.get("lr_decay", 0.0)),
+            )
+        beta1, beta2 = kwargs.get("betas", (0.9, 0.999))
+        return RowOptimizer(
+            name="lazy_adam",
+            lr=lr,
+            beta1=float(beta1),
+            beta2=float(beta2),
+            eps=float(kwargs.get("eps", 1e-8)),
+            per_row_steps=table.dynamic,
+        )
 
     def check_sparse(self, variable: str) -> None:
         """Raise ValueError, naming `variable`, if this optimizer cannot apply row-sparse gradients."""

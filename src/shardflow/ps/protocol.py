@@ -16,6 +16,7 @@ import torch
 from shardflow.comm.envelope import short
 from shardflow.ps.fields import Count, Invalid, Message
 from shardflow.ps.fields import PSProtocolError as PSProtocolError
+from shardflow.ps.embeddings.spec import TableSpec
 from shardflow.ps.lanes import MAX_SLOTS
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.replies import RejoinReply as RejoinReply
@@ -40,6 +41,8 @@ class Limits:
     buffers: tuple[tuple[torch.dtype, int], ...]
     """Each dense buffer's dtype and element count, in the order of frame_counts."""
     num_tables: int
+    embedding_tables: int = 0
+    """How many `sf.nn` tables the job has; this PS holds a partition of each."""
 
 
 class Request(Message, tag_field="op", frozen=True):
@@ -67,6 +70,14 @@ def _check_worker(worker_index: int, limits: Limits | None) -> None:
         raise Invalid("worker_index", f"must be an int in [0, {limits.num_workers}), got {worker_index}")
 
 
+class TableRestore(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A checkpoint's `sf.nn` table files, read by each PS itself (nothing goes through the chief): per table, its
+    files in the order to replay them (each PS's full file, then its increments), paths relative to `checkpoint`."""
+
+    checkpoint: str
+    chains: dict[str, tuple[str, ...]]
+
+
 class Init(Request, tag="init", frozen=True):
     """chief -> every PS: its shards, optimizer and update rule, fresh or restored from a checkpoint; sent again,
     with a higher generation, when a PS was lost. Frames: the dense pieces of each dtype buffer (frame_counts[i]
@@ -91,6 +102,16 @@ class Init(Request, tag="init", frozen=True):
     generation: Count = 0
     """How many times the PS were restored after one was lost; from the second, pushes of workers that have not
     rejoined since are refused."""
+    num_ps: Annotated[int, msgspec.Meta(ge=1, le=2**20)] = 1
+    embeddings: tuple[TableSpec, ...] = ()
+    """The job's `sf.nn` tables, each with its row optimizer set: this PS holds the rows of each that it owns."""
+    embedding_restore: TableRestore | None = None
+    """Where this PS reads its rows from when restoring; None: every row starts from its initializer."""
+    embedding_staging: str | None = None
+    """The directory this PS writes its table files into for checkpoints (the chief links them into each
+    checkpoint); None: it writes none."""
+    full_checkpoint_every: Annotated[int, msgspec.Meta(ge=1, le=2**31)] = 10
+    """Every this many checkpoints the PS writes every row of its tables; in between, only the rows changed."""
 
     def header(self) -> dict[str, Any]:
         configs = {"optimizer": self.optimizer.to_json(), "apply": self.apply.to_json()}
@@ -191,6 +212,31 @@ class Rows(Request, tag="rows", frozen=True):
             raise Invalid("table_indices", f"names {len(self.table_indices)} tables but {len(frames)} frames came")
 
 
+class Lookup(Request, tag="lookup", frozen=True):
+    """worker -> a PS: the rows of `sf.nn` tables a batch looks up, answered once this PS's global step is at least
+    `min_step` (a lookup sent ahead for the next batch waits for the update it must see). Frames: per table index,
+    the batch's unique ids that this PS owns (1-D int64). Reply: `StepReply` and, per table index, those rows'
+    values (a dynamic table's id without a row reads its initial values)."""
+
+    table_indices: tuple[Count, ...]
+    min_step: Count = 0
+
+    def check(self, frames: Sequence[torch.Tensor], limits: Limits | None) -> None:
+        if limits is not None and any(index >= limits.embedding_tables for index in self.table_indices):
+            raise Invalid(
+                "table_indices", f"must hold ints in [0, {limits.embedding_tables}), got {self.table_indices}"
+            )
+        if len(self.table_indices) != len(frames):
+            raise Invalid("table_indices", f"names {len(self.table_indices)} tables but {len(frames)} frames came")
+        _check_ids(frames, "frames")
+
+
+def _check_ids(frames: Sequence[torch.Tensor], field: str) -> None:
+    for frame in frames:
+        if frame.dtype != torch.int64 or frame.dim() != 1:
+            raise Invalid(field, f"of ids must be 1-D int64, got {frame.dtype} shaped {tuple(frame.shape)}")
+
+
 class _WorkerStep(_WorkerRequest, frozen=True):
     """A worker's step, sent to every PS: a `Push`, or a `NonFinite` in its place."""
 
@@ -208,7 +254,8 @@ class _WorkerStep(_WorkerRequest, frozen=True):
 
 class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
     """worker -> every PS: its gradients. Frames: the dense gradient pieces grouped by dtype buffer as for `Init`,
-    then per table its touched row numbers (int64) and their gradient rows. Reply: `StepReply` and the parameters
+    then per table its touched row numbers (int64) and their gradient rows, then per `sf.nn` table the batch's unique
+ids this PS owns (int64), how often each occurred (int64) and their gradient rows. Reply: `StepReply` and the parameters
     when the update rule lets the worker go on (ps/update_rules.py); `dropped` without them once training is over;
     `stale`, `nonfinite` or `duplicate` with them when the gradient was not applied (sync and stale; NaN or inf;
     a step this PS had already)."""
@@ -227,7 +274,8 @@ class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
             return
         _check_worker(self.worker_index, limits)
         counts = self.frame_counts
-        _check_dense(frames, counts, limits.buffers, 2 * limits.num_tables, in_frames=self.slot is None)
+        trailing = 2 * limits.num_tables + 3 * limits.embedding_tables
+        _check_dense(frames, counts, limits.buffers, trailing, in_frames=self.slot is None)
         if self.slot is not None and any(counts):
             raise Invalid("frame_counts", f"must all be 0 when the gradients are in lane slot {self.slot}: {counts}")
 
@@ -297,6 +345,7 @@ PSRequest = (
     | Attach
     | Pull
     | Rows
+    | Lookup
     | Push
     | NonFinite
     | Done

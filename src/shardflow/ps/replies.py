@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Self
 
+from shardflow.ps.embeddings.files import FileRecord
 from shardflow.ps.fields import Count, Message
 
 
@@ -95,6 +96,9 @@ class StateReply(_Answer, frozen=True):
     worker_steps: dict[str, Count]
     """By "worker:<index>", the last of its steps this PS had."""
     stats: dict[str, int | float]
+    table_files: tuple[FileRecord, ...] = ()
+    """The files, in the staging directory, holding this PS's rows of the `sf.nn` tables as of `state_step`, in
+    replay order (its latest full file of each table, then the increments since)."""
 
 
 class Unserved(Message, frozen=True):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -37,10 +38,10 @@ deadline (see apply.Updates); "lane_pushes" the pushes whose gradients came thro
 
 
 class Received(NamedTuple):
-    """A push or pull with its decoded message: what the update rule holds until it is answered."""
+    """A push, pull or lookup with its decoded message: what the update rule holds until it is answered."""
 
     request: Request
-    message: protocol.Push | protocol.NonFinite | protocol.Pull
+    message: protocol.Push | protocol.NonFinite | protocol.Pull | protocol.Lookup
 
 
 Handler = Callable[["ParameterServer", Request, Any], None]
@@ -198,7 +199,7 @@ class ParameterServer:
         """This PS's counters with its update rule's and its server's (duplicates, and wire_malformed: messages
         that broke the wire format or its limits)."""
         server = {"duplicates": self.server.duplicates, "wire_malformed": self.server.malformed}
-        return {**self.updates.stats, **self.stats, **server}
+        return {**self.updates.stats, **self.stats, **server, **self.shards.embeddings.stats()}
 
     # -- state --------------------------------------------------------------------------------
 
@@ -221,7 +222,9 @@ class ParameterServer:
         self, received: Received, *, stale: bool = False, nonfinite: int = 0, duplicate: bool = False
     ) -> None:
         """Reply with the current parameters: into the reply slot the request named, or as frames."""
-        request, reply_slot = received.request, received.message.reply_slot  # checked by `_check_slots`
+        message = received.message
+        assert not isinstance(message, protocol.Lookup), "a lookup is answered with rows"
+        request, reply_slot = received.request, message.reply_slot  # checked by `_check_slots`
         lane = self.lanes.get(request.sender) if reply_slot is not None else None
         if lane is not None and reply_slot is not None:
             self.shards.copy_params_into(lane.reply[reply_slot])
@@ -236,7 +239,11 @@ class ParameterServer:
         self.server.reply(request, reply.header(), () if lane is not None else self.shards.params_snapshot())
 
     def _answer(self, received: Received, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
-        """The update rule's reply to a push or pull: the current parameters, or none for a dropped push."""
+        """The update rule's reply to a push or pull: the current parameters, or none for a dropped push; to a
+        lookup, the rows it asked for."""
+        if isinstance(received.message, protocol.Lookup):
+            self._answer_lookup(received.request, received.message)
+            return
         if dropped:
             reply = StepReply(step=self.step, stop=self.finished, dropped=True)
             self.server.reply(received.request, reply.header())
@@ -245,7 +252,7 @@ class ParameterServer:
         self._reply_params(received, stale=stale, nonfinite=nonfinite)
         if (recorder := get_recorder()) is not None:
             message = received.message
-            worker = -1 if isinstance(message, protocol.Pull) else message.worker_index
+            worker = message.worker_index if isinstance(message, protocol.Push | protocol.NonFinite) else -1
             recorder.end(spans.REPLY, self.step - 1, started, worker)
 
     def _apply(self, gradients: Gradients, pushes: list[Received]) -> None:
@@ -261,7 +268,8 @@ class ParameterServer:
         faults.reached("apply", self.name, self.step + 1)
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
-            worker = first.worker_index if len(pushes) == 1 and not isinstance(first, protocol.Pull) else -1
+            single = len(pushes) == 1 and isinstance(first, protocol.Push | protocol.NonFinite)
+            worker = first.worker_index if single else -1
             recorder.end(spans.APPLY, self.step, started, worker, nbytes(gradients))
         new_step = self.step + 1  # the update rule counts it once this returns
         if self.snapshots.due(new_step):
@@ -270,12 +278,16 @@ class ParameterServer:
 
     def _capture(self, step: int) -> ShardState:
         """This PS's state now, as of global step `step`."""
-        return capture(step, self.shards.parts(), self.iterators, self.worker_steps)
+        state = capture(step, self.shards.parts(), self.iterators, self.worker_steps)
+        # A table is too big to copy: its rows of this step go to files now (those changed, between full ones).
+        state.table_files = self.shards.embeddings.save(step)
+        return state
 
     # -- handlers of the chief's requests -------------------------------------------------------------
 
     def _on_init(self, request: Request, init: protocol.Init) -> None:
-        self.shards = Shards.from_init(init, request.tensors)
+        staging = Path(init.embedding_staging) if init.embedding_staging is not None else None
+        self.shards = Shards.from_init(init, request.tensors, self.index, staging)
         self.iterators = dict(init.iterators)
         self.worker_steps = dict(init.worker_steps)
         self.generation = init.generation
@@ -314,6 +326,7 @@ class ParameterServer:
             iterators=state.iterators,
             worker_steps=state.worker_steps,
             stats=self._stats(),
+            table_files=state.table_files,
         )
         self.server.reply(request, reply.header(), state.tensors())
 
@@ -329,6 +342,7 @@ class ParameterServer:
 
     def _on_release_snapshots(self, request: Request, release: protocol.ReleaseSnapshots) -> None:
         self.snapshots.release(release.through_step)
+        self.shards.embeddings.prune([r for state in self.snapshots.held.values() for r in state.table_files])
         self._reply(request)
         while self._deferred_pushes and not self.snapshots.full:
             request, push = self._deferred_pushes.pop(0)
@@ -370,6 +384,24 @@ class ParameterServer:
         """The rows a worker's batch looks up: for each table named, the rows its frame lists."""
         what = f"'rows' from {request.sender} of ps:{self.index}"
         self._reply(request, self.shards.rows(rows.table_indices, request.tensors, what))
+
+    def _on_lookup(self, request: Request, lookup: protocol.Lookup) -> None:
+        """Rows of `sf.nn` tables, once this PS's step is at least the lookup's `min_step` (a lookup sent ahead of
+        a step that training ends before is answered with the last rows)."""
+        max_steps = self.config.max_steps
+        min_step = lookup.min_step if max_steps is None else min(lookup.min_step, max_steps)
+        self.updates.pull(Received(request, lookup), min_step)
+
+    def _answer_lookup(self, request: Request, lookup: protocol.Lookup) -> None:
+        what = f"'lookup' from {request.sender} of ps:{self.index}"
+        try:
+            values = self.shards.embeddings.lookup(lookup.table_indices, request.tensors, what)
+        except ValueError as error:  # held and answered later: not inside `_guarded`
+            self.stats["failed"] += 1
+            self._log("failed", request.sender, lookup.op, str(error))
+            self.server.reply_error(request, str(error))
+            return
+        self._reply(request, values)
 
     def _repeated(self, received: Received, worker_index: int, local_step: int) -> bool:
         """Whether this PS already had this step of this worker: a restarted worker repeats the steps that some PS
@@ -473,6 +505,7 @@ HANDLERS: dict[type[protocol.PSRequest], Handler] = {
     protocol.Attach: ParameterServer._on_attach,
     protocol.Pull: ParameterServer._on_pull,
     protocol.Rows: ParameterServer._on_rows,
+    protocol.Lookup: ParameterServer._on_lookup,
     protocol.Push: ParameterServer._on_push,
     protocol.NonFinite: ParameterServer._on_nonfinite,
     protocol.Done: ParameterServer._on_done,

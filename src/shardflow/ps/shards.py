@@ -4,10 +4,12 @@ update them. Built from the chief's `Init`; reads a push's gradients out of its 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
 from shardflow.ps import clipping
+from shardflow.ps.embeddings.shards import EmbeddingShards
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.protocol import Init, Limits, Push
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
@@ -17,13 +19,15 @@ from shardflow.ps.update_rules import Gradients, all_finite
 
 def finite(gradients: Gradients) -> bool:
     """Whether every dense buffer and row-sparse value of a push is finite."""
-    grads, row_grads = gradients
-    return all_finite([*grads, *(values for table in row_grads for _, values in table)])
+    grads, row_grads, table_grads = gradients
+    rows = (values for table in row_grads for _, values in table)
+    return all_finite([*grads, *rows, *(values for table in table_grads for _, _, values in table)])
 
 
 def nbytes(gradients: Gradients) -> int:
-    grads, row_grads = gradients
-    return sum(g.nbytes for g in grads) + sum(r.nbytes + v.nbytes for t in row_grads for r, v in t)
+    grads, row_grads, table_grads = gradients
+    tables = sum(i.nbytes + c.nbytes + v.nbytes for t in table_grads for i, c, v in t)
+    return sum(g.nbytes for g in grads) + sum(r.nbytes + v.nbytes for t in row_grads for r, v in t) + tables
 
 
 class Shards:
@@ -36,6 +40,8 @@ class Shards:
         # Row-sparse pieces (embedding tables), each a tensor of its own, read and updated a few rows at a time.
         self.tables: list[torch.nn.Parameter] = []
         self.table_optimizer: torch.optim.Optimizer | None = None
+        self.embeddings = EmbeddingShards((), 0, 1)
+        """This PS's part of every `sf.nn` table."""
         self.spec: OptimizerSpec | None = None
         """The optimizer's spec with its learning-rate schedule and clipping; None until initialised."""
         self.sync = False
@@ -43,8 +49,12 @@ class Shards:
         self._snapshot: list[torch.Tensor] | None = None
 
     @classmethod
-    def from_init(cls, init: Init, frames: Sequence[torch.Tensor]) -> Shards:
-        """The variables `init` and its frames give (checked by protocol.Init), with their restored slots."""
+    def from_init(
+        cls, init: Init, frames: Sequence[torch.Tensor], ps_index: int = 0, staging: Path | None = None
+    ) -> Shards:
+        """The variables `init` and its frames give (checked by protocol.Init), with their restored slots; this PS's
+        rows of the `sf.nn` tables, restored from the checkpoint files `init` names. `staging`: where this PS
+        writes its table files for checkpoints."""
         shards, buffers, start = cls(), [], 0
         for count in init.frame_counts:
             buffers.append(torch.cat(list(frames[start : start + count])) if count else torch.empty(0))
@@ -59,11 +69,22 @@ class Shards:
         if init.slots:
             slot_frames = list(frames[start + init.num_tables :])
             load_slots(shards.parts(), list(init.slots), list(init.scalars), slot_frames)
+        shards.embeddings = EmbeddingShards(
+            init.embeddings, ps_index, init.num_ps, staging=staging, full_checkpoint_every=init.full_checkpoint_every
+        )
+        if init.embedding_restore is not None:
+            restore = init.embedding_restore
+            shards.embeddings.restore(Path(restore.checkpoint), restore.chains)
         return shards
 
     def limits(self, num_workers: int) -> Limits:
         buffers = tuple((p.dtype, p.numel()) for p in self.params)
-        return Limits(num_workers=num_workers, buffers=buffers, num_tables=len(self.tables))
+        return Limits(
+            num_workers=num_workers,
+            buffers=buffers,
+            num_tables=len(self.tables),
+            embedding_tables=len(self.embeddings),
+        )
 
     def parts(self) -> list[Part]:
         """Every tensor this PS holds with the optimizer that updates it: the dtype buffers, then the tables."""
@@ -106,20 +127,25 @@ class Shards:
             rows, values = frames[start + 2 * index], frames[start + 2 * index + 1]
             check_row_grad(rows, values, table, f"{what} for table {index}")
             row_grads.append([(rows, values)])
-        return buffers, row_grads
+        table_grads = self.embeddings.gradients(frames[start + 2 * len(self.tables) :], what)
+        return Gradients(buffers, row_grads, table_grads)
 
     def apply(
         self, gradients: Gradients, count: int, step: int, lr: float | None, norm_exchange: clipping.NormExchange | None
     ) -> None:
         """One update at global step `step`: the mean of the dense and of the row-sparse gradients of `count`
         pushes, clipped, at the learning rate `lr` that came with them (or the schedule's)."""
-        grads, row_grads = gradients
+        grads, row_grads, table_grads = gradients
         dense = [grad.div_(count) if count != 1 else grad for grad in grads] if self.optimizer is not None else []
         # Every table gets a gradient, empty if no row of it was looked up: as a whole table does in one process,
         # so step counts (Adam's bias correction) stay those of single-process training.
         sparse = [row_gradient(t, g, count) for t, g in zip(self.tables, row_grads, strict=True)]
-        self._clip(dense + sparse, lambda squared: norm_exchange(step, squared) if norm_exchange else squared)
+        embedding = self.embeddings.coalesced(table_grads, count)
+        rows = [values for _, _, values in embedding]
+        self._clip(dense + sparse + rows, lambda squared: norm_exchange(step, squared) if norm_exchange else squared)
         self._schedule(step, lr)
+        if embedding:
+            self.embeddings.apply(embedding, step, self._lr_factor(step, lr))
         # A PS that holds no variables still counts steps, so every PS agrees on the global step.
         for optimizer, variables, variable_grads in (
             (self.optimizer, self.params, dense),
@@ -132,6 +158,17 @@ class Shards:
                 for variable in variables:
                     variable.grad = None
         self._snapshot = None
+
+    def _lr_factor(self, step: int, lr: float | None) -> float:
+        """What the schedule makes of the base learning rate at `step`, which the `sf.nn` tables' own learning
+        rates follow too: the scheduled rate (or the one the push carried) over the optimizer's base rate."""
+        spec = self.spec
+        if spec is None or spec.schedule is None:
+            return 1.0
+        base = float(spec.kwargs.get("lr", 0.0))
+        if base <= 0:
+            return 1.0
+        return (lr if spec.schedule.from_workers and lr is not None else spec.lr(step, base)) / base
 
     def _clip(self, grads: list[torch.Tensor], total_squared_norm: Callable[[float], float]) -> None:
         """Clip by value, then in sync mode by the global norm agreed with the other PS (ps/clipping.py)."""

@@ -8,6 +8,9 @@ import torch
 
 RowGrad = tuple[torch.Tensor, torch.Tensor]
 """A row-sparse gradient of one table: int64 row numbers (local to the table) and one value row for each."""
+EmbeddingGrad = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""One push's gradient of one `sf.nn` table on one PS: the batch's unique ids it owns (int64), how often each
+occurred (int64), and each one's gradient row."""
 
 
 def sparse_variables(model: torch.nn.Module) -> list[str]:

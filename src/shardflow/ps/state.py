@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from shardflow.ps.embeddings.files import FileRecord
+
 Part = tuple[torch.nn.Parameter, torch.optim.Optimizer | None]
 """A tensor the PS holds (a flat dtype buffer or a row-sparse table) and the optimizer that updates it."""
 
@@ -29,6 +31,8 @@ class ShardState:
     iterators: dict[str, Any] = field(default_factory=dict)
     worker_steps: dict[str, int] = field(default_factory=dict)
     """By "worker:<index>", the last of that worker's steps in this state; `iterators` holds its position after."""
+    table_files: tuple[FileRecord, ...] = ()
+    """The files holding this PS's rows of the `sf.nn` tables as of `step`, in replay order."""
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.params, *self.slot_tensors]

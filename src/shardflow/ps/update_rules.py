@@ -7,11 +7,11 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, NamedTuple, Protocol, TypeVar
 
 import torch
 
-from shardflow.ps.sparse import RowGrad
+from shardflow.ps.sparse import EmbeddingGrad, RowGrad
 
 MODES = ("async", "sync", "ssp")
 MAX_PULL_AHEAD = 1_000_000
@@ -106,8 +106,17 @@ class ApplyConfig(UpdateRule):
 
 Pending = TypeVar("Pending")
 """A request whose reply is still to be sent (the server's; opaque here)."""
-Gradients = tuple[list[torch.Tensor], list[list[RowGrad]]]
-"""A push's dense gradients, one flat tensor per dtype buffer, and its row-sparse ones, a list per table."""
+
+
+class Gradients(NamedTuple):
+    """What a push (or, in sync mode, the pushes of one step) brings to apply."""
+
+    dense: list[torch.Tensor]
+    """One flat tensor per dtype buffer."""
+    rows: list[list[RowGrad]]
+    """Per row-sparse table (`torch.nn.Embedding(sparse=True)`), one gradient per push."""
+    embeddings: list[list[EmbeddingGrad]]
+    """Per `sf.nn` table, one gradient per push."""
 
 
 _Held = TypeVar("_Held", bound=tuple[Any, ...])
@@ -339,15 +348,16 @@ class Updates(Generic[Pending]):
         self.stats["applied"] += 1
 
     def _accumulate(self, gradients: Gradients) -> None:
-        """Sum the dense gradients; keep the row-sparse ones, summed row by row when the update is applied."""
+        """Sum the dense gradients; keep the row-sparse and table ones, summed row by row when the update is applied."""
         if self._accumulated is None:
             self._accumulated = gradients
             return
-        grads, row_grads = gradients
-        for total, grad in zip(self._accumulated[0], grads, strict=True):
+        for total, grad in zip(self._accumulated.dense, gradients.dense, strict=True):
             total.add_(grad)
-        for kept, pushed in zip(self._accumulated[1], row_grads, strict=True):
+        for kept, pushed in zip(self._accumulated.rows, gradients.rows, strict=True):
             kept.extend(pushed)
+        for kept_grads, pushed_grads in zip(self._accumulated.embeddings, gradients.embeddings, strict=True):
+            kept_grads.extend(pushed_grads)
 
     def _maybe_apply_sync(self) -> None:
         if self._accumulated is None or len(self._accumulated_pushes) < self._replicas_needed():

@@ -29,7 +29,7 @@ from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointManager, snapshot_every
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import Recovery, restore_latest
-from shardflow.train.checkpoints.servers import fetch_state, init_servers
+from shardflow.train.checkpoints.servers import TableSetup, fetch_state, init_servers
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.heartbeat import Heartbeats
 from shardflow.train.job import JobConfig
@@ -184,6 +184,7 @@ def _initialise(job: JobConfig, role: RoleContext, start: _Start) -> ApplyConfig
             start.restored,
             timeout_s=strategy.startup_timeout_s,
             generation=start.generation,
+            tables=TableSetup.of(start.model, job.model_dir),
         )
     role.control.put(job_keys.PLACEMENT, start.placement)
     return apply

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardflow.train.specs import InputContext, TrainSpec
@@ -156,3 +156,42 @@ def carry_over(positions: dict[str, dict[str, Any]], old_workers: int, new_worke
 
 
 _END = object()
+
+
+class Lookahead:
+    """An input position that can read one batch ahead (so the rows the next step looks up are fetched while this
+    one computes) and still says where the batches handed out so far end. Hands out each batch through `convert`."""
+
+    def __init__(self, position: InputPosition, convert: Callable[[Any], Any]) -> None:
+        self.position, self.convert = position, convert
+        self._peeked: tuple[Any, dict[str, Any], int] | None = None
+        """The batch read ahead, with the position and epoch from before it was read."""
+        self._ended = False
+
+    @property
+    def epoch(self) -> int:
+        return self._peeked[2] if self._peeked is not None else self.position.epoch
+
+    def next(self) -> Any | None:
+        if self._peeked is not None:
+            batch, self._peeked = self._peeked[0], None
+            return batch
+        batch = None if self._ended else self.position.next()
+        self._ended = batch is None
+        return None if batch is None else self.convert(batch)
+
+    def peek(self) -> Any | None:
+        """The batch `next` hands out next, read now; None at the end of the input."""
+        if self._peeked is None:
+            if self._ended:
+                return None
+            before, epoch = self.position.get_state(), self.position.epoch
+            batch = self.position.next()
+            if batch is None:
+                self._ended = True
+                return None
+            self._peeked = (self.convert(batch), before, epoch)
+        return self._peeked[0]
+
+    def get_state(self) -> dict[str, Any]:
+        return self._peeked[1] if self._peeked is not None else self.position.get_state()

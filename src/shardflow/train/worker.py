@@ -3,6 +3,7 @@ the chief and the PS."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -15,6 +16,8 @@ import torch
 from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.cluster.spec import TaskSpec
+from shardflow.data.torch_edge import to_torch
+from shardflow.nn import backend
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
 from shardflow.profile import spans
@@ -22,13 +25,13 @@ from shardflow.ps.client import ParameterClient, Pushed
 from shardflow.train import job_keys
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
-from shardflow.train.input import InputPosition
+from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 from shardflow.train.worker_report import Report
-from shardflow.train.worker_step import WorkerStep
+from shardflow.train.worker_step import WorkerStep, batch_to_device
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +214,11 @@ def run_worker(
         position = InputPosition(job.train_spec, InputContext(role.num_workers, role.task.index), _resume(role, params))
         profiler.check_requests()
         report = Report(role, params.local_step, job.save_summary_steps, generation)
-        step = _train(WorkerStep(name, job, model, params, position, report, profiler.recorder), hooks, profiler)
+        worker = WorkerStep(name, job, model, params, _ahead(position, params), report, profiler.recorder)
+        with contextlib.ExitStack() as stack:
+            if params.tables is not None:  # the model's sf.nn tables look their rows up on the PS
+                stack.enter_context(backend.installed(params.tables))
+            step = _train(worker, hooks, profiler)
         params.done()
     finally:
         params.close()
@@ -220,6 +227,14 @@ def run_worker(
         heartbeat.stop()
     hooks.end(report.local_step, step)
     report.send(done=True)
+
+
+def _ahead(position: InputPosition, params: ParameterClient) -> InputPosition | Lookahead:
+    """With `sf.nn` tables, the input is read one batch ahead, whose rows are fetched while a step computes."""
+    if params.tables is None:
+        return position
+    device = params.staging.device
+    return Lookahead(position, lambda batch: batch_to_device(to_torch(batch), device))
 
 
 def _train(worker: WorkerStep, hooks: StepHooks, profiler: RoleProfiler) -> int:

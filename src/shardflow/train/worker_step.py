@@ -14,7 +14,7 @@ from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps.client import ParameterClient, Pushed, PushRequest, StepReply
 from shardflow.ps.clipping import clip_local_gradients
-from shardflow.train.input import InputPosition
+from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig
 from shardflow.train.precision import autocast
 from shardflow.train.worker_report import Report
@@ -36,7 +36,7 @@ class WorkerStep:
         job: JobConfig,
         model: torch.nn.Module,
         params: ParameterClient,
-        position: InputPosition,
+        position: InputPosition | Lookahead,
         report: Report,
         recorder: SpanRecorder,
     ) -> None:
@@ -47,7 +47,11 @@ class WorkerStep:
         # in sync mode the PS clip the mean of the replicas' (ps/clipping.py).
         self.clip_on_worker = job.optimizer.clip_grad_norm if job.strategy.mode != "sync" else None
         changes_gradients = self.clip_on_worker is not None or job.strategy.gradient_accumulation_steps > 1
-        self.push_early = not changes_gradients
+        self.tables = params.tables
+        # An sf.nn table's rows are the first layer's: their gradients come last in backward, with nothing to gain.
+        self.push_early = not changes_gradients and self.tables is None
+        self.overlapped = job.strategy.mode == "async" and job.strategy.overlap
+        """The next step is computed before this one is applied (see worker.py)."""
         """Push as soon as backward produced the gradients, while it is still running."""
         self.lr_from_worker = job.optimizer.schedule is not None and job.optimizer.schedule.from_workers
 
@@ -61,14 +65,24 @@ class WorkerStep:
         input_state = self.position.get_state()
         early = PushRequest(input_state=input_state, learning_rate=learning_rate) if self.push_early else None
         self.params.begin_push(step, early)
+        self._look_ahead()
         loss, input_state = self._forward_backward(batch, step, input_state)
         if loss is None:
             # A NaN or inf loss is not backpropagated: every PS is told, and refuses the step alike.
             request = PushRequest(input_state=input_state, learning_rate=learning_rate, nonfinite_loss=True)
             return None, self.params.push(request)
         if self.clip_on_worker is not None:
-            clip_local_gradients(self.model, self.clip_on_worker)
+            extra = self.tables.gradients() if self.tables is not None else []
+            clip_local_gradients(self.model, self.clip_on_worker, extra)
         return loss, self.params.push(early or PushRequest(input_state=input_state, learning_rate=learning_rate))
+
+    def _look_ahead(self) -> None:
+        """Send the lookups of the next step's batch, read ahead, while this one computes."""
+        if self.tables is None or not isinstance(self.position, Lookahead):
+            return
+        upcoming = self.position.peek()
+        if upcoming is not None:
+            self.tables.prefetch(upcoming, self.params.lookup_min_steps(self.overlapped))
 
     def wait(self, pushed: Pushed, load_params: bool = True) -> StepReply:
         """Every PS's reply to a step's pushes; raises once too many steps were refused for NaN or inf."""
@@ -90,8 +104,11 @@ class WorkerStep:
         losses: list[float] = []
         while True:
             t = time.perf_counter_ns()
+            batch = batch_to_device(to_torch(batch), device)
+            if self.tables is not None:
+                self.tables.set_batch(batch)
             with autocast(self.job.strategy.mixed_precision, device.type):
-                loss = self.job.loss_fn(model, batch_to_device(to_torch(batch), device))
+                loss = self.job.loss_fn(model, batch)
             recorder.end(spans.FORWARD, step, t)
             value = float(loss.detach())  # one read back (a device sync), which the report needs anyway
             if not math.isfinite(value):

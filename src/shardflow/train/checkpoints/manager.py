@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardflow.nn.modules import table_specs
 from shardflow.profile import spans
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState
@@ -57,6 +58,7 @@ class CheckpointManager:
         start_step: int,
     ) -> None:
         self.client = client
+        self.table_specs = table_specs(client.model)
         self.recorder = recorder
         self.model_dir = job.model_dir
         self.keep = job.keep_checkpoint_max
@@ -132,7 +134,7 @@ class CheckpointManager:
         saves again; None. With `fail_on_save_error` the job fails instead (CheckpointSaveError)."""
         try:
             with self.recorder.span(spans.CHECKPOINT, state.step):
-                path = store.save_state(self.model_dir, state, self.manifest, keep=self.keep)
+                path = store.save_state(self.model_dir, state, self.manifest, self.keep, self.table_specs)
         except OSError as error:
             if self.fail_on_save_error:
                 raise self._error(state.step, error, "fail_on_save_error=True ends the job") from None
@@ -157,7 +159,8 @@ class CheckpointManager:
         written."""
         state = fetch_state(self.client)
         try:
-            path = store.save_state(self.model_dir, state, {**self.manifest, "ps_stats": state.stats}, keep=self.keep)
+            manifest = {**self.manifest, "ps_stats": state.stats}
+            path = store.save_state(self.model_dir, state, manifest, self.keep, self.table_specs)
         except OSError as error:
             latest = store.latest(self.model_dir)
             resume = f"a re-run resumes from {latest}" if latest else "a re-run starts afresh: no checkpoint was saved"

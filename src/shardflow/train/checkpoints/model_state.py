@@ -8,6 +8,9 @@ from typing import Any
 
 import torch
 
+from shardflow.ps.embeddings.files import FileRecord
+from shardflow.ps.protocol import TableRestore
+
 
 @dataclass
 class ModelState:
@@ -28,3 +31,7 @@ class ModelState:
     and each worker resumes after the last step all PS had, repeating only where some missed it (ps/server.py
     `_repeated`): so a restore applies every record once on every PS."""
     stats: dict[str, Any] = field(default_factory=dict)
+    table_files: list[FileRecord] = field(default_factory=list)
+    """The files holding the `sf.nn` tables' rows, as every PS wrote them into the staging directory (to save)."""
+    tables: TableRestore | None = None
+    """Where a saved checkpoint keeps the tables' rows (to restore); None: every row starts afresh."""

@@ -22,7 +22,7 @@ from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState
-from shardflow.train.checkpoints.servers import init_servers
+from shardflow.train.checkpoints.servers import TableSetup, init_servers
 from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import RecoveryNotice, RestoredPositions
@@ -98,6 +98,7 @@ class Recovery:
             state,
             timeout_s=strategy.startup_timeout_s,
             generation=self.generation,
+            tables=TableSetup.of(self.model, self.job.model_dir),
         )
         log.warning(
             "%s was lost and restarted: every PS restored to global step %d (%s); the %d steps since are done "

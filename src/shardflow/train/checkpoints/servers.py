@@ -3,16 +3,44 @@ and collect their parameters, optimizer slots and input positions for a checkpoi
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
+from shardflow.nn.modules import table_specs
 from shardflow.ps import protocol
 from shardflow.ps.connection import PSConnection
+from shardflow.ps.embeddings.spec import TableSpec
 from shardflow.ps.layout import ShardLayout, put
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.update_rules import ApplyConfig
+from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState
+
+
+@dataclass(frozen=True)
+class TableSetup:
+    """The model's `sf.nn` tables as the chief sends them to every PS."""
+
+    specs: tuple[TableSpec, ...] = ()
+    staging: Path | None = None
+    """Where each PS writes its table files for checkpoints; None: the job keeps no checkpoints of them."""
+    full_checkpoint_every: int = 10
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, model_dir: Path | None) -> TableSetup:
+        """The tables of `model`; their files staged under `model_dir`/tables."""
+        return cls(tuple(table_specs(model)), store.table_staging(model_dir) if model_dir is not None else None)
+
+    def resolved(self, optimizer: OptimizerSpec) -> tuple[TableSpec, ...]:
+        """Each table with its row optimizer: its own, or the job's in its sparse form."""
+        return tuple(
+            spec if spec.optimizer is not None else msgspec.structs.replace(spec, optimizer=optimizer.rows(spec))
+            for spec in self.specs
+        )
 
 
 def per_ps_progress(restore: ModelState | None, num_ps: int) -> list[dict[str, Any]]:
@@ -32,10 +60,13 @@ def init_servers(
     restore: ModelState | None = None,
     timeout_s: float | None = None,
     generation: int = 0,
+    tables: TableSetup | None = None,
 ) -> None:
     """Send each PS its shard values (the model's current parameters), optimizer, update rule and, when
     restoring, its slots cut from whole-variable slots by this placement: so any number of PS can load
-    a checkpoint written by any other number. `generation` counts the restores after a PS was lost."""
+    a checkpoint written by any other number. `generation` counts the restores after a PS was lost. `tables`:
+    the model's `sf.nn` tables; each PS makes (or reads from the checkpoint's files) the rows it owns."""
+    tables = tables or TableSetup()
     progress = per_ps_progress(restore, client.layout.num_ps)
     layout = client.layout
     # Before any PS is initialised: an optimizer that cannot apply sparse gradients stops the job at its start.
@@ -63,6 +94,11 @@ def init_servers(
                 iterators=progress[k].get("iterators", {}),
                 worker_steps=progress[k].get("worker_steps", {}),
                 generation=generation,
+                num_ps=layout.num_ps,
+                embeddings=tables.resolved(optimizer),
+                embedding_restore=restore.tables if restore is not None else None,
+                embedding_staging=str(tables.staging) if tables.staging is not None else None,
+                full_checkpoint_every=tables.full_checkpoint_every,
             )
         )
         frames.append(ps_frames)
@@ -118,6 +154,7 @@ def fetch_state(client: PSConnection, snapshot_step: int | None = None) -> Model
             state.iterators = dict(reply.iterators)
         state.ps_progress.append({"worker_steps": dict(reply.worker_steps), "iterators": dict(reply.iterators)})
         state.stats[client.peers[k]] = {"step": reply.step, **reply.stats}
+        state.table_files += reply.table_files
     whole = layout.whole(params)
     state.params = {name: whole[name] for name in client.named}
     return state

@@ -12,8 +12,11 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 import google_crc32c
 import torch
@@ -21,6 +24,10 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shardflow import faults
+# The PS's table files: staged in model_dir/tables, linked into each checkpoint's own tables/.
+from shardflow.ps.embeddings.chains import TABLES, chain_order, link_into, table_chains
+from shardflow.ps.embeddings.spec import TableSpec
+from shardflow.ps.protocol import TableRestore
 from shardflow.train.checkpoints.model_state import ModelState
 
 log = logging.getLogger(__name__)
@@ -152,18 +159,21 @@ def save(
     tensors: dict[str, torch.Tensor],
     manifest: dict[str, Any],
     keep: int | None = None,
+    link: Callable[[Path], dict[str, dict[str, Any]]] | None = None,
 ) -> Path:
     """Write checkpoint `ckpt-<step>` so that at every instant an intact copy of the newest step exists: the new one is
     complete and synced before `latest` points to it. A step saved again is written as `ckpt-<step>.1`, and the older
     copy goes only after `latest` moved to it (an identical one stays instead); then it takes the plain name back.
-    With `keep`, only the newest `keep` checkpoints stay."""
+    With `keep`, only the newest `keep` checkpoints stay. `link(directory)` puts files written elsewhere (the PS's
+    table files) into the checkpoint being written, and returns their records for the manifest."""
     root = directory(model_dir)
     root.mkdir(parents=True, exist_ok=True)
     tmp = _temporary(root, f"ckpt-{step:09d}")
     tmp.mkdir()  # not tempfile.mkdtemp: a checkpoint keeps the umask's permissions, not 0700
     try:
         _save_tensors(tensors, tmp / _MODEL)
-        full = {"global_step": step, **manifest, "files": {_MODEL: _file_record(tmp / _MODEL, sync=True)}}
+        files = {_MODEL: _file_record(tmp / _MODEL, sync=True), **(link(tmp) if link is not None else {})}
+        full = {"global_step": step, **manifest, "files": files}
         full[_MANIFEST_CRC32C] = _manifest_crc32c(full)
         text = json.dumps(full, indent=1).encode()
         _write_synced(os.open(tmp / _MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), text)
@@ -374,7 +384,11 @@ SLOT_SEPARATOR = "::"
 
 
 def save_state(
-    model_dir: str | os.PathLike[str], state: ModelState, manifest: dict[str, Any], keep: int | None = None
+    model_dir: str | os.PathLike[str],
+    state: ModelState,
+    manifest: dict[str, Any],
+    keep: int | None = None,
+    table_specs: Sequence[TableSpec] = (),
 ) -> Path:
     """A checkpoint of whole variables: parameters under their own names, slots as `slot::<key>::<name>`."""
     tensors = dict(state.params)
@@ -382,17 +396,43 @@ def save_state(
         for name, tensor in by_name.items():
             tensors[SLOT_SEPARATOR.join(("slot", key, name))] = tensor
     extra = {"scalars": state.scalars, "iterators": state.iterators, "ps_progress": state.ps_progress}
-    return save(model_dir, state.step, tensors, {**extra, **manifest}, keep)
+    link = None
+    if state.table_files:
+        ordered = chain_order(state.table_files)
+        specs = {spec.name: spec for spec in table_specs}
+        chains: dict[str, list[str]] = {}
+        for record in ordered:
+            chains.setdefault(record.table, []).append(f"{TABLES}/{record.path}")
+        extra["tables"] = {
+            name: {"spec": msgspec.to_builtins(specs[name]) if name in specs else None, "chain": chain}
+            for name, chain in chains.items()
+        }
+
+        def link(directory: Path) -> dict[str, dict[str, Any]]:
+            return link_into(directory, table_staging(model_dir), ordered)
+
+    return save(model_dir, state.step, tensors, {**extra, **manifest}, keep, link)
+
+
+def table_staging(model_dir: str | os.PathLike[str]) -> Path:
+    """Where the PS write the files of their `sf.nn` tables' rows, linked into each checkpoint from there."""
+    return Path(model_dir) / TABLES
 
 
 def load_state(path: str | os.PathLike[str]) -> tuple[ModelState, dict[str, Any]]:
     tensors, manifest = load(path)
+    chains = table_chains(manifest)
     state = ModelState(
         step=int(manifest["global_step"]),
         params={},
         scalars=dict(manifest.get("scalars", {})),
         iterators=dict(manifest.get("iterators", {})),
         ps_progress=list(manifest.get("ps_progress", [])),
+        tables=TableRestore(
+            checkpoint=str(Path(path).resolve()), chains={name: tuple(chain) for name, (_, chain) in chains.items()}
+        )
+        if chains
+        else None,
     )
     for name, tensor in tensors.items():
         if name.startswith("slot" + SLOT_SEPARATOR):

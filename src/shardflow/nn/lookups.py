@@ -1,0 +1,252 @@
+"""The worker's side of `sf.nn` tables: the rows a batch looks up, gathered from their PS in one `Lookup` per PS
+for all tables (sent for the next batch while the current one computes, once the worker knows which of the
+batch's tensors each table reads), and the gradients of those rows, pushed with the step."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from shardflow.nn.backend import Looked
+from shardflow.nn.modules import _Table, tables
+from shardflow.ps import protocol
+from shardflow.ps.connection import PSConnection
+from shardflow.ps.embeddings.spec import owners
+from shardflow.ps.protocol import StepReply
+
+log = logging.getLogger(__name__)
+
+Path = tuple[Any, ...]
+"""Where a tensor sits in a batch: the keys and indices leading to it."""
+
+
+@dataclass
+class _Ids:
+    """One table's ids of one lookup, prepared: unique, where each id is among them, how often each occurs, and
+    the PS owning each unique id."""
+
+    table: int
+    source: torch.Tensor
+    unique: torch.Tensor
+    inverse: torch.Tensor
+    counts: torch.Tensor
+    owner: torch.Tensor
+    rows: torch.Tensor | None = None
+
+
+@dataclass
+class _Round:
+    """The lookups of one batch, one `Lookup` per PS for every table: sent, and collected on first need."""
+
+    wanted: list[_Ids]
+    seqs: dict[int, int] = field(default_factory=dict)
+    sent: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    """Per PS: for each id list sent, its index in `wanted` and which of its unique ids went."""
+    collected: bool = False
+
+
+class TableLookups:
+    """Looks up the rows of a model's `sf.nn` tables for each step of one worker and gathers their gradients."""
+
+    def __init__(self, connection: PSConnection, model: torch.nn.Module, *, prefetch: bool = True) -> None:
+        self.connection = connection
+        self.modules = tables(model)
+        self.specs = [module.spec() for module in self.modules.values()]
+        self._index = {name: i for i, name in enumerate(self.modules)}
+        self.num_ps = len(connection.peers)
+        self.prefetch_enabled = prefetch
+        self.paths: dict[tuple[int, int], Path | None] = {}
+        """Per (table, call within a batch): where in the batch its ids are; None: not in the batch (derived)."""
+        self.not_prefetched = 0
+        """Lookups made when the forward asked, not ahead."""
+        self._batch: Any = None
+        self._calls: dict[int, int] = {}
+        self._ahead: dict[tuple[int, int], tuple[_Round, _Ids]] = {}
+        self._next: dict[tuple[int, int], tuple[_Round, _Ids]] = {}
+        self._looked: list[tuple[_Ids, torch.Tensor]] = []
+
+    def __len__(self) -> int:
+        return len(self.specs)
+
+    # -- a step ------------------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """A new step: the rows looked up before are forgotten; the lookups sent ahead for its batch are ready."""
+        self._looked = []
+        self._ahead, self._next = self._next, {}
+
+    def set_batch(self, batch: Any) -> None:
+        """The batch the model is about to be run on (each of a step's batches, with accumulation)."""
+        self._batch = batch
+        self._calls = {}
+
+    def prefetch(self, batch: Any, min_step: Sequence[int]) -> None:
+        """Send the lookups of `batch`, the next step's, for every table whose ids are known to sit in the batch;
+        ps:k answers once its step is at least `min_step[k]`."""
+        if not self.prefetch_enabled:
+            return
+        wanted: list[_Ids] = []
+        keys: list[tuple[int, int]] = []
+        for key, path in self.paths.items():
+            ids = _at(batch, path) if path is not None else None
+            if isinstance(ids, torch.Tensor):
+                wanted.append(self._prepare(key[0], ids))
+                keys.append(key)
+        if wanted:
+            lookup_round = self._send(wanted, min_step)
+            self._next = {key: (lookup_round, ids) for key, ids in zip(keys, wanted, strict=True)}
+
+    def lookup(self, module: _Table, ids: torch.Tensor) -> Looked:
+        """The rows of `ids` for `module`'s forward: those sent ahead if they are of these ids, else fetched now."""
+        table = self._index[module.table_name or ""]
+        call = self._calls.get(table, 0)
+        self._calls[table] = call + 1
+        key = (table, call)
+        if key not in self.paths:
+            self.paths[key] = self._find(ids)
+            if self.paths[key] is None:
+                log.info(
+                    "sf.nn table %r reads ids that are not a tensor of the batch (computed in forward?): its rows are "
+                    "fetched when forward asks, not ahead; pass the batch's tensor itself to prefetch them",
+                    module.table_name,
+                )
+        ahead = self._ahead.pop(key, None)
+        if ahead is not None and _same(ahead[1].source, ids):
+            lookup_round, prepared = ahead
+        else:
+            self.not_prefetched += 1
+            prepared = self._prepare(table, ids)
+            lookup_round = self._send([prepared], [0] * self.num_ps)
+        self._collect(lookup_round)
+        assert prepared.rows is not None
+        rows = prepared.rows.to(ids.device)
+        if torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            self._looked.append((prepared, rows))
+        return Looked(rows, prepared.inverse.to(ids.device).view(ids.shape), prepared.unique)
+
+    def grad_frames(self, ps: int) -> list[torch.Tensor]:
+        """For each table, the unique ids of this step's lookups that `ps` owns, how often each occurred, and their
+        gradient rows (zeros where backward left none): three frames per table, maybe empty."""
+        frames: list[torch.Tensor] = []
+        for table, spec in enumerate(self.specs):
+            ids, counts, grads = [], [], []
+            for prepared, rows in self._looked:
+                if prepared.table != table:
+                    continue
+                mine = (prepared.owner == ps).nonzero().view(-1)
+                ids.append(prepared.unique[mine])
+                counts.append(prepared.counts[mine])
+                grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
+                grads.append(grad.index_select(0, mine.to(grad.device)))
+            if not ids:
+                dim = spec.embedding_dim
+                frames += [_EMPTY_IDS, _EMPTY_IDS, torch.empty((0, dim), dtype=spec.torch_dtype)]
+                continue
+            frames += [torch.cat(ids), torch.cat(counts), torch.cat(grads)]
+        return frames
+
+    def gradients(self) -> list[torch.Tensor]:
+        """This step's gradients of looked-up rows, for clipping on the worker."""
+        return [rows.grad for _, rows in self._looked if rows.grad is not None]
+
+    # -- the requests ---------------------------------------------------------------------------------
+
+    def _prepare(self, table: int, ids: torch.Tensor) -> _Ids:
+        flat = ids.detach().reshape(-1).to("cpu", torch.int64)
+        unique, inverse = torch.unique(flat, return_inverse=True)
+        spec = self.specs[table]
+        if spec.num_embeddings is not None and unique.numel():
+            low, high = int(unique[0]), int(unique[-1])
+            if low < 0 or high >= spec.num_embeddings:
+                raise IndexError(
+                    f"sf.nn table {spec.name!r} has {spec.num_embeddings} rows; the batch looks up ids {low}..{high}"
+                )
+        counts = torch.bincount(inverse, minlength=unique.numel())
+        return _Ids(table, ids, unique, inverse, counts, owners(spec, unique, self.num_ps))
+
+    def _send(self, wanted: list[_Ids], min_step: Sequence[int]) -> _Round:
+        lookup_round = _Round(wanted)
+        connection = self.connection
+        for ps, peer in enumerate(connection.peers):
+            indices, frames, sent = [], [], []
+            for position, prepared in enumerate(wanted):
+                mine = (prepared.owner == ps).nonzero().view(-1)
+                if mine.numel():
+                    indices.append(prepared.table)
+                    frames.append(prepared.unique[mine])
+                    sent.append((position, mine))
+            if indices:
+                lookup = protocol.Lookup(table_indices=tuple(indices), min_step=min_step[ps])
+                lookup_round.seqs[ps] = connection.client.send(peer, lookup.header(), frames)
+                lookup_round.sent[ps] = sent
+        return lookup_round
+
+    def _collect(self, lookup_round: _Round) -> None:
+        """Receive every PS's rows of a round and put them in place, once."""
+        if lookup_round.collected:
+            return
+        for prepared in lookup_round.wanted:
+            dim = self.specs[prepared.table].embedding_dim
+            prepared.rows = torch.empty((prepared.unique.numel(), dim), dtype=self.specs[prepared.table].torch_dtype)
+        connection = self.connection
+        for ps, seq in lookup_round.seqs.items():
+            peer = connection.peers[ps]
+            header, values = connection.recv(peer, seq)
+            StepReply.decode(header, protocol.Lookup.op, peer)
+            sent = lookup_round.sent[ps]
+            if len(values) != len(sent):
+                raise protocol.PSProtocolError(
+                    protocol.Lookup.op, "frames", peer, f"{len(values)} came for {len(sent)} tables asked"
+                )
+            for (position, mine), rows in zip(sent, values, strict=True):
+                target = lookup_round.wanted[position].rows
+                assert target is not None
+                target.index_copy_(0, mine, rows)
+        lookup_round.collected = True
+
+    def _find(self, ids: torch.Tensor) -> Path | None:
+        if self._batch is None or not ids.numel():
+            return None
+        for path, tensor in _leaves(self._batch, ()):
+            if _same(tensor, ids):
+                return path
+        return None
+
+
+_EMPTY_IDS = torch.empty(0, dtype=torch.int64)
+
+
+def _same(tensor: torch.Tensor, ids: torch.Tensor) -> bool:
+    """Whether `ids` are the elements of `tensor` (the tensor itself, or a view of all of it)."""
+    return (
+        tensor.numel() == ids.numel()
+        and tensor.numel() > 0
+        and tensor.data_ptr() == ids.data_ptr()
+        and tensor.dtype == ids.dtype
+        and tensor.device == ids.device
+    )
+
+
+def _leaves(batch: Any, path: Path) -> Iterator[tuple[Path, torch.Tensor]]:
+    if isinstance(batch, torch.Tensor):
+        yield path, batch
+    elif isinstance(batch, dict):
+        for key, value in batch.items():
+            yield from _leaves(value, (*path, key))
+    elif isinstance(batch, (tuple, list)):
+        for index, value in enumerate(batch):
+            yield from _leaves(value, (*path, index))
+
+
+def _at(batch: Any, path: Path) -> Any:
+    for key in path:
+        try:
+            batch = batch[key]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return batch

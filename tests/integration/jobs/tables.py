@@ -1,0 +1,91 @@
+"""A job whose embeddings are `sf.nn` tables (they live only on the PS) for integration tests, configured by the
+JSON file in argv[1]. The test imports it for the model and data of its one-process reference.
+
+Worker w reads batches w, w + num_workers, ... of a fixed data set of id lookups, tag bags, hashed user ids and
+targets; each record carries its number, so the audit can say which records were applied.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+
+import shardflow as sf
+
+NUM_IDS, NUM_TAGS, DIM = 5_000, 100, 16
+
+
+def make_data(num_batches: int, batch: int, num_ids: int = NUM_IDS) -> dict[str, torch.Tensor]:
+    """Ids (3 per example, skewed so batches share rows), tags (a bag of 4), users (hashed 62-bit ids, Zipf-like)
+    and targets."""
+    generator = torch.Generator().manual_seed(11)
+    count = num_batches * batch
+    ids = (torch.rand(count, 3, generator=generator, dtype=torch.float64) ** 3 * num_ids).long()
+    tags = torch.randint(0, NUM_TAGS, (count, 4), generator=generator)
+    ranks = (torch.rand(count, generator=generator) ** 4 * 2_000).long()
+    users = (ranks * 0x9E3779B97F4A7C1) & ((1 << 62) - 1)
+    targets = torch.randn(count, 1, generator=generator)
+    return {"ids": ids, "tags": tags, "users": users, "targets": targets, "record": torch.arange(count)}
+
+
+class Model(torch.nn.Module):
+    def __init__(self, dynamic: bool = False, admit_after: int = 1, num_ids: int = NUM_IDS) -> None:
+        super().__init__()
+        self.ids = sf.nn.Embedding(num_ids, DIM)
+        self.tags = sf.nn.EmbeddingBag(NUM_TAGS, 4, mode="mean")
+        self.users = sf.nn.DynamicEmbedding(4, admit_after=admit_after) if dynamic else None
+        width = DIM + 4 + (4 if dynamic else 0)
+        self.head = torch.nn.Sequential(torch.nn.Linear(width, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        parts = [self.ids(batch["ids"]).mean(dim=1), self.tags(batch["tags"])]
+        if self.users is not None:
+            parts.append(self.users(batch["users"]))
+        return self.head(torch.cat(parts, dim=1))
+
+
+def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(model(batch), batch["targets"])
+
+
+def main(config: dict[str, Any]) -> None:
+    num_batches, batch = config.get("num_batches", 40), config.get("batch", 8)
+    num_ids = config.get("num_ids", NUM_IDS)
+    data = make_data(num_batches, batch, num_ids)
+    dynamic, admit_after = config.get("dynamic", False), config.get("admit_after", 1)
+
+    def input_fn(ctx: sf.InputContext):
+        for b in range(ctx.worker_index, num_batches, ctx.num_workers):
+            yield {key: value[b * batch : (b + 1) * batch] for key, value in data.items()}
+
+    optimizer = getattr(sf.optim, config.get("optimizer", "Adagrad"))(lr=config.get("lr", 0.1))
+    strategy = sf.ParameterServerStrategy(
+        num_ps=config.get("num_ps", 2), num_workers=config.get("num_workers", 2), mode=config.get("mode", "sync")
+    )
+
+    def model_fn() -> Model:
+        torch.manual_seed(0)
+        return Model(dynamic, admit_after, num_ids)
+
+    est = sf.Estimator(
+        model_fn,
+        loss_fn,
+        optimizer,
+        strategy,
+        config["model_dir"],
+        save_checkpoints_steps=config.get("save_checkpoints_steps"),
+    )
+    result = sf.train_and_evaluate(
+        est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs", 1))
+    )
+    with open(config["result"], "w") as f:
+        fields = ("global_step", "start_step", "first_loss", "final_loss", "ps_stats")
+        json.dump({name: getattr(result, name) for name in fields}, f)
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        main(json.load(f))

@@ -1,0 +1,113 @@
+"""`sf.nn` tables on real local clusters: sync training equals one process with torch's sparse optimizers, and a
+checkpoint of 2 PS (full and increments) restores onto 3 PS with the same rows."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from shardflow.nn.modules import table_specs
+from shardflow.ps.embeddings.init import initial_rows
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.table_rows import CheckpointRows
+
+JOB = Path(__file__).parent / "jobs" / "tables.py"
+_spec = importlib.util.spec_from_file_location("tables_job", JOB)
+assert _spec is not None and _spec.loader is not None
+job = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(job)
+
+# The job's optimizer, and what one process applies: the dense head's and the tables' (torch's sparse path).
+_REFERENCE = {
+    "SGD": (torch.optim.SGD, torch.optim.SGD),
+    "Adagrad": (torch.optim.Adagrad, torch.optim.Adagrad),
+    "Adam": (torch.optim.Adam, torch.optim.SparseAdam),
+}
+
+
+def one_process(optimizer: str, lr: float, steps: int, batch: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """The same model with torch.nn.Embedding(sparse=True) tables holding the rows the PS initialise, trained in one
+    process on two workers' batches concatenated, as a sync job with 2 workers takes them."""
+    data = job.make_data(2 * steps, batch)
+    torch.manual_seed(0)  # as the job's model_fn: the sf.nn tables draw nothing from torch's generator
+    model = job.Model()
+    specs = {spec.name: spec for spec in table_specs(model)}
+    ids = torch.nn.Embedding(job.NUM_IDS, job.DIM, sparse=True)
+    tags = torch.nn.EmbeddingBag(job.NUM_TAGS, 4, mode="mean", sparse=True)
+    with torch.no_grad():
+        ids.weight.copy_(initial_rows(specs["ids"], torch.arange(job.NUM_IDS)))
+        tags.weight.copy_(initial_rows(specs["tags"], torch.arange(job.NUM_TAGS)))
+    dense_cls, sparse_cls = _REFERENCE[optimizer]
+    optimizers = [dense_cls(model.head.parameters(), lr=lr), sparse_cls([ids.weight, tags.weight], lr=lr)]
+    for step in range(steps):
+        rows = slice(2 * step * batch, (2 * step + 2) * batch)
+        b = {key: value[rows] for key, value in data.items()}
+        for o in optimizers:
+            o.zero_grad()
+        out = model.head(torch.cat([ids(b["ids"]).mean(dim=1), tags(b["tags"])], dim=1))
+        torch.nn.functional.mse_loss(out, b["targets"]).backward()
+        for o in optimizers:
+            o.step()
+    return model, {"ids": ids.weight.detach(), "tags": tags.weight.detach()}
+
+
+def trained_tables(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, CheckpointRows]]:
+    latest = store.latest(model_dir)
+    assert latest is not None, f"no checkpoint in {model_dir}"
+    state, manifest = store.load_state(latest)
+    assert state.tables is not None, f"{latest} holds no sf.nn tables: {sorted(manifest)}"
+    specs = {spec.name: spec for spec in table_specs(job.Model())}
+    rows = {
+        name: CheckpointRows(latest, name, lambda ids, spec=specs[name]: initial_rows(spec, ids))
+        for name in state.tables.chains
+    }
+    return state.params, rows
+
+
+@pytest.mark.parametrize("optimizer", ["SGD", "Adagrad", "Adam"])
+def test_sync_training_of_sf_nn_tables_equals_one_process_with_torch_sparse_optimizers(run_job, tmp_path, optimizer):
+    steps, batch, lr = 6, 8, 0.1
+    proc, result = run_job(
+        "tables.py", optimizer=optimizer, lr=lr, mode="sync", num_workers=2, num_ps=2, num_batches=2 * steps
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == steps
+    model, expected = one_process(optimizer, lr, steps, batch)
+    params, rows = trained_tables(tmp_path / "model")
+    for name, value in model.head.state_dict().items():
+        torch.testing.assert_close(params[f"head.{name}"], value, atol=1e-5, rtol=0, msg=name)
+    for name, weights in expected.items():
+        got = rows[name].lookup(torch.arange(weights.shape[0]))
+        torch.testing.assert_close(got, weights, atol=1e-5, rtol=0, msg=name)
+
+
+def test_a_table_of_40_million_rows_trains_while_the_chief_and_workers_hold_none_of_it(start_job, tmp_path):
+    """2.4 GiB of rows (40M x 16 float32) on 2 PS: the chief and each worker stay under 700 MiB of peak RSS,
+    measured from outside the job, and the loss falls."""
+    running = start_job(
+        "tables.py", num_ids=40_000_000, optimizer="SGD", lr=0.5, mode="async", num_batches=120, batch=256
+    )
+    peak: dict[str, int] = {}
+    while running.proc.poll() is None:
+        for name, process in running.roles().items():
+            try:
+                peak[name] = max(peak.get(name, 0), process.memory_info().rss)
+            except psutil.Error:
+                continue
+        time.sleep(0.05)
+    code, out = running.finish(10)
+    assert code == 0, out
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["global_step"] == 120
+    assert result["final_loss"] < result["first_loss"]
+    mib = {name: rss >> 20 for name, rss in peak.items()}
+    assert {"chief", "worker:0", "worker:1", "ps:0", "ps:1"} <= set(mib), mib
+    assert all(mib[name] < 700 for name in ("chief", "worker:0", "worker:1")), mib
+    # The rows are on the PS: each holds its half (1.2 GiB), made there.
+    assert all(mib[f"ps:{k}"] > 1200 for k in (0, 1)), mib
