@@ -29,6 +29,7 @@ from shardflow.train.summaries import Summaries
 if TYPE_CHECKING:
     from shardflow.train.checkpoints.manager import CheckpointManager
     from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.saved_tables import saved_tables
     from shardflow.train.checkpoints.restore import Recovery
     from shardflow.train.preemption import Preemption
 
@@ -268,7 +269,7 @@ class ChiefLoop:
         every_eval = self.eval_spec.every_n_steps if self.eval_spec is not None else None
         if every_eval is not None and state.step % every_eval == 0 and not self.stopped_early:
             self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
-            self._evaluate_and_maybe_stop(state.step)
+            self._evaluate_and_maybe_stop(state)
 
     def _evaluate_if_due(self) -> None:
         """Time-based evaluation, of the parameters as they are now (step-based ones use exact snapshots)."""
@@ -278,11 +279,12 @@ class ChiefLoop:
         if time.monotonic() - self.last_eval_time >= spec.every_n_secs:
             state = fetch_state(self.client)
             self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
-            self._evaluate_and_maybe_stop(state.step)
+            self._evaluate_and_maybe_stop(state)
 
-    def _evaluate_and_maybe_stop(self, step: int) -> None:
+    def _evaluate_and_maybe_stop(self, state: ModelState) -> None:
         assert self.eval_spec is not None
-        self.evaluate(step)
+        with saved_tables(self.model, state, self.job.model_dir):  # the sf.nn tables' rows of the same step
+            self.evaluate(state.step)
         stopping = self.eval_spec.early_stopping
         if stopping is not None:
             values = [e["metrics"][stopping.metric] for e in self.eval_history]

@@ -15,6 +15,7 @@ from shardflow.ps.connection import PSConnection
 from shardflow.ps.optimizers import SGD, OptimizerLike, OptimizerSpec, as_optimizer_spec
 from shardflow.ps.schedules import ScheduleLike, as_schedule
 from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
 from shardflow.train.launch import run_process
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
@@ -136,11 +137,13 @@ class Estimator:
     def evaluate(self, eval_spec: EvalSpec, checkpoint_path: str | os.PathLike[str] | None = None) -> dict[str, float]:
         """Evaluate a checkpoint (the latest by default) in this process."""
         model = self.build_model()
-        if checkpoint_path is None:
-            model.load_state_dict(self.state_dict())
-        else:
-            model.load_state_dict(store.load_state(checkpoint_path)[0].params)
-        return self.evaluate_model(model, eval_spec)
+        path = checkpoint_path if checkpoint_path is not None else store.latest(self.model_dir)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint in {store.directory(self.model_dir)}; train first")
+        state = store.load_state(path)[0]
+        model.load_state_dict(state.params)
+        with saved_tables(model, state, self.model_dir):
+            return self.evaluate_model(model, eval_spec)
 
     def evaluate_model(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:
         """The mean loss and metrics of `model` over the evaluation input, in this process."""

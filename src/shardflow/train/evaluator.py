@@ -9,6 +9,7 @@ import time
 from shardflow.cluster import control_keys
 from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import EvaluationResult
 from shardflow.train.role_context import RoleContext
@@ -30,8 +31,10 @@ def run_evaluator(job: JobConfig, role: RoleContext) -> None:
             evaluated = path.name
             step = store.global_step(path)
             model = job.build_model()
-            model.load_state_dict(store.load_state(path)[0].params)
-            metrics = job.evaluate(model, eval_spec)
+            state = store.load_state(path)[0]
+            model.load_state_dict(state.params)
+            with saved_tables(model, state, job.model_dir):
+                metrics = job.evaluate(model, eval_spec)
             history.parent.mkdir(parents=True, exist_ok=True)
             with open(history, "a") as f:
                 f.write(json.dumps({"global_step": step, "checkpoint": path.name, "metrics": metrics}) + "\n")
