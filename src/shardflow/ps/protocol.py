@@ -115,7 +115,10 @@ class Init(Request, tag="init", frozen=True):
 
     def header(self) -> dict[str, Any]:
         configs = {"optimizer": self.optimizer.to_json(), "apply": self.apply.to_json()}
-        return {"op": self.op, **msgspec.structs.asdict(self), **configs}
+        tables = {"embeddings": msgspec.to_builtins(self.embeddings)}
+        if self.embedding_restore is not None:
+            tables["embedding_restore"] = msgspec.to_builtins(self.embedding_restore)
+        return {"op": self.op, **msgspec.structs.asdict(self), **configs, **tables}
 
     @classmethod
     def from_header(cls, header: dict[Any, Any], op: object, sender: str) -> Self:

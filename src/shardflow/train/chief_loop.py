@@ -19,6 +19,7 @@ from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.train import job_keys
 from shardflow.train.checkpoints.servers import fetch_state
 from shardflow.train.heartbeat import Heartbeats, PSRestarted
+from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import Handover, ProgressReport
 from shardflow.train.profiling import ChiefProfiler
@@ -29,7 +30,6 @@ from shardflow.train.summaries import Summaries
 if TYPE_CHECKING:
     from shardflow.train.checkpoints.manager import CheckpointManager
     from shardflow.train.checkpoints.model_state import ModelState
-from shardflow.train.checkpoints.saved_tables import saved_tables
     from shardflow.train.checkpoints.restore import Recovery
     from shardflow.train.preemption import Preemption
 
