@@ -91,11 +91,12 @@ def test_a_table_of_40_million_rows_trains_while_the_chief_and_workers_hold_none
     """2.4 GiB of rows (40M x 16 float32) on 2 PS: the chief and each worker stay under 700 MiB of peak RSS,
     measured from outside the job, and the loss falls."""
     running = start_job(
-        "tables.py", num_ids=40_000_000, optimizer="SGD", lr=0.5, mode="async", num_batches=120, batch=256
+        "tables.py", num_ids=40_000_000, optimizer="SGD", lr=0.05, mode="async", num_batches=120, batch=256
     )
     peak: dict[str, int] = {}
+    chief = psutil.Process(running.proc.pid)  # a local cluster's chief is the process the user started
     while running.proc.poll() is None:
-        for name, process in running.roles().items():
+        for name, process in {**running.roles(), "chief": chief}.items():
             try:
                 peak[name] = max(peak.get(name, 0), process.memory_info().rss)
             except psutil.Error:
