@@ -1,8 +1,8 @@
 """`sf.nn`: embedding tables that live only on the parameter servers (docs/embeddings.md).
 
-    self.items = sf.nn.Embedding(50_000_000, 64)                  # fixed rows, partitioned over the PS
-    self.users = sf.nn.DynamicEmbedding(64, admit_after=2)         # any int64 id, rows made on admission
-    self.tags = sf.nn.EmbeddingBag(10_000, 16, mode="mean")
+self.items = sf.nn.Embedding(50_000_000, 64)                  # fixed rows, partitioned over the PS
+self.users = sf.nn.DynamicEmbedding(64, admit_after=2)         # any int64 id, rows made on admission
+self.tags = sf.nn.EmbeddingBag(10_000, 16, mode="mean")
 """
 
 from __future__ import annotations

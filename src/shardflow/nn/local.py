@@ -71,8 +71,8 @@ class LocalTables:
 def local_tables(model: torch.nn.Module, optimizer: OptimizerLike | None = None) -> Iterator[LocalTables]:
     """Run `model`'s `sf.nn` tables in this process inside the block:
 
-        with sf.nn.local_tables(model, sf.optim.Adagrad(lr=0.05)) as tables:
-            loss_fn(model, batch).backward(); tables.step()
+    with sf.nn.local_tables(model, sf.optim.Adagrad(lr=0.05)) as tables:
+        loss_fn(model, batch).backward(); tables.step()
     """
     local = LocalTables(model, optimizer)
     with backend.installed(local):

@@ -44,8 +44,7 @@ class _Table(torch.nn.Module):
     def _rows(self, ids: torch.Tensor) -> backend.Looked:
         if ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
             raise TypeError(
-                f"sf.nn table {self.table_name!r} looks up integer ids, got a {ids.dtype} tensor; cast it with "
-                ".long()"
+                f"sf.nn table {self.table_name!r} looks up integer ids, got a {ids.dtype} tensor; cast it with .long()"
             )
         return backend.current(self).lookup(self, ids)
 

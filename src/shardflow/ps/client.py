@@ -13,10 +13,10 @@ import torch
 from shardflow import faults
 from shardflow.comm.client import Client
 from shardflow.comm.errors import CommError
-from shardflow.profile import spans
-from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.nn.lookups import TableLookups
 from shardflow.nn.modules import tables
+from shardflow.profile import spans
+from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import protocol
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.lanes import WorkerLane

@@ -173,6 +173,13 @@ class AttachedLanes(dict[str, Lane]):
         self[sender] = lane
         self._senders[worker_index] = sender
 
+    def open(self, worker_index: int, sender: str, pid: int, fd: int, buffers: Buffers, slots: tuple[int, int]) -> None:
+        """Map and attach the lane of `sender` (its memfd `fd` in process `pid`) with (push, reply) `slots`, one flat
+        buffer each per dense buffer of this PS; LaneError says why it cannot."""
+        if not any(numel for _, numel in buffers):
+            raise LaneError("it holds no dense variables")
+        self.attach(worker_index, sender, open_lane(pid, fd, buffers, *slots))
+
     def drop(self, worker_index: int) -> None:
         sender = self._senders.pop(worker_index, None)
         if sender is not None:

@@ -14,9 +14,9 @@ import msgspec
 import torch
 
 from shardflow.comm.envelope import short
+from shardflow.ps.embeddings.spec import TableSpec
 from shardflow.ps.fields import Count, Invalid, Message
 from shardflow.ps.fields import PSProtocolError as PSProtocolError
-from shardflow.ps.embeddings.spec import TableSpec
 from shardflow.ps.lanes import MAX_SLOTS
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.replies import RejoinReply as RejoinReply
@@ -257,11 +257,11 @@ class _WorkerStep(_WorkerRequest, frozen=True):
 
 class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
     """worker -> every PS: its gradients. Frames: the dense gradient pieces grouped by dtype buffer as for `Init`,
-    then per table its touched row numbers (int64) and their gradient rows, then per `sf.nn` table the batch's unique
-ids this PS owns (int64), how often each occurred (int64) and their gradient rows. Reply: `StepReply` and the parameters
-    when the update rule lets the worker go on (ps/update_rules.py); `dropped` without them once training is over;
-    `stale`, `nonfinite` or `duplicate` with them when the gradient was not applied (sync and stale; NaN or inf;
-    a step this PS had already)."""
+    then per table its touched row numbers (int64) and their gradient rows, then per `sf.nn` table the batch's
+    unique ids this PS owns (int64), how often each occurred (int64) and their gradient rows. Reply: `StepReply`
+    and the parameters when the update rule lets the worker go on (ps/update_rules.py); `dropped` without them once
+    training is over; `stale`, `nonfinite` or `duplicate` with them when the gradient was not applied (sync and
+    stale; NaN or inf; a step this PS had already)."""
 
     frame_counts: tuple[Count, ...]
     lr: LearningRate | None = None

@@ -16,7 +16,7 @@ from shardflow.comm.server import LogLimiter, Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import clipping, protocol
-from shardflow.ps.lanes import AttachedLanes, LaneError, open_lane
+from shardflow.ps.lanes import AttachedLanes, LaneError
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.shards import Shards, finite, nbytes
 from shardflow.ps.state import ShardState, Snapshots, capture
@@ -27,8 +27,7 @@ log = logging.getLogger(__name__)
 RESTORED = "the parameter servers were restored from a checkpoint after one was lost"
 """The start of the error a PS answers a worker's push with after a restore, until the worker rejoins."""
 _FENCED = (protocol.Push, protocol.NonFinite, protocol.Done)
-"""What a worker sends that changes the update rule's state: refused from a sender that has not rejoined since a
-restore."""
+"""A worker's requests that change the update rule's state: refused from a sender not rejoined since a restore."""
 _WITH_PARAMS = (protocol.Push, protocol.NonFinite, protocol.Pull)
 """The requests answered with the parameters, into a reply slot of the sender's lane if they name one."""
 COUNTERS = ("apply_s", "malformed", "failed", "repeated", "refused", "expired", "lane_pushes", "lanes_refused")
@@ -241,8 +240,8 @@ class ParameterServer:
     def _answer(self, received: Received, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
         """The update rule's reply to a push or pull: the current parameters, or none for a dropped push; to a
         lookup, the rows it asked for."""
-        if isinstance(received.message, protocol.Lookup):
-            self._answer_lookup(received.request, received.message)
+        if isinstance(received.message, protocol.Lookup):  # held, so answered here: its errors too
+            self._guarded(received.request, received.message, ParameterServer._answer_lookup)
             return
         if dropped:
             reply = StepReply(step=self.step, stop=self.finished, dropped=True)
@@ -277,11 +276,9 @@ class ParameterServer:
             self.snapshots.held[new_step] = self._capture(new_step)
 
     def _capture(self, step: int) -> ShardState:
-        """This PS's state now, as of global step `step`."""
-        state = capture(step, self.shards.parts(), self.iterators, self.worker_steps)
-        # A table is too big to copy: its rows of this step go to files now (those changed, between full ones).
-        state.table_files = self.shards.embeddings.save(step)
-        return state
+        """This PS's state now, as of global step `step`; its tables' rows go to files now (too big to copy)."""
+        files = self.shards.embeddings.save(step)
+        return capture(step, self.shards.parts(), self.iterators, self.worker_steps, files)
 
     # -- handlers of the chief's requests -------------------------------------------------------------
 
@@ -364,17 +361,15 @@ class ParameterServer:
 
     def _on_attach(self, request: Request, attach: protocol.Attach) -> None:
         assert self.limits is not None  # Attach is served after init only
+        slots = (attach.push_slots, attach.reply_slots)
         try:
-            if not any(numel for _, numel in self.limits.buffers):
-                raise LaneError("it holds no dense variables")
-            lane = open_lane(attach.pid, attach.fd, self.limits.buffers, attach.push_slots, attach.reply_slots)
+            self.lanes.open(attach.worker_index, request.sender, attach.pid, attach.fd, self.limits.buffers, slots)
         except LaneError as error:
             self.stats["lanes_refused"] += 1
             line = f"ps:{self.index} cannot map the shared-memory lane of {request.sender}: {error}"
             self._log("lanes_refused", request.sender, attach.op, f"{line}; it goes on over the socket")
             self.server.reply_error(request, line)
             return
-        self.lanes.attach(attach.worker_index, request.sender, lane)
         self._reply(request)
 
     def _on_pull(self, request: Request, pull: protocol.Pull) -> None:
@@ -386,22 +381,13 @@ class ParameterServer:
         self._reply(request, self.shards.rows(rows.table_indices, request.tensors, what))
 
     def _on_lookup(self, request: Request, lookup: protocol.Lookup) -> None:
-        """Rows of `sf.nn` tables, once this PS's step is at least the lookup's `min_step` (a lookup sent ahead of
-        a step that training ends before is answered with the last rows)."""
-        max_steps = self.config.max_steps
-        min_step = lookup.min_step if max_steps is None else min(lookup.min_step, max_steps)
-        self.updates.pull(Received(request, lookup), min_step)
+        """Rows of `sf.nn` tables once this PS's step is at least `min_step` (at most max_steps: a lookup sent ahead
+        of a step that training ends before gets the last rows)."""
+        self.updates.pull(Received(request, lookup), min(lookup.min_step, self.config.max_steps or lookup.min_step))
 
     def _answer_lookup(self, request: Request, lookup: protocol.Lookup) -> None:
-        what = f"'lookup' from {request.sender} of ps:{self.index}"
-        try:
-            values = self.shards.embeddings.lookup(lookup.table_indices, request.tensors, what)
-        except ValueError as error:  # held and answered later: not inside `_guarded`
-            self.stats["failed"] += 1
-            self._log("failed", request.sender, lookup.op, str(error))
-            self.server.reply_error(request, str(error))
-            return
-        self._reply(request, values)
+        where = f"'lookup' from {request.sender} of ps:{self.index}"
+        self._reply(request, self.shards.embeddings.lookup(lookup.table_indices, request.tensors, where))
 
     def _repeated(self, received: Received, worker_index: int, local_step: int) -> bool:
         """Whether this PS already had this step of this worker: a restarted worker repeats the steps that some PS

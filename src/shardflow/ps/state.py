@@ -38,10 +38,20 @@ class ShardState:
         return [*self.params, *self.slot_tensors]
 
 
-def capture(step: int, parts: Sequence[Part], iterators: dict[str, Any], worker_steps: dict[str, int]) -> ShardState:
-    """A copy of the current state that later updates do not change."""
+def capture(
+    step: int,
+    parts: Sequence[Part],
+    iterators: dict[str, Any],
+    worker_steps: dict[str, int],
+    table_files: tuple[FileRecord, ...] = (),
+) -> ShardState:
+    """A copy of the current state that later updates do not change (the tables' rows: in `table_files`)."""
     state = ShardState(
-        step, [param.detach().clone() for param, _ in parts], iterators=dict(iterators), worker_steps=dict(worker_steps)
+        step,
+        [param.detach().clone() for param, _ in parts],
+        iterators=dict(iterators),
+        worker_steps=dict(worker_steps),
+        table_files=table_files,
     )
     for param, optimizer in parts:
         slots: dict[str, int] = {}

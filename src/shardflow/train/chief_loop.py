@@ -17,9 +17,9 @@ from shardflow.comm.errors import DeadlineExceeded
 from shardflow.profile import spans
 from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.train import job_keys
+from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.checkpoints.servers import fetch_state
 from shardflow.train.heartbeat import Heartbeats, PSRestarted
-from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import Handover, ProgressReport
 from shardflow.train.profiling import ChiefProfiler

@@ -16,10 +16,10 @@ import torch
 from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.cluster.spec import TaskSpec
-from shardflow.data.torch_edge import to_torch
-from shardflow.nn import backend
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
+from shardflow.data.torch_edge import to_torch
+from shardflow.nn import backend
 from shardflow.profile import spans
 from shardflow.ps.client import ParameterClient, Pushed
 from shardflow.train import job_keys

@@ -8,9 +8,9 @@ from safetensors.torch import load_file
 from synthetic_tables import DYNAMIC, FIXED, save_checkpoint, scenario_rows, state_of
 
 from shardflow.ps.embeddings.chains import chain_files, table_chains
-from shardflow.train.checkpoints.table_rows import CheckpointRows, export_tables, gather_rows
 from shardflow.ps.embeddings.files import write_shard
 from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.table_rows import CheckpointRows, export_tables, gather_rows
 
 
 def _expected(spec):

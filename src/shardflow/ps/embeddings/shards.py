@@ -64,8 +64,10 @@ class EmbeddingShards:
             where = f"{what} for table {spec.name!r}"
             table.check_ids(ids, where)
             if counts.dtype != torch.int64 or tuple(counts.shape) != tuple(ids.shape):
-                raise ValueError(f"{where}: counts must be int64 shaped as the {ids.numel()} ids, got {counts.dtype} "
-                                 f"shaped {tuple(counts.shape)}")
+                raise ValueError(
+                    f"{where}: counts must be int64 shaped as the {ids.numel()} ids, got {counts.dtype} "
+                    f"shaped {tuple(counts.shape)}"
+                )
             if values.dtype != spec.torch_dtype or tuple(values.shape) != (ids.numel(), spec.embedding_dim):
                 raise ValueError(
                     f"{where}: {ids.numel()} ids of a table of dimension {spec.embedding_dim} came with gradients of "
@@ -84,7 +86,9 @@ class EmbeddingShards:
                 continue
             ids = torch.cat([g[0] for g in table_grads])
             unique, inverse = torch.unique(ids, return_inverse=True)
-            counts = torch.zeros(unique.numel(), dtype=torch.int64).index_add_(0, inverse, torch.cat([g[1] for g in table_grads]))
+            counts = torch.zeros(unique.numel(), dtype=torch.int64).index_add_(
+                0, inverse, torch.cat([g[1] for g in table_grads])
+            )
             values = torch.cat([g[2] for g in table_grads])
             summed = values.new_zeros((unique.numel(), values.shape[1])).index_add_(0, inverse, values)
             merged.append((unique, counts, summed.div_(count) if count != 1 else summed))

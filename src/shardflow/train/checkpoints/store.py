@@ -16,14 +16,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 import google_crc32c
+import msgspec
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from shardflow import faults
+
 # The PS's table files: staged in model_dir/tables, linked into each checkpoint's own tables/.
 from shardflow.ps.embeddings.chains import TABLES, chain_order, link_into, table_chains
 from shardflow.ps.embeddings.spec import TableSpec
