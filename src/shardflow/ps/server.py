@@ -267,8 +267,8 @@ class ParameterServer:
         faults.reached("apply", self.name, self.step + 1)
         self.stats["apply_s"] += (time.perf_counter_ns() - started) / 1e9
         if recorder is not None:
-            single = len(pushes) == 1 and isinstance(first, protocol.Push | protocol.NonFinite)
-            worker = first.worker_index if single else -1
+            alone = len(pushes) == 1 and isinstance(first, protocol.Push | protocol.NonFinite)
+            worker = first.worker_index if alone and not isinstance(first, protocol.Pull | protocol.Lookup) else -1
             recorder.end(spans.APPLY, self.step, started, worker, nbytes(gradients))
         new_step = self.step + 1  # the update rule counts it once this returns
         if self.snapshots.due(new_step):

@@ -3,7 +3,7 @@ frames, applies an update's, and writes its own rows into checkpoints (every row
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -148,7 +148,7 @@ class EmbeddingShards:
             (self.staging / relative).unlink(missing_ok=True)
             self._staged.discard(relative)
 
-    def restore(self, checkpoint: Path, chains: dict[str, Sequence[str]]) -> None:
+    def restore(self, checkpoint: Path, chains: Mapping[str, Sequence[str]]) -> None:
         """Load every table's rows from its files in `checkpoint`, in replay order, keeping those this PS owns: the
         checkpoint may have been written by another number of PS. The next save is a full one."""
         for spec, table in zip(self.specs, self.tables, strict=True):

@@ -12,6 +12,7 @@ import torch
 from shardflow.nn import backend
 from shardflow.nn.modules import _Table, table_specs
 from shardflow.ps.embeddings.chains import chain_order
+from shardflow.ps.embeddings.files import FileRecord
 from shardflow.ps.embeddings.init import initial_rows
 from shardflow.ps.embeddings.spec import TableSpec
 from shardflow.train.checkpoints import store
@@ -31,6 +32,7 @@ class SavedTables:
         """The rows of `state`: a loaded checkpoint's (`state.tables`) or a snapshot's staged files."""
         rows = {}
         for spec in table_specs(model):
+            files: list[tuple[Path, FileRecord | None]]
             if state.tables is not None:
                 checkpoint = Path(state.tables.checkpoint)
                 files = [(checkpoint / path, None) for path in state.tables.chains.get(spec.name, ())]
