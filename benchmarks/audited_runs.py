@@ -17,6 +17,9 @@ from typing import IO, Any
 import torch
 from safetensors.torch import load_file
 
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.table_rows import CheckpointRows
+
 ROOT = Path(__file__).resolve().parent.parent
 JOB = ROOT / "tests" / "integration" / "jobs" / "audit.py"
 NUM_RECORDS, BATCH = 1024, 8
@@ -92,6 +95,17 @@ class Run(Lines):
         return self.proc.returncode
 
 
+def dynamic_counts(checkpoint: Path, num_records: int) -> torch.Tensor | None:
+    """How many times each record was applied as the audit job's dynamic table counts (its "dynamic" option; ids
+    hashed as the job hashes them), or None for a job without it."""
+    tables = store.load_state(checkpoint)[0].tables
+    if tables is None or "seen_hashed" not in tables.chains:
+        return None
+    ids = (torch.arange(num_records) * 0x9E3779B97F4A7C1 + 12345) & ((1 << 62) - 1)
+    rows = CheckpointRows(checkpoint, "seen_hashed", lambda missing: torch.zeros(missing.numel(), 1))
+    return rows.lookup(ids).view(-1)
+
+
 def audit(workdir: Path, mode: str, num_records: int = NUM_RECORDS, batch: int = BATCH) -> tuple[bool, int, int, str]:
     """Whether the result is exact, with the counts of records applied twice (or more) and never."""
     result_path = workdir / "result.json"
@@ -100,6 +114,9 @@ def audit(workdir: Path, mode: str, num_records: int = NUM_RECORDS, batch: int =
     result = json.loads(result_path.read_text())
     replicas = 2 if mode == "sync" else 1
     seen = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * replicas
+    dynamic = dynamic_counts(Path(result["checkpoint"]), num_records)
+    if dynamic is not None:  # what the dynamic table counts must agree
+        seen = torch.where(dynamic * replicas == seen, seen, torch.full_like(seen, -1.0))
     applied = seen.round().long()
     twice, never = int((applied >= 2).sum()), int((applied == 0).sum())
     exact_step = result["global_step"] == num_records // batch // replicas

@@ -96,6 +96,17 @@ FAULTS = [
         for mode in ("async", "sync")
         for lanes in ("on", "off")
     ],
+    # The audit job with an sf.nn.DynamicEmbedding counting records too (rows made on the PS, in checkpoint files).
+    *[
+        Fault(
+            f"{role} SIGKILLed from outside (async, dynamic table)",
+            "async",
+            role,
+            killed_from_outside=True,
+            config={"save_checkpoints_steps": 16, "step_delay_s": 0.04, "dynamic": True},
+        )
+        for role in ("worker:1", "ps:1")
+    ],
     # A NaN loss in one batch of worker:1, with max_nonfinite_updates=2: that batch is refused on every PS and
     # counted, and training goes on; its 8 records are the only ones never applied.
     Fault("NaN loss in one batch", "async", point="nan", steps=(0, 63), config={"max_nonfinite_updates": 2}),

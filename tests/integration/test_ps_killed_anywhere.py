@@ -146,3 +146,18 @@ def test_a_second_ps_killed_while_the_first_is_restored_converges(tmp_path, mode
     out = job.finish(what)
     assert "ps:0 was restarted" in out, f"{what}\n{out}"
     print("".join(line for line in job.lines if "restor" in line))
+
+
+def test_a_worker_and_a_ps_killed_in_a_job_with_a_dynamic_table_end_exact(tmp_path):
+    """The audit job's sf.nn.DynamicEmbedding counts every record too: after a worker and a PS are SIGKILLed, its
+    rows (made on the PS as records arrive, restored from the checkpoint files) say each record was applied once."""
+    job = _Job(tmp_path, "async", True, dynamic=True)
+    try:
+        _wait_for_training(job.proc, tmp_path, 0.5)
+        job.kill("worker:1")
+        _wait_for_training(job.proc, tmp_path, 0.5)
+        job.kill("ps:1")
+    except BaseException:
+        job.stop()
+        raise
+    job.finish("worker:1 then ps:1 killed, with a dynamic table")

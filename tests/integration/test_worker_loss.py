@@ -27,6 +27,9 @@ from shardflow.train import job_keys
 
 from .test_cluster_environments import _free_ports
 
+sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))  # the audit's helpers, shared with make faults
+from audited_runs import dynamic_counts
+
 JOBS = Path(__file__).parent / "jobs"
 NUM_RECORDS, BATCH = 1024, 8
 
@@ -68,6 +71,13 @@ def _audit(tmp_path: Path, epochs: int = 1, num_records: int = NUM_RECORDS, repl
     assert torch.equal(applied, torch.full_like(applied, float(epochs))), (
         f"records applied 0, 1, 2.. times: {counts.tolist()}"
     )
+    dynamic = dynamic_counts(Path(result["checkpoint"]), num_records)
+    if dynamic is not None:  # the sf.nn.DynamicEmbedding's rows count them too
+        dynamic = dynamic * replicas
+        counts = torch.bincount(dynamic.round().long().clamp(min=0), minlength=epochs + 2)
+        assert torch.equal(dynamic, torch.full_like(dynamic, float(epochs))), (
+            f"records applied 0, 1, 2.. times by the dynamic table: {counts.tolist()}"
+        )
     assert sum(result["worker_steps"].values()) == batches
     return result
 

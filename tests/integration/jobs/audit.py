@@ -4,7 +4,9 @@ Each record has an id. Besides a small regression model, the model holds `seen`,
 loss adds -seen[id] for every record of the batch: with SGD at lr 1/16 and that term scaled by 16, every applied
 gradient of a record adds exactly 1.0 to its counter (powers of two: no rounding). So the final parameters say how
 many times each record's gradient was applied, whatever was killed on the way. `seen` is cut across the PS, so a
-push that reached only some PS shows. Configured by a JSON file given as argv[1] (see regression.py's keys).
+push that reached only some PS shows. With "dynamic", an `sf.nn.DynamicEmbedding` keyed by a hash of each record's
+id counts the same way, in rows made on the PS as records arrive. Configured by a JSON file given as argv[1] (see
+regression.py's keys).
 """
 
 import json
@@ -25,13 +27,19 @@ LR = 1.0 / 16
 generator = torch.Generator().manual_seed(7)
 X = torch.randn(NUM_RECORDS, 4, generator=generator)
 Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
+DYNAMIC = config.get("dynamic", False)
+
+
+def hashed(ids: torch.Tensor) -> torch.Tensor:
+    """Each record's id spread over 62 bits, as a hashed feature is: the dynamic table's ids."""
+    return (ids * 0x9E3779B97F4A7C1 + 12345) & ((1 << 62) - 1)
 
 
 def input_fn(ctx: sf.InputContext):
     ids = torch.arange(NUM_RECORDS)
     for b in range(ctx.worker_index, NUM_RECORDS // BATCH, ctx.num_workers):
         batch = ids[b * BATCH : (b + 1) * BATCH]
-        yield batch, X[batch], Y[batch]
+        yield (batch, X[batch], Y[batch], hashed(batch)) if DYNAMIC else (batch, X[batch], Y[batch])
 
 
 class Audited(torch.nn.Module):
@@ -39,6 +47,8 @@ class Audited(torch.nn.Module):
         super().__init__()
         self.seen = torch.nn.Parameter(torch.zeros(NUM_RECORDS))
         self.head = torch.nn.Linear(4, 1)
+        zeros = sf.nn.Initializer(kind="zeros")
+        self.seen_hashed = sf.nn.DynamicEmbedding(1, initializer=zeros, optimizer=sf.nn.sgd(LR)) if DYNAMIC else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(x)
@@ -51,9 +61,11 @@ NAN_AT = config.get("nan_at")
 
 def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
     assert isinstance(model, Audited)
-    ids, x, y = batch
+    ids, x, y = batch[:3]
     time.sleep(config.get("step_delay_s", 0))
     loss = torch.nn.functional.mse_loss(model(x), y) * 0.05 - model.seen[ids].sum() / LR
+    if model.seen_hashed is not None:
+        loss = loss - model.seen_hashed(batch[3]).sum() / LR
     if NAN_AT is not None and [TASK.get("index"), int(ids[0])] == NAN_AT:
         loss = loss * float("nan")
     return loss

@@ -116,6 +116,8 @@ class EmbeddingShards:
         checkpoint is due, else only those changed since the last save. Returns the files to replay, in order."""
         if self.staging is None or not self.tables:
             return ()
+        if self.chain and self.chain[-1].step == step:
+            return tuple(self.chain)  # saved at this step already (a snapshot, then the final state): unchanged
         full = not self.chain or self._saves_since_full + 1 >= self.full_checkpoint_every
         written = []
         for spec, table in zip(self.specs, self.tables, strict=True):
