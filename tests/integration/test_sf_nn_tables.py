@@ -12,8 +12,11 @@ import psutil
 import pytest
 import torch
 
+import shardflow as sf
 from shardflow.nn.modules import table_specs
+from shardflow.ps.embeddings.chains import replay
 from shardflow.ps.embeddings.init import initial_rows
+from shardflow.ps.embeddings.table import ShardTable
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.table_rows import CheckpointRows
 
@@ -112,3 +115,38 @@ def test_a_table_of_40_million_rows_trains_while_the_chief_and_workers_hold_none
     assert all(mib[name] < 700 for name in ("chief", "worker:0", "worker:1")), mib
     # The rows are on the PS: each holds its half (1.2 GiB), made there.
     assert all(mib[f"ps:{k}"] > 1200 for k in (0, 1)), mib
+
+
+def _table_states(checkpoint: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """Every row of every table in `checkpoint` with its optimizer slots and counters, read into one PS."""
+    state, _ = store.load_state(checkpoint)
+    assert state.tables is not None
+    specs = {spec.name: spec for spec in table_specs(job.Model(dynamic=True))}
+    found = {}
+    for name, chain in state.tables.chains.items():
+        table = ShardTable(specs[name], sf.nn.lazy_adam(0.05, per_row_steps=specs[name].dynamic), 0, 1)
+        replay([(checkpoint / path, None) for path in chain], specs[name], table.load_rows)
+        found[name] = table.rows_state(changed_only=False)
+    return found
+
+
+def test_a_checkpoint_of_2_ps_with_increments_restored_onto_3_ps_trains_on_exactly(run_job, tmp_path):
+    """Checkpoints every 2 steps: a full file per PS, then increments. Restored onto 3 PS (rows re-partitioned, the
+    dynamic table's too), training goes on to the same rows and optimizer slots as a run that never stopped."""
+    common = {"mode": "sync", "num_workers": 2, "num_batches": 16, "optimizer": "Adam", "lr": 0.05, "dynamic": True}
+    common["save_checkpoints_steps"] = 2
+    run_job("tables.py", num_ps=2, max_steps=8, model_dir=str(tmp_path / "whole"), **common)
+    first = run_job("tables.py", num_ps=2, max_steps=5, model_dir=str(tmp_path / "part"), **common)[1]
+    proc, second = run_job("tables.py", num_ps=3, max_steps=8, model_dir=str(tmp_path / "part"), **common)
+    assert proc.returncode == 0, proc.stdout
+    assert (first["global_step"], second["start_step"], second["global_step"]) == (5, 5, 8)
+    whole, part = (store.latest(tmp_path / name) for name in ("whole", "part"))
+    assert whole is not None and part is not None
+    chains = store.load_state(store.named(tmp_path / "part", "ckpt-000000004") or part)[0].tables
+    assert chains is not None and any("increment" in path for path in chains.chains["ids"]), chains
+    expected, got = _table_states(whole), _table_states(part)
+    assert set(expected) == set(got) == {"ids", "tags", "users"}
+    for name in expected:
+        assert torch.equal(got[name]["ids"], expected[name]["ids"]), name
+        for key in expected[name]:
+            torch.testing.assert_close(got[name][key], expected[name][key], atol=1e-6, rtol=0, msg=f"{name} {key}")

@@ -99,6 +99,8 @@ class StateReply(_Answer, frozen=True):
     table_files: tuple[FileRecord, ...] = ()
     """The files, in the staging directory, holding this PS's rows of the `sf.nn` tables as of `state_step`, in
     replay order (its latest full file of each table, then the increments since)."""
+    table_error: str | None = None
+    """Why this PS could not write those files (a full disk): the state is no checkpoint."""
 
 
 class Unserved(Message, frozen=True):

@@ -277,8 +277,8 @@ class ParameterServer:
 
     def _capture(self, step: int) -> ShardState:
         """This PS's state now, as of global step `step`; its tables' rows go to files now (too big to copy)."""
-        files = self.shards.embeddings.save(step)
-        return capture(step, self.shards.parts(), self.iterators, self.worker_steps, files)
+        files = self.shards.embeddings.snapshot(step)
+        return capture(step, self.shards.parts(), self.iterators, self.worker_steps, *files)
 
     # -- handlers of the chief's requests -------------------------------------------------------------
 
@@ -313,18 +313,7 @@ class ParameterServer:
     def _on_state(self, request: Request, get: protocol.GetState) -> None:
         """Parameters, optimizer slots and input positions: now, or as snapshotted (for checkpoints)."""
         state = self._capture(self.step) if get.snapshot_step is None else self.snapshots.get(get.snapshot_step)
-        reply = protocol.StateReply(
-            step=self.step,
-            stop=self.finished,
-            state_step=state.step,
-            dtypes=tuple(self.shards.dtypes),
-            slots=tuple(state.slots),
-            scalars=tuple(state.scalars),
-            iterators=state.iterators,
-            worker_steps=state.worker_steps,
-            stats=self._stats(),
-            table_files=state.table_files,
-        )
+        reply = state.reply(self.step, self.finished, self.shards.dtypes, self._stats())
         self.server.reply(request, reply.header(), state.tensors())
 
     def _on_snapshot_at(self, request: Request, snapshot_at: protocol.SnapshotAt) -> None:

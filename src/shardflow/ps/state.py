@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from shardflow.ps.embeddings.files import FileRecord
+from shardflow.ps.replies import StateReply
 
 Part = tuple[torch.nn.Parameter, torch.optim.Optimizer | None]
 """A tensor the PS holds (a flat dtype buffer or a row-sparse table) and the optimizer that updates it."""
@@ -33,9 +34,27 @@ class ShardState:
     """By "worker:<index>", the last of that worker's steps in this state; `iterators` holds its position after."""
     table_files: tuple[FileRecord, ...] = ()
     """The files holding this PS's rows of the `sf.nn` tables as of `step`, in replay order."""
+    table_error: str | None = None
+    """Why those files could not be written; then this state is no checkpoint."""
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.params, *self.slot_tensors]
+
+    def reply(self, step: int, stop: bool, dtypes: Sequence[str], stats: dict[str, float]) -> StateReply:
+        """The header of a PS's answer to `GetState` with this state; `tensors()` are its frames."""
+        return StateReply(
+            step=step,
+            stop=stop,
+            state_step=self.step,
+            dtypes=tuple(dtypes),
+            slots=tuple(self.slots),
+            scalars=tuple(self.scalars),
+            iterators=self.iterators,
+            worker_steps=self.worker_steps,
+            stats=stats,
+            table_files=self.table_files,
+            table_error=self.table_error,
+        )
 
 
 def capture(
@@ -44,6 +63,7 @@ def capture(
     iterators: dict[str, Any],
     worker_steps: dict[str, int],
     table_files: tuple[FileRecord, ...] = (),
+    table_error: str | None = None,
 ) -> ShardState:
     """A copy of the current state that later updates do not change (the tables' rows: in `table_files`)."""
     state = ShardState(
@@ -52,6 +72,7 @@ def capture(
         iterators=dict(iterators),
         worker_steps=dict(worker_steps),
         table_files=table_files,
+        table_error=table_error,
     )
     for param, optimizer in parts:
         slots: dict[str, int] = {}

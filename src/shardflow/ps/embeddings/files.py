@@ -31,6 +31,10 @@ _CHUNK_BYTES = 4 << 20
 _MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 _PER_ROW_INT64 = ("counts", "last_seen")
+_SLOT_DTYPES = (torch.float32, torch.int64)
+PENDING = "pending."
+"""A dynamic table's ids seen but not admitted yet ("pending.ids", "pending.counts", "pending.last_seen"): every
+file holds them all (a bounded set), and the last file replayed decides."""
 
 
 class FileRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -123,10 +127,15 @@ def state_problem(spec: TableSpec, kind: Kind, state: dict[str, torch.Tensor]) -
                 return "a full file lists removed ids; only an increment removes rows"
         elif key in _PER_ROW_INT64 and (tensor.dtype != torch.int64 or shape != [n]):
             return f"{key!r} is {tensor.dtype} {shape}, not int64 [{n}]"
-        elif key.startswith("slot.") and (not tensor.is_floating_point() or shape not in ([n], [n, dim])):
-            return f"{key!r} is {tensor.dtype} {shape}, not floating point [{n}] or [{n}, {dim}]"
-        elif key not in ("ids", "values", "removed", *_PER_ROW_INT64) and not key.startswith("slot."):
-            return f"unknown entry {key!r}: a state holds ids, values, slot.<name>, counts, last_seen, removed"
+        elif key.startswith("slot.") and (tensor.dtype not in _SLOT_DTYPES or shape not in ([n], [n, dim])):
+            return f"{key!r} is {tensor.dtype} {shape}, not float32 or int64 [{n}] or [{n}, {dim}]"
+        elif key.startswith(PENDING) and (tensor.dtype != torch.int64 or tensor.dim() != 1):
+            return f"{key!r} is {tensor.dtype} {shape}, not int64 [m]"
+        elif key not in ("ids", "values", "removed", *_PER_ROW_INT64) and not key.startswith(("slot.", PENDING)):
+            return (
+                f"unknown entry {key!r}: a state holds ids, values, slot.<name>, counts, last_seen, removed, "
+                f"{PENDING}<name>"
+            )
     return None
 
 

@@ -3,6 +3,7 @@ frames, applies an update's, and writes its own rows into checkpoints (every row
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from shardflow.ps.embeddings.files import FileRecord, write_shard
 from shardflow.ps.embeddings.spec import RowOptimizer, TableSpec
 from shardflow.ps.embeddings.table import ShardTable
 from shardflow.ps.sparse import EmbeddingGrad
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddingShards:
@@ -119,7 +122,7 @@ class EmbeddingShards:
         if self.chain and self.chain[-1].step == step:
             return tuple(self.chain)  # saved at this step already (a snapshot, then the final state): unchanged
         full = not self.chain or self._saves_since_full + 1 >= self.full_checkpoint_every
-        written = []
+        written: list[FileRecord] = []
         for spec, table in zip(self.specs, self.tables, strict=True):
             written.append(
                 write_shard(
@@ -139,6 +142,17 @@ class EmbeddingShards:
         self._saves_since_full = 0 if full else self._saves_since_full + 1
         self._staged.update(record.path for record in written)
         return tuple(self.chain)
+
+    def snapshot(self, step: int) -> tuple[tuple[FileRecord, ...], str | None]:
+        """`save`, for a snapshot: the files, or none and why they could not be written (a full disk): the
+        checkpoint of that step then fails, training goes on, and the next save writes every row again."""
+        try:
+            return self.save(step), None
+        except (OSError, ValueError) as error:
+            self.chain = []
+            problem = f"ps:{self.ps_index} could not write its rows of the sf.nn tables at step {step}: {error}"
+            log.warning("%s; the next checkpoint writes every row", problem)
+            return (), problem
 
     def prune(self, keep: Sequence[FileRecord]) -> None:
         """Delete the staged files this PS wrote that neither `keep` (the snapshots not yet saved) nor its current

@@ -33,5 +33,7 @@ class ModelState:
     stats: dict[str, Any] = field(default_factory=dict)
     table_files: list[FileRecord] = field(default_factory=list)
     """The files holding the `sf.nn` tables' rows, as every PS wrote them into the staging directory (to save)."""
+    table_errors: list[str] = field(default_factory=list)
+    """Why some PS could not write their table files: then this state cannot be saved."""
     tables: TableRestore | None = None
     """Where a saved checkpoint keeps the tables' rows (to restore); None: every row starts afresh."""

@@ -155,6 +155,8 @@ def fetch_state(client: PSConnection, snapshot_step: int | None = None) -> Model
         state.ps_progress.append({"worker_steps": dict(reply.worker_steps), "iterators": dict(reply.iterators)})
         state.stats[client.peers[k]] = {"step": reply.step, **reply.stats}
         state.table_files += reply.table_files
+        if reply.table_error is not None:
+            state.table_errors.append(reply.table_error)
     whole = layout.whole(params)
     state.params = {name: whole[name] for name in client.named}
     return state

@@ -6,6 +6,7 @@ The only module that reads or writes `manifest.json` and `latest` (docs/checkpoi
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
@@ -396,6 +397,8 @@ def save_state(
         for name, tensor in by_name.items():
             tensors[SLOT_SEPARATOR.join(("slot", key, name))] = tensor
     extra = {"scalars": state.scalars, "iterators": state.iterators, "ps_progress": state.ps_progress}
+    if state.table_errors:  # as a failed write of the checkpoint itself (see CheckpointManager.save)
+        raise OSError(errno.EIO, "; ".join(state.table_errors))
     link = None
     if state.table_files:
         ordered = chain_order(state.table_files)
