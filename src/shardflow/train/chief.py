@@ -19,6 +19,7 @@ from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
 from shardflow.comm.security import SECRET_FILE, is_loopback, job_credentials, write_secret
+from shardflow.nn.modules import table_specs
 from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.placement import Placement, place
@@ -201,7 +202,8 @@ def _chief_loop(
 ) -> ChiefLoop:
     """The chief's loop over training, with its checkpoints and how to restore every PS."""
     model, admin = start.model, start.admin
-    checkpoints = CheckpointManager(job, role, admin, start.placement, profiler.recorder, start.step)
+    specs = table_specs(model)
+    checkpoints = CheckpointManager(job, role, admin, start.placement, profiler.recorder, start.step, specs)
     initial = start.restored or ModelState(
         step=0, params={n: p.detach().clone() for n, p in model.state_dict().items()}
     )

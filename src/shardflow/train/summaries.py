@@ -13,6 +13,7 @@ from tensorboard.compat.proto.event_pb2 import Event
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from shardflow.data import TFRecordWriter
+from shardflow.ps.embeddings.shards import TABLE_STATS
 from shardflow.train.job_keys import ProgressReport
 
 log = logging.getLogger(__name__)
@@ -142,6 +143,18 @@ class Summaries:
                     f"ps_apply_ms/ps:{k}", 1000 * (apply_s - previous[1]) / (applied - previous[0]), step
                 )
             self._last_apply[f"ps:{k}"] = (applied, apply_s)
+        self._write_tables(step, ps_stats)
+
+    def _write_tables(self, step: int, ps_stats: list[dict[str, Any]]) -> None:
+        """Each `sf.nn` table's counters, summed over the PS: rows held, admitted, rejected, evicted, expired,
+        bytes (tags `tables/<table>/<counter>`)."""
+        totals: dict[str, float] = {}
+        for stats in ps_stats:
+            for key, value in stats.items():
+                if key.startswith(TABLE_STATS):
+                    totals[key] = totals.get(key, 0.0) + float(value)
+        for key, value in totals.items():
+            self.train.add_scalar("tables/" + key[len(TABLE_STATS) :], value, step)
 
     def evaluation(self, step: int, metrics: dict[str, float]) -> None:
         for name, value in metrics.items():

@@ -17,6 +17,9 @@ from shardflow.ps.sparse import EmbeddingGrad
 
 log = logging.getLogger(__name__)
 
+TABLE_STATS = "table/"
+"""The prefix of the tables' counters among a PS's stats: `table/<table>/<counter>`."""
+
 
 class EmbeddingShards:
     """The rows this PS owns of each table (in the order of the chief's `Init`), and the checkpoint files it wrote
@@ -41,6 +44,8 @@ class EmbeddingShards:
         self.chain: list[FileRecord] = []
         """The files of this PS's latest full checkpoint and the increments after it, in replay order."""
         self._saves_since_full = 0
+        self.lookups = {"lookups": 0, "looked_up_ids": 0}
+        """Lookups this PS answered, and the ids they asked for."""
         self._staged: set[str] = set()
         """The staged files this PS wrote and has not deleted."""
 
@@ -50,7 +55,9 @@ class EmbeddingShards:
     def lookup(self, indices: Sequence[int], ids: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """Per table index, the values of the rows its frame of `ids` lists; `what` names the request in errors."""
         values = []
+        self.lookups["lookups"] += 1
         for index, table_ids in zip(indices, ids, strict=True):
+            self.lookups["looked_up_ids"] += table_ids.numel()
             table = self.tables[index]
             table.check_ids(table_ids, f"{what} for table {self.specs[index].name!r}")
             values.append(table.lookup(table_ids))
@@ -106,13 +113,14 @@ class EmbeddingShards:
             table.maintain(step + 1)
 
     def stats(self) -> dict[str, int]:
-        """Per table: rows, admitted, rejected, evicted, expired, bytes."""
-        found: dict[str, int] = {}
-        for spec, table in zip(self.specs, self.tables, strict=True):
-            for key, value in table.stats().items():
-                found[f"table/{spec.name}/{key}"] = int(value)
-            found[f"table/{spec.name}/bytes"] = int(table.memory_bytes())
-        return found
+        """Per table (`table/<name>/<counter>`): rows, admitted, rejected, evicted, expired, memory_bytes; and the
+        lookups this PS answered and the ids they asked for."""
+        found = {
+            f"{TABLE_STATS}{spec.name}/{key}": int(value)
+            for spec, table in zip(self.specs, self.tables, strict=True)
+            for key, value in table.stats().items()
+        }
+        return {**found, **self.lookups} if self.tables else found
 
     def save(self, step: int) -> tuple[FileRecord, ...]:
         """Write this PS's rows of every table as of `step` into the staging directory: every row when a full

@@ -12,7 +12,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardflow.nn.modules import table_specs
 from shardflow.profile import spans
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState
@@ -21,6 +20,7 @@ from shardflow.train.checkpoints.servers import fetch_state
 if TYPE_CHECKING:
     from shardflow.profile.recorder import SpanRecorder
     from shardflow.ps.admin import PSAdmin, StatusReply
+    from shardflow.ps.embeddings.spec import TableSpec
     from shardflow.ps.placement import Placement
     from shardflow.train.job import JobConfig
     from shardflow.train.role_context import RoleContext
@@ -56,9 +56,11 @@ class CheckpointManager:
         placement: Placement,
         recorder: SpanRecorder,
         start_step: int,
+        table_specs: Sequence[TableSpec] = (),
     ) -> None:
+        """`table_specs`: the model's `sf.nn` tables, whose rows the PS write into each checkpoint."""
         self.client = client
-        self.table_specs = table_specs(client.model)
+        self.table_specs = table_specs
         self.recorder = recorder
         self.model_dir = job.model_dir
         self.keep = job.keep_checkpoint_max
