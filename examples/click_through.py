@@ -55,8 +55,8 @@ FEATURES = {
     "click": data.FixedLenFeature([], np.int64),
 }
 # The large tables live only on the PS. The small ones stay torch.nn.Embedding, dense variables: every batch of 256
-# touches most of their rows, so a lookup and a push of rows would move them whole twice per step, whereas as dense
-# variables they come back with the pull that every push gets anyway (a few hundred floats).
+# touches most of their rows, so looking rows up and pushing them would move the tables whole anyway, whereas dense
+# they come back with the pull every push gets (about 500 floats in all).
 PS_TABLES = ("user_id", "item_id")
 CROSS = "user_x_category"
 """The hashed cross feature: a row per (user, category) pair seen at least twice, in a DynamicEmbedding."""
