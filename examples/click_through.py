@@ -1,12 +1,13 @@
-"""Click-through prediction on generated click logs, with embedding tables partitioned across the parameter servers.
+"""Click-through prediction on generated click logs, with embedding tables that live only on the parameter servers.
 
 On first run it writes click logs as TFRecord files of tf.train.Example: user and item ids drawn from Zipf
 distributions (a few are very frequent, most are rare, as in real logs), with clicks drawn from a hidden model:
 user, item and category effects, each user's taste for categories, the ad's position, the hour and the device.
-Training reads them back with TFRecordDataset and parse_example; each categorical feature has an nn.Embedding.
-The large user and item tables are nn.Embedding(sparse=True), row-sparse variables: they are cut into slices across
-the 2 PS, and a step pulls and pushes only the rows its batch looks up, not the tables. Adagrad, the classic
-optimizer for sparse embeddings, applies their gradients on the PS.
+Training reads them back with TFRecordDataset and parse_example, and hashes a cross feature, user x category, into
+an int64 id there. The user and item tables are sf.nn.Embedding: their rows live only on the 2 PS (ids modulo 2),
+no worker and not the chief ever allocates them, and a step looks up and pushes only the rows of its batch's ids.
+The cross feature has an sf.nn.DynamicEmbedding: any int64 id, a row made on a PS once its id was seen twice.
+Adagrad, the classic optimizer for sparse embeddings, applies every table's row gradients on the PS.
 
     python examples/click_through.py                  # a local cluster: chief, 2 PS, 2 workers
     shardflow launch --workers 4 --ps 2 examples/click_through.py
@@ -53,10 +54,14 @@ FEATURES = {
     "position": data.FixedLenFeature([], np.float32),
     "click": data.FixedLenFeature([], np.int64),
 }
+# The large tables live only on the PS. The small ones stay torch.nn.Embedding, dense variables: every batch of 256
+# touches most of their rows, so looking rows up and pushing them would move the tables whole anyway, whereas dense
+# they come back with the pull every push gets (about 500 floats in all).
+PS_TABLES = ("user_id", "item_id")
+CROSS = "user_x_category"
+"""The hashed cross feature: a row per (user, category) pair seen at least twice, in a DynamicEmbedding."""
+CROSS_DIM = 8
 BATCH_SIZE = 256
-# Tables with at least this many rows are row-sparse. A small table costs less whole, in the dense pull that comes
-# back with every push, than in a round trip of its own for its rows during the forward.
-SPARSE_MIN_ROWS = 1_000
 
 
 def generate_click_logs(directory: Path, num_train: int, seed: int = 0) -> dict[str, Any]:
@@ -149,19 +154,39 @@ def _log_loss(clicks: np.ndarray, probability: np.ndarray | float) -> float:
     return float(-np.mean(clicks * np.log(probability) + (1 - clicks) * np.log(1 - probability)))
 
 
+def hash_cross(users: np.ndarray, categories: np.ndarray) -> np.ndarray:
+    """Each (user, category) pair as one int64 id spread over all of int64, as a feature pipeline hashes a cross
+    feature (splitmix64's finaliser of an exact pairing): no vocabulary, rows made only for the pairs that occur."""
+    x = users.astype(np.uint64) * np.uint64(1 << 20) + categories.astype(np.uint64)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return (x ^ (x >> np.uint64(31))).view(np.int64)
+
+
+def parse(records: np.ndarray) -> dict[str, np.ndarray]:
+    """A batch of serialized Examples as features, with the cross feature hashed here, in the input pipeline: the
+    model then passes the batch's own tensor to its table, whose rows the worker can look up one step ahead."""
+    features = data.parse_example(records, FEATURES)
+    features[CROSS] = hash_cross(features["user_id"], features["category"])
+    return features
+
+
 class ClickModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embeddings = torch.nn.ModuleDict(
-            {
-                name: torch.nn.Embedding(size, dim, sparse=size >= SPARSE_MIN_ROWS)
-                for name, (size, dim) in VOCABULARIES.items()
-            }
-        )
-        for table in self.embeddings.values():
-            # Small initial rows: a rare id then starts near "no effect" instead of at a random one.
-            torch.nn.init.normal_(table.weight, std=0.01)
-        width = sum(dim for _, dim in VOCABULARIES.values()) + 1
+        # Small initial rows: a rare id then starts near "no effect" instead of at a random one. Each PS draws the
+        # rows it owns itself, seeded per row.
+        small = sf.nn.Initializer(kind="normal", std=0.01)
+        self.embeddings = torch.nn.ModuleDict()
+        for name, (size, dim) in VOCABULARIES.items():
+            if name in PS_TABLES:
+                self.embeddings[name] = sf.nn.Embedding(size, dim, initializer=small)
+            else:
+                self.embeddings[name] = torch.nn.Embedding(size, dim)
+                torch.nn.init.normal_(self.embeddings[name].weight, std=0.01)
+        # Admission after 2 sightings: a pair seen once reads its initial values and gets no row, nor its gradient.
+        self.embeddings[CROSS] = sf.nn.DynamicEmbedding(CROSS_DIM, admit_after=2, initializer=small)
+        width = sum(dim for _, dim in VOCABULARIES.values()) + CROSS_DIM + 1
         self.mlp = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
 
     def forward(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -193,27 +218,20 @@ def main(args: argparse.Namespace) -> None:
             files.interleave(data.TFRecordDataset, cycle_length=4, num_parallel_calls=data.AUTOTUNE)
             .shuffle(10_000)
             .batch(BATCH_SIZE)
-            .map(lambda records: data.parse_example(records, FEATURES), num_parallel_calls=data.AUTOTUNE)
+            .map(parse, num_parallel_calls=data.AUTOTUNE)
             .prefetch(data.AUTOTUNE)
         )
 
     def eval_input_fn(ctx: sf.InputContext) -> data.Dataset:
         # One batch holding the whole test set, so that the AUC is over all of it, not a mean over batches.
         records = data.TFRecordDataset(sorted(str(path) for path in data_dir.glob("test-*.tfrecord")))
-        return records.batch(meta["num_test"]).map(lambda batch: data.parse_example(batch, FEATURES))
+        return records.batch(meta["num_test"]).map(parse)
 
     est = sf.Estimator(
         model_fn=ClickModel,
         loss_fn=loss_fn,
         optimizer=sf.optim.Adagrad(lr=0.05),
-        strategy=sf.ParameterServerStrategy(
-            num_ps=2,
-            num_workers=2,
-            mode="async",
-            # Slices of at least 32 KiB: the user (640 KB) and item (128 KB) tables are cut across both PS; with
-            # the default 256 KiB only the user table would be.
-            partitioner=sf.Partitioner(min_slice_bytes=32 << 10),
-        ),
+        strategy=sf.ParameterServerStrategy(num_ps=2, num_workers=2, mode="async"),
         model_dir=args.model_dir,
     )
     result = sf.train_and_evaluate(
@@ -232,21 +250,42 @@ def main(args: argparse.Namespace) -> None:
             f"{meta['test_baseline_log_loss']:.4f}; the generator's true probabilities: "
             f"{meta['test_oracle_log_loss']:.4f})",
             f"test AUC         {result.metrics['auc']:.3f}  (baseline 0.5)",
-            *_table_placement(Path(result.checkpoint)),
+            f"examples/s       {result.global_steps_per_s * BATCH_SIZE:.0f}  (a global step is one worker's batch of "
+            f"{BATCH_SIZE})",
+            *_table_lines(Path(result.checkpoint), result.ps_stats),
         ],
     )
 
 
-def _table_placement(checkpoint: Path) -> list[str]:
-    """Where the checkpoint says each embedding table's rows live, and which tables are row-sparse."""
-    pieces = store.read_manifest(checkpoint)["placement"]["pieces"]
+def _table_lines(checkpoint: Path, ps_stats: dict[str, dict[str, Any]]) -> list[str]:
+    """Where each embedding table's rows live: an sf.nn table's on each PS, as the PS count them; a dense table's
+    as the checkpoint places it."""
+    manifest = store.read_manifest(checkpoint)
     lines = []
-    for name in VOCABULARIES:
-        slices = [p for p in pieces if p["name"] == f"embeddings.{name}.weight"]
+    for name in [*VOCABULARIES, CROSS]:
+        table = f"embeddings.{name}"
+        if table in manifest["tables"]:
+            lines.append(_sf_nn_line(name, manifest["tables"][table]["spec"], ps_stats))
+            continue
+        slices = [p for p in manifest["placement"]["pieces"] if p["name"] == f"{table}.weight"]
         where = ", ".join(f"rows {p['rows'][0]}-{p['rows'][1]} on ps:{p['ps']}" for p in slices)
-        kind = ", row-sparse" if slices[0].get("sparse") else ""
-        lines.append(f"embedding table  {name} {'x'.join(map(str, slices[0]['shape']))}{kind}: {where}")
+        lines.append(f"dense table      {name} {'x'.join(map(str, slices[0]['shape']))}: {where}")
     return lines
+
+
+def _sf_nn_line(name: str, spec: dict[str, Any], ps_stats: dict[str, dict[str, Any]]) -> str:
+    def counted(key: str) -> list[tuple[str, int]]:
+        return [(ps, stats[f"table/{spec['name']}/{key}"]) for ps, stats in sorted(ps_stats.items())]
+
+    held = ", ".join(f"{rows} rows on {ps}" for ps, rows in counted("rows"))
+    if spec["num_embeddings"] is not None:
+        shape = f"{spec['num_embeddings']}x{spec['embedding_dim']}"
+        return f"sf.nn table      {name} {shape}, by id mod {len(ps_stats)}: {held}"
+    admitted, rejected = (sum(count for _, count in counted(key)) for key in ("admitted", "rejected"))
+    return (
+        f"sf.nn table      {name} x{spec['embedding_dim']}, dynamic, hashed ids: {held}; {admitted} ids admitted "
+        f"after {spec['admit_after']} sightings, {rejected} gradients of ids without a row dropped"
+    )
 
 
 if __name__ == "__main__":

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
+
+from shardflow import data
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.table_rows import CheckpointRows
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -53,11 +61,46 @@ def test_digits_evaluates_accuracy_during_training_for_shardflow_scale(tmp_path)
     assert "test accuracy" in output
 
 
-def test_click_through_writes_tfrecord_logs_and_reports_auc(tmp_path):
-    data_dir = tmp_path / "logs"
-    args = ("--records", "4000", "--epochs", "1", "--data-dir", str(data_dir))
-    output, result = run_example("click_through.py", tmp_path, *args)
-    assert len(list(data_dir.glob("train-*.tfrecord"))) == 8
+@pytest.fixture(scope="module")
+def click_through(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, Any]]:
+    """One run of click_through.py on 4,000 records: its directory, output and result."""
+    directory = tmp_path_factory.mktemp("click_through")
+    args = ("--records", "4000", "--epochs", "1", "--data-dir", str(directory / "logs"))
+    return directory, *run_example("click_through.py", directory, *args)
+
+
+def test_click_through_writes_tfrecord_logs_and_reports_auc(click_through):
+    directory, output, result = click_through
+    assert len(list((directory / "logs").glob("train-*.tfrecord"))) == 8
     assert 0.0 <= result["metrics"]["auc"] <= 1.0
-    assert "test AUC" in output and "rows 0-" in output
-    assert "user_id 10000x16, row-sparse: rows 0-" in output
+    assert "test AUC" in output and "examples/s" in output
+    assert "sf.nn table      user_id 10000x16, by id mod 2: 5000 rows on ps:0, 5000 rows on ps:1" in output
+    assert "dense table      hour 24x4: rows 0-24 on ps:" in output
+
+
+def test_click_through_dynamic_table_holds_a_row_for_each_cross_seen_at_least_twice(click_through):
+    directory, output, _ = click_through
+    example = _load_example("click_through.py")
+    files = sorted(str(path) for path in (directory / "logs").glob("train-*.tfrecord"))
+    crosses = np.concatenate(
+        [batch[example.CROSS] for batch in data.TFRecordDataset(files).batch(1000).map(example.parse)]
+    )
+    unique, counts = np.unique(crosses, return_counts=True)
+    checkpoint = store.latest(directory / "model")
+    assert checkpoint is not None
+    rows = CheckpointRows(checkpoint, f"embeddings.{example.CROSS}", default=torch.zeros_like)
+    assert rows.ids.tolist() == unique[counts >= 2].tolist()
+    assert f"{len(rows)} ids admitted after 2 sightings" in output
+
+
+def _load_example(script: str) -> ModuleType:
+    """examples/SCRIPT as a module (its main does not run), with examples/ importable for its own imports."""
+    sys.path.insert(0, str(EXAMPLES))
+    try:
+        spec = importlib.util.spec_from_file_location(Path(script).stem, EXAMPLES / script)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(EXAMPLES))
+    return module

@@ -30,6 +30,7 @@ from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointManager, snapshot_every
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import Recovery, restore_latest
+from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.checkpoints.servers import TableSetup, fetch_state, init_servers
 from shardflow.train.chief_loop import ChiefLoop
 from shardflow.train.heartbeat import Heartbeats
@@ -244,7 +245,8 @@ def _finish(
         if last and last["global_step"] == state.step:
             metrics = last["metrics"]
         elif not loop.preempted:  # no time for a final evaluation within the grace period
-            metrics = loop.evaluate(state.step)
+            with saved_tables(loop.model, state, job.model_dir):  # the sf.nn tables' rows of the final step
+                metrics = loop.evaluate(state.step)
     admin.shutdown()
     control.set(control_keys.SHUTDOWN, "1")
     if role.spec.num("evaluator") and job.eval_spec is not None and not loop.preempted:
