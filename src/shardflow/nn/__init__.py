@@ -7,6 +7,7 @@ self.tags = sf.nn.EmbeddingBag(10_000, 16, mode="mean")
 
 from __future__ import annotations
 
+from shardflow.nn.local import LocalTables, local_tables
 from shardflow.nn.modules import DynamicEmbedding, Embedding, EmbeddingBag, table_specs
 from shardflow.ps.embeddings.spec import Initializer, RowOptimizer
 
@@ -15,9 +16,11 @@ __all__ = [
     "Embedding",
     "EmbeddingBag",
     "Initializer",
+    "LocalTables",
     "RowOptimizer",
     "adagrad",
     "lazy_adam",
+    "local_tables",
     "rowwise_adagrad",
     "sgd",
     "table_specs",

@@ -36,8 +36,8 @@ def current(table: _Table) -> TableBackend:
     if _current is None:
         raise RuntimeError(
             f"sf.nn table {table.table_name!r} lives on the parameter servers: in a shardflow job the worker looks its "
-            "rows up; to run the model in one process, wrap the calls in `with sf.nn.local_tables(model):`, or read "
-            "a checkpoint's rows with `with sf.nn.checkpoint_tables(model, model_dir):`"
+            "rows up; to run the model in one process, wrap the calls in `with sf.nn.local_tables(model, "
+            "optimizer):`; Estimator.evaluate reads a checkpoint's rows"
         )
     return _current
 

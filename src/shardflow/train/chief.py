@@ -186,7 +186,7 @@ def _initialise(job: JobConfig, role: RoleContext, start: _Start) -> ApplyConfig
             start.restored,
             timeout_s=strategy.startup_timeout_s,
             generation=start.generation,
-            tables=TableSetup.of(start.model, job.model_dir),
+            tables=TableSetup.of(start.model, job.model_dir, job.full_checkpoint_every),
         )
     role.control.put(job_keys.PLACEMENT, start.placement)
     return apply

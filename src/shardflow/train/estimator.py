@@ -50,12 +50,15 @@ class Estimator:
         save_checkpoints_secs: float | None = 600.0,
         keep_checkpoint_max: int | None = 5,
         save_summary_steps: int = 100,
+        full_checkpoint_every: int = 10,
     ) -> None:
         """`model_fn`: a function building the model, or an `nn.Module` (copied for each role). `optimizer`:
         `sf.optim.Adam(...)`, or a torch.optim class or `functools.partial(torch.optim.Adam, lr=...)`; applied on
         the PS. `lr_schedule`: a torch.optim.lr_scheduler class or `functools.partial` of one, applied on the PS
         by global step. `clip_grad_norm` / `clip_grad_value`: each update's gradient clipped as
-        `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` would in one process (ps/clipping.py)."""
+        `torch.nn.utils.clip_grad_norm_` / `clip_grad_value_` would in one process (ps/clipping.py).
+        `full_checkpoint_every`: every this many checkpoints each PS writes every row of its `sf.nn` tables; in
+        between, only the rows changed since the checkpoint before."""
         _check_arguments(
             model_fn,
             loss_fn,
@@ -63,7 +66,9 @@ class Estimator:
             save_checkpoints_steps=save_checkpoints_steps,
             save_checkpoints_secs=save_checkpoints_secs,
             keep_checkpoint_max=keep_checkpoint_max,
+            full_checkpoint_every=full_checkpoint_every,
         )
+        self.full_checkpoint_every = full_checkpoint_every
         self.model_fn = model_fn
         self.loss_fn = loss_fn
         self.optimizer = _optimizer(optimizer, lr_schedule, clip_grad_norm, clip_grad_value)
@@ -110,6 +115,7 @@ class Estimator:
             save_checkpoints_steps=self.save_checkpoints_steps,
             save_checkpoints_secs=self.save_checkpoints_secs,
             keep_checkpoint_max=self.keep_checkpoint_max,
+            full_checkpoint_every=self.full_checkpoint_every,
             save_summary_steps=self.save_summary_steps,
         )
 
@@ -163,6 +169,7 @@ def _check_arguments(
     save_checkpoints_steps: int | None,
     save_checkpoints_secs: float | None,
     keep_checkpoint_max: int | None,
+    full_checkpoint_every: int = 10,
 ) -> None:
     """The Estimator's arguments that it stores as given: a ValueError names the one to change."""
     if not callable(model_fn):
@@ -176,6 +183,7 @@ def _check_arguments(
     for name, value in (
         ("save_checkpoints_steps", save_checkpoints_steps),
         ("keep_checkpoint_max", keep_checkpoint_max),
+        ("full_checkpoint_every", full_checkpoint_every),
     ):
         if value is not None and value < 1:
             raise ValueError(f"Estimator.{name} must be >= 1 or None, got {value}")

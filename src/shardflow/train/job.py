@@ -55,6 +55,8 @@ class JobConfig:
     """Checkpoint at most this often when save_checkpoints_steps is None."""
     keep_checkpoint_max: int | None = 5
     """Checkpoints kept; None keeps all."""
+    full_checkpoint_every: int = 10
+    """Every this many checkpoints the PS write every row of the `sf.nn` tables; in between, the rows changed."""
     save_summary_steps: int = 100
     """TensorBoard training scalars at every multiple of this global step, and at the last."""
 

@@ -98,7 +98,7 @@ class Recovery:
             state,
             timeout_s=strategy.startup_timeout_s,
             generation=self.generation,
-            tables=TableSetup.of(self.model, self.job.model_dir),
+            tables=TableSetup.of(self.model, self.job.model_dir, self.job.full_checkpoint_every),
         )
         log.warning(
             "%s was lost and restarted: every PS restored to global step %d (%s); the %d steps since are done "

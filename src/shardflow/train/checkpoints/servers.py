@@ -31,9 +31,10 @@ class TableSetup:
     full_checkpoint_every: int = 10
 
     @classmethod
-    def of(cls, model: torch.nn.Module, model_dir: Path | None) -> TableSetup:
+    def of(cls, model: torch.nn.Module, model_dir: Path | None, full_checkpoint_every: int = 10) -> TableSetup:
         """The tables of `model`; their files staged under `model_dir`/tables."""
-        return cls(tuple(table_specs(model)), store.table_staging(model_dir) if model_dir is not None else None)
+        staging = store.table_staging(model_dir) if model_dir is not None else None
+        return cls(tuple(table_specs(model)), staging, full_checkpoint_every)
 
     def resolved(self, optimizer: OptimizerSpec) -> tuple[TableSpec, ...]:
         """Each table with its row optimizer: its own, or the job's in its sparse form."""
