@@ -4,6 +4,8 @@ after 2 sightings makes rows for exactly the ids seen at least twice; expiry and
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -51,7 +53,8 @@ def test_admission_after_two_sightings_makes_rows_for_exactly_the_ids_seen_twice
 def test_expiry_and_capacity_bound_the_rows_of_each_ps(run_job):
     capacity, expire = 20_000, 40
     config = {"num_batches": 120, "batch": 512, "num_ranks": 1 << 40, "admit_after": 1}
-    proc, result = run_job("dynamic.py", capacity_per_ps=capacity, expire_after_steps=expire, **config)
+    limits = {"capacity_per_ps": capacity, "expire_after_steps": expire}
+    proc, result = run_job("dynamic.py", profile_steps=[60, 70], **limits, **config)
     assert proc.returncode == 0, proc.stdout
     stats = {
         name: {key.rsplit("/", 1)[1]: value for key, value in ps.items() if key.startswith("table/users/")}
@@ -62,3 +65,11 @@ def test_expiry_and_capacity_bound_the_rows_of_each_ps(run_job):
     rows = saved_rows(Path(result["checkpoint"]))
     # Each row was seen within the last `expire` steps (checked at most every expire // 8 steps).
     assert int(rows["last_seen"].min()) >= result["global_step"] - expire - expire // 8, rows["last_seen"].min()
+
+    # The counters are in the capture too: `shardflow profile steps` shows them per PS.
+    model_dir = Path(result["checkpoint"]).parents[1]
+    shown = subprocess.run(
+        [sys.executable, "-m", "shardflow", "profile", "steps", str(model_dir)], capture_output=True, text=True
+    )
+    assert shown.returncode == 0, shown.stderr
+    assert "sf.nn tables" in shown.stdout and all(f"ps:{k}" in shown.stdout for k in (0, 1)), shown.stdout

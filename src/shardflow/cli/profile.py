@@ -165,12 +165,25 @@ def _steps(args: argparse.Namespace) -> int:
             for s in summaries
         ]
     print_table(None, header, lines)
+    _tables(table)
     findings = diagnose(table, _steps_filter(args))
     print()
     for i, finding in enumerate(findings):
         if i == 0 or finding.fraction >= 0.25:
             print(("diagnosis: " if i == 0 else "also:      ") + finding.message)
     return 0
+
+
+def _tables(table: Any) -> None:
+    """The sf.nn tables' counters per PS, as the capture last saw them, if the model has any."""
+    from shardflow.profile.analysis import table_counters
+
+    found = table_counters(table)
+    if not found:
+        return
+    names = ("rows", "admitted", "rejected", "evicted", "expired", "memory_bytes")
+    lines = [[t.role, t.table, *(f"{t.counters[n]:.0f}" if n in t.counters else "-" for n in names)] for t in found]
+    print_table("sf.nn tables", ["role", "table", *names], lines, right=set(names))
 
 
 def _memory(args: argparse.Namespace) -> int:

@@ -226,3 +226,23 @@ def _per_step_profile(table: pa.Table) -> dict[str, float]:
     num_steps = len(set(table["step"].drop_null().to_pylist())) or 1
     values.update({f"self {row.key}": row.self_value / num_steps for row in top(table)})
     return values
+
+
+@dataclass(frozen=True)
+class TableCounters:
+    role: str
+    table: str
+    counters: dict[str, float]
+    """Each counter's last value in the capture (rows, admitted, rejected, evicted, expired, memory_bytes)."""
+
+
+def table_counters(table: pa.Table) -> list[TableCounters]:
+    """Per PS and `sf.nn` table, its counters as the capture last saw them (counters named `table/<table>/<name>`)."""
+    counters = table.filter(pc.and_(pc.equal(table["ph"], "C"), pc.starts_with(table["name"], "table/")))
+    last: dict[tuple[str, str], dict[str, float]] = {}
+    for event in sorted(counters.select(["role", "name", "ts", "value"]).to_pylist(), key=lambda e: e["ts"]):
+        _, name, counter = event["name"].rsplit("/", 2) if event["name"].count("/") >= 2 else ("", "", "")
+        if name:
+            last.setdefault((event["role"], name), {})[counter] = event["value"]
+    ordered = sorted(last.items(), key=lambda item: (role_sort_key(item[0][0]), item[0][1]))
+    return [TableCounters(role, name, values) for (role, name), values in ordered]

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import TracebackType
 
 from shardflow.profile.recorder import SpanRecorder, usable_cpus
@@ -74,9 +74,16 @@ def memory_readers() -> dict[str, Callable[[], float]]:
 class MemorySampler:
     """Samples every `interval_s` while running; use as a context manager around the captured steps."""
 
-    def __init__(self, recorder: SpanRecorder, interval_s: float = 0.01) -> None:
+    def __init__(
+        self,
+        recorder: SpanRecorder,
+        interval_s: float = 0.01,
+        counters: Callable[[], Mapping[str, float]] | None = None,
+    ) -> None:
+        """`counters`: more of the role's counters to record with each sample (a PS's tables' rows and admissions)."""
         _check_interval(interval_s)
         self.recorder = recorder
+        self.counters = counters
         self.interval_s = interval_s
         self._stop = threading.Event()
         self._wake = threading.Event()
@@ -86,6 +93,8 @@ class MemorySampler:
     def sample(self) -> None:
         for name, read in memory_readers().items():
             self.recorder.counter(name, float(read()))
+        for name, value in (self.counters() if self.counters is not None else {}).items():
+            self.recorder.counter(name, float(value))
         wall, cpu, usable_busy = time.perf_counter(), time.process_time(), read_busy_cpu_s(usable_cpus())
         if self._last_cpu is not None and wall > self._last_cpu[0]:
             last_wall, last_cpu, last_usable_busy = self._last_cpu

@@ -194,6 +194,9 @@ class ParameterServer:
             so_far = {**self.updates.stats, **self.stats}[kind]
             log.warning("%s (%d so far; %d other warnings held back)", line, so_far, held_back)
 
+    def table_counters(self) -> dict[str, int]:
+        return self.shards.embeddings.stats()
+
     def _stats(self) -> dict[str, float]:
         """This PS's counters with its update rule's and its server's (duplicates, and wire_malformed: messages
         that broke the wire format or its limits)."""

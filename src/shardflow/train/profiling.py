@@ -9,6 +9,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,16 @@ log = logging.getLogger(__name__)
 class RoleProfiler:
     """The always-on recorder of one role, and its side of captures."""
 
-    def __init__(self, role: str, control: ControlPlane, steps_are_coarse: bool = False) -> None:
+    def __init__(
+        self,
+        role: str,
+        control: ControlPlane,
+        steps_are_coarse: bool = False,
+        counters: Callable[[], Mapping[str, float]] | None = None,
+    ) -> None:
         """`steps_are_coarse`: at_step is called only now and then (the PS: every 0.1 s), so the samplers start
-        as soon as a capture is picked up rather than risk starting after its window."""
+        as soon as a capture is picked up rather than risk starting after its window. `counters`: the role's own
+        counters, sampled with its memory."""
         self.role = role
         self.control = control
         self.steps_are_coarse = steps_are_coarse
@@ -48,7 +56,7 @@ class RoleProfiler:
         self._finished: set[str] = set()
         # Memory and CPU are sampled always (every 0.1 s), so that every capture has counters, also one that is
         # picked up after its window (on demand); every 10 ms inside a window known ahead.
-        self._sampler = MemorySampler(self.recorder, 0.1)
+        self._sampler = MemorySampler(self.recorder, 0.1, counters)
         if not isinstance(self.recorder, NoRecorder):
             self._sampler.start()
         self._sampling_window = False

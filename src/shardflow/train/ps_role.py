@@ -86,8 +86,6 @@ def _serve(role: RoleContext, server: Server) -> None:
         print(f"{role.task.name} serving at {server.address} ({_SECURITY[server.mechanism]}){also}", flush=True)
         # After its address is published: a chief that sees a restarted PS beat finds where it serves.
         heartbeat = Heartbeat(role.task.name, role.control)
-        profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True)
-        profiler.check_requests()
         ps = ParameterServer(
             server,
             role.task.index,
@@ -96,6 +94,9 @@ def _serve(role: RoleContext, server: Server) -> None:
             # the first push. A periodic check (every 0.1 s) can come after a fast job's window has passed.
             on_initialised=lambda: _check_captures(profiler, ps.step),
         )
+        # The sf.nn tables' rows, admissions and evictions go into captures as counters.
+        profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True, counters=ps.table_counters)
+        profiler.check_requests()
         # Every 0.1 s: a capture request reaches the PS before the workers are past its first step.
         try:
             ps.serve(should_stop=_JobOver(role), poll_s=0.1, periodic=_Chores(role, profiler, address))

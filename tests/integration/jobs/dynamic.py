@@ -55,7 +55,15 @@ def main(config: dict[str, Any]) -> None:
         return torch.nn.functional.mse_loss(model(batch["ids"]), batch["target"])
 
     strategy = sf.ParameterServerStrategy(num_ps=2, num_workers=config.get("num_workers", 2), mode="async")
-    est = sf.Estimator(lambda: Model(config), loss_fn, sf.optim.Adagrad(lr=0.05), strategy, config["model_dir"])
+    profile_steps = config.get("profile_steps")
+    est = sf.Estimator(
+        lambda: Model(config),
+        loss_fn,
+        sf.optim.Adagrad(lr=0.05),
+        strategy,
+        config["model_dir"],
+        profile_steps=tuple(profile_steps) if profile_steps else None,
+    )
     result = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, epochs=1))
     with open(config["result"], "w") as f:
         json.dump({"global_step": result.global_step, "ps_stats": result.ps_stats, "checkpoint": result.checkpoint}, f)
