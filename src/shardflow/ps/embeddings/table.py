@@ -168,8 +168,12 @@ class ShardTable:
         """This PS's rows as plain tensors (a copy): "ids" (global), "values", "slot.<name>" per optimizer slot, and
         for dynamic tables "counts" and "last_seen", sorted by id. With `changed_only`, only the rows changed since
         `mark_saved`, and "removed": the ids that had a row then (or got one since) and have none now."""
+        if self._rows is None and not changed_only:
+            rows = torch.arange(self._values.shape[0])
+            state = {"ids": global_ids(self.spec, rows, self.ps_index, self.num_ps), "values": self._values.clone()}
+            return state | {f"slot.{name}": slot.clone() for name, slot in self._slots.items()}
         if self._rows is None:
-            rows = self._changed.nonzero()[:, 0] if changed_only else torch.arange(self._values.shape[0])
+            rows = self._changed.nonzero()[:, 0]
             state = {"ids": global_ids(self.spec, rows, self.ps_index, self.num_ps)}
         else:
             rows = self._rows.live_rows()
@@ -212,11 +216,14 @@ class ShardTable:
         own, making those it lacks, and removes the "removed" ids it owns. Loaded rows count as changed: call
         `mark_saved` after restoring from the checkpoint that is the base of the next increment."""
         ids = _checked_state(self.spec, self._layouts, state)
+        size = self.spec.num_embeddings
+        if size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            bad = int(ids[(ids < 0) | (ids >= size)][0])
+            raise ValueError(f"table {self.spec.name!r} has ids 0 to {size - 1}; the checkpoint has a row of id {bad}")
         mine = self._owned(ids)
         removed = state.get("removed")
         if removed is not None and self._rows is not None:
-            removed = removed[self._owned(removed)]
-            rows = self._rows.find(removed)
+            rows = self._rows.find(torch.unique(removed[self._owned(removed)]))
             self._remove_rows(rows[rows >= 0])
         ids = ids[mine]
         if self._rows is None:
