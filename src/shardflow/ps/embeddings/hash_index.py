@@ -1,4 +1,4 @@
-"""An int64 -> int64 hash map held in two tensors and probed for a whole batch of ids at once: open addressing with
+"""An int64 -> int64 hash map held in one tensor and probed for a whole batch of ids at once: open addressing with
 linear probing, one vectorised step per probing round; and RowMap, which gives each id a storage row with it, as
 a dynamic table's rows and its pending sightings have."""
 
@@ -17,6 +17,7 @@ _MAX_LOAD = 0.5
 """Live entries and tombstones together never fill more buckets than this: probes stay short (about 2.5 buckets
 for an absent id)."""
 _REBUILT_LOAD = 0.375
+"""A rebuild leaves at most this load: at least an eighth of the buckets before the next one."""
 _WINDOW = 4
 """Buckets read at once per id after its home bucket: 64 bytes, a cache line."""
 _MIN_BUCKETS = 16
