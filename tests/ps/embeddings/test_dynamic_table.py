@@ -182,3 +182,11 @@ def test_storage_grows_and_reuses_freed_rows():
         _apply(table, list(range(step * 1_000, (step + 1) * 1_000)), step=step)
     assert table.stats()["rows"] <= 2_000
     assert table._values.shape[0] <= 4_096  # freed rows were reused, not new ones made
+
+
+def test_an_update_without_ids_still_counts_as_an_optimizer_step():
+    table = _table()
+    table.apply(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), torch.empty(0, DIM), step=0)
+    assert table.lookup(torch.empty(0, dtype=torch.int64)).shape == (0, DIM)
+    assert table.scalars()["optimizer_step"] == 1.0
+    assert table.stats()["rows"] == 0

@@ -135,3 +135,10 @@ def test_stats_count_memory_of_values_slots_index_and_metadata():
     stats = table.stats()
     assert stats["memory_bytes"] == table.memory_bytes() > empty
     assert stats["rows"] == stats["admitted"] - stats["evicted"] - stats["expired"]
+
+
+def test_rows_outside_a_fixed_table_are_refused_naming_the_first():
+    bigger = ShardTable(TableSpec(name="items", embedding_dim=DIM, num_embeddings=20), ADAM, 0, 1)
+    smaller = ShardTable(TableSpec(name="items", embedding_dim=DIM, num_embeddings=10), ADAM, 0, 1)
+    with pytest.raises(ValueError, match="table 'items' has ids 0 to 9; the checkpoint has a row of id 10"):
+        smaller.load_rows(bigger.rows_state(False))

@@ -1,4 +1,4 @@
-"""An int64 -> int64 hash map held in two tensors and probed for a whole batch of ids at once: open addressing with
+"""An int64 -> int64 hash map held in one tensor and probed for a whole batch of ids at once: open addressing with
 linear probing, one vectorised step per probing round; and RowMap, which gives each id a storage row with it, as
 a dynamic table's rows and its pending sightings have."""
 
@@ -16,15 +16,20 @@ unsalted, an even num_ps would leave every other bucket without a home id."""
 _MAX_LOAD = 0.5
 """Live entries and tombstones together never fill more buckets than this: probes stay short (about 2.5 buckets
 for an absent id)."""
+_REBUILT_LOAD = 0.375
+"""A rebuild leaves at most this load: at least an eighth of the buckets before the next one."""
+_WINDOW = 4
+"""Buckets read at once per id after its home bucket: 64 bytes, a cache line."""
 _MIN_BUCKETS = 16
 
 
 class HashIndex:
-    """Maps distinct int64 ids (any int64) to non-negative int64 slots. A bucket is an id and a slot, the slot also
-    marking a bucket empty (-1) or removed (-2, a tombstone, so that probing continues past it)."""
+    """Maps distinct int64 ids (any int64) to non-negative int64 slots. A bucket is an id and a slot side by side
+    (one cache line read finds both), the slot also marking a bucket empty (-1) or removed (-2, a tombstone, so
+    that probing continues past it)."""
 
     def __init__(self, num_buckets: int = _MIN_BUCKETS) -> None:
-        self._keys, self._slots = _buckets(_power_of_two(max(num_buckets, _MIN_BUCKETS)))
+        self._buckets = _empty_buckets(_power_of_two(max(num_buckets, _MIN_BUCKETS)))
         self._num_live = 0
         self._num_tombstones = 0
 
@@ -33,81 +38,103 @@ class HashIndex:
 
     @property
     def num_buckets(self) -> int:
-        return self._keys.numel()
+        return self._buckets.shape[0]
 
     def memory_bytes(self) -> int:
-        return self._keys.numel() * self._keys.element_size() + self._slots.numel() * self._slots.element_size()
+        return self._buckets.numel() * self._buckets.element_size()
 
     def find(self, ids: torch.Tensor) -> torch.Tensor:
         """The slot of each id, -1 where it has none."""
-        buckets = self._buckets_of(ids)
-        found = torch.full_like(ids, _EMPTY)
-        hit = buckets >= 0
-        found[hit] = self._slots[buckets[hit]]
-        return found
+        return self._probe(ids)[1]
 
     def insert(self, ids: torch.Tensor, slots: torch.Tensor) -> None:
         """Adds ids that are distinct and not in the index, with slots >= 0 (neither is checked: callers find first)."""
         self._make_room(ids.numel())
-        mask = self.num_buckets - 1
+        flat = self._buckets.view(-1)
         pending = torch.arange(ids.numel())
-        bucket = _home(ids, mask)
+        bucket = _home(ids, self.num_buckets - 1)
+        ids_pending = ids
         while pending.numel():
-            ids_pending = ids[pending]
-            free = self._slots[bucket] < 0
+            bucket = self._first_free(bucket)
             # Every id writes itself into its free bucket; where several chose the same one, one write lands, and
-            # that id takes the bucket. The others probe on (ids are distinct, so exactly one reads itself back).
-            self._keys[bucket[free]] = ids_pending[free]
-            won = free & (self._keys[bucket] == ids_pending)
-            taken = bucket[won]
-            self._num_tombstones -= int((self._slots[taken] == _TOMBSTONE).sum())
-            self._slots[taken] = slots[pending[won]]
-            lost = ~won
-            pending, bucket = pending[lost], (bucket[lost] + 1) & mask
+            # that id takes the bucket. The others probe on past it (ids are distinct: one reads itself back).
+            flat[2 * bucket] = ids_pending
+            won = flat.index_select(0, 2 * bucket) == ids_pending
+            taken = 2 * bucket[won] + 1
+            self._num_tombstones -= int((flat.index_select(0, taken) == _TOMBSTONE).sum())
+            flat[taken] = slots[pending[won]]
+            lost = (~won).nonzero()[:, 0]
+            pending, ids_pending = pending.index_select(0, lost), ids_pending.index_select(0, lost)
+            bucket = (bucket.index_select(0, lost) + 1) & (self.num_buckets - 1)
         self._num_live += ids.numel()
 
     def remove(self, ids: torch.Tensor) -> torch.Tensor:
         """Removes the ids that are in the index and returns the slot each had, -1 for those absent."""
-        buckets = self._buckets_of(ids)
-        removed = torch.full_like(ids, _EMPTY)
-        hit = buckets >= 0
-        removed[hit] = self._slots[buckets[hit]]
-        gone = torch.unique(buckets[hit])  # an id given twice is removed once
-        self._slots[gone] = _TOMBSTONE
+        buckets, slots = self._probe(ids)
+        gone = torch.unique(buckets[buckets >= 0])  # an id given twice is removed once
+        self._buckets[gone, 1] = _TOMBSTONE
         self._num_live -= gone.numel()
         self._num_tombstones += gone.numel()
-        return removed
+        return slots
 
     def items(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every id in the index and its slot, in bucket order."""
-        live = self._slots >= 0
-        return self._keys[live], self._slots[live]
+        live = self._buckets[self._buckets[:, 1] >= 0]
+        return live[:, 0].contiguous(), live[:, 1].contiguous()
 
-    def _buckets_of(self, ids: torch.Tensor) -> torch.Tensor:
-        """The bucket holding each id, -1 where none does: probe from the home bucket until the id or an empty one."""
+    def _probe(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bucket holding each id and its slot, -1 and -1 where none does: each id probes from its home bucket
+        on until it finds itself or an empty bucket. Most are decided at their home bucket; the rest read a
+        window of buckets a round, so that a batch takes few rounds whatever its longest probe."""
         mask = self.num_buckets - 1
-        result = torch.full_like(ids, _EMPTY)
-        pending = torch.arange(ids.numel())
-        bucket = _home(ids, mask)
-        ids_pending = ids
+        home = _home(ids, mask)
+        keys, slots = self._buckets.index_select(0, home).unbind(1)
+        hit = (keys == ids) & (slots >= 0)
+        found_buckets, found_slots = torch.where(hit, home, _EMPTY), torch.where(hit, slots, _EMPTY)
+        pending = (~hit & (slots != _EMPTY)).nonzero()[:, 0]
+        ids_pending, start = ids.index_select(0, pending), (home.index_select(0, pending) + 1) & mask
         while pending.numel():
-            slots = self._slots[bucket]
-            hit = (slots >= 0) & (self._keys[bucket] == ids_pending)
-            result[pending[hit]] = bucket[hit]
-            going_on = ~hit & (slots != _EMPTY)
-            pending, bucket, ids_pending = pending[going_on], (bucket[going_on] + 1) & mask, ids_pending[going_on]
+            buckets = (start.unsqueeze(1) + torch.arange(_WINDOW)) & mask
+            entries = self._buckets.index_select(0, buckets.view(-1)).view(-1, _WINDOW, 2)
+            slots = entries[..., 1]
+            hit = (slots >= 0) & (entries[..., 0] == ids_pending.unsqueeze(1))
+            stop = hit | (slots == _EMPTY)
+            # No id is stored past an empty bucket on its probe sequence: the first stop decides.
+            first = stop.to(torch.uint8).argmax(dim=1, keepdim=True)
+            found = hit.gather(1, first)[:, 0].nonzero()[:, 0]
+            where = pending.index_select(0, found)
+            found_buckets[where] = buckets.gather(1, first)[:, 0].index_select(0, found)
+            found_slots[where] = slots.gather(1, first)[:, 0].index_select(0, found)
+            going_on = (~stop.any(dim=1)).nonzero()[:, 0]
+            pending, ids_pending = pending.index_select(0, going_on), ids_pending.index_select(0, going_on)
+            start = (start.index_select(0, going_on) + _WINDOW) & mask
+        return found_buckets, found_slots
+
+    def _first_free(self, start: torch.Tensor) -> torch.Tensor:
+        """The first empty or removed bucket from each of `start` on."""
+        mask = self.num_buckets - 1
+        result = start.clone()
+        pending = torch.arange(start.numel())
+        while pending.numel():
+            buckets = (start.unsqueeze(1) + torch.arange(_WINDOW)) & mask
+            free = self._buckets.view(-1).index_select(0, 2 * buckets.view(-1) + 1).view(-1, _WINDOW) < 0
+            first = free.to(torch.uint8).argmax(dim=1, keepdim=True)
+            result[pending] = buckets.gather(1, first)[:, 0]
+            going_on = (~free.any(dim=1)).nonzero()[:, 0]
+            pending, start = pending.index_select(0, going_on), (start.index_select(0, going_on) + _WINDOW) & mask
         return result
 
     def _make_room(self, incoming: int) -> None:
-        """Rebuilds, without tombstones, once live entries, tombstones and `incoming` would pass the load factor;
-        grows so that the live ones then fill at most half of it, the next rebuild being as far off as possible."""
+        """Rebuilds, without tombstones, once live entries, tombstones and `incoming` would fill more than half the
+        buckets, doubling them until the live ones and `incoming` fill at most 3/8: the next rebuild is then at
+        least an eighth of the buckets away, however many ids come and go."""
         if self._num_live + self._num_tombstones + incoming <= _MAX_LOAD * self.num_buckets:
             return
         num_buckets = self.num_buckets
-        while self._num_live + incoming > _MAX_LOAD / 2 * num_buckets:
+        while self._num_live + incoming > _REBUILT_LOAD * num_buckets:
             num_buckets *= 2
         ids, slots = self.items()
-        self._keys, self._slots = _buckets(num_buckets)
+        self._buckets = _empty_buckets(num_buckets)
         self._num_live = self._num_tombstones = 0
         self.insert(ids, slots)
 
@@ -187,8 +214,10 @@ class RowMap:
         self._num_free += capacity - old
 
 
-def _buckets(num_buckets: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.zeros(num_buckets, dtype=torch.int64), torch.full((num_buckets,), _EMPTY, dtype=torch.int64)
+def _empty_buckets(num_buckets: int) -> torch.Tensor:
+    buckets = torch.zeros((num_buckets, 2), dtype=torch.int64)
+    buckets[:, 1] = _EMPTY
+    return buckets
 
 
 def _home(ids: torch.Tensor, mask: int) -> torch.Tensor:

@@ -92,17 +92,7 @@ class ShardTable:
             self._renormalise(rows)
             out = self._values.index_select(0, rows)
         else:
-            rows = self._rows.find(ids)
-            present = rows >= 0
-            self._renormalise(rows[present])
-            out = torch.empty((ids.numel(), self.spec.embedding_dim), dtype=torch.float32)
-            out[present] = self._values.index_select(0, rows[present])
-            absent = ~present
-            if bool(absent.any()):
-                made = initial_rows(self.spec, ids[absent])
-                if self.spec.max_norm is not None:
-                    _clip_norms(self.spec, made)
-                out[absent] = made
+            out = self._lookup_dynamic(ids)
         if self._padding_id is not None:
             out[ids == self._padding_id] = 0.0
         return out
@@ -129,10 +119,11 @@ class ShardTable:
             rows = local_rows(self.spec, ids, self.ps_index, self.num_ps)
         else:
             rows = self._rows_seen(ids, counts, step)
-            kept = rows >= 0
-            rows, grads = rows[kept], grads[kept]
+            kept = (rows >= 0).nonzero()[:, 0]
+            if kept.numel() < rows.numel():
+                rows, grads = rows.index_select(0, kept), grads.index_select(0, kept)
         apply_update(self.optimizer, self._values, self._slots, rows, grads, step=self.optimizer_step, lr=lr)
-        self._changed[rows] = True
+        self._changed.index_fill_(0, rows, True)
 
     def maintain(self, step: int) -> None:
         """Dynamic tables: removes the rows unseen since step - expire_after_steps (checked every
@@ -177,8 +168,12 @@ class ShardTable:
         """This PS's rows as plain tensors (a copy): "ids" (global), "values", "slot.<name>" per optimizer slot, and
         for dynamic tables "counts" and "last_seen", sorted by id. With `changed_only`, only the rows changed since
         `mark_saved`, and "removed": the ids that had a row then (or got one since) and have none now."""
+        if self._rows is None and not changed_only:
+            rows = torch.arange(self._values.shape[0])
+            state = {"ids": global_ids(self.spec, rows, self.ps_index, self.num_ps), "values": self._values.clone()}
+            return state | {f"slot.{name}": slot.clone() for name, slot in self._slots.items()}
         if self._rows is None:
-            rows = self._changed.nonzero()[:, 0] if changed_only else torch.arange(self._values.shape[0])
+            rows = self._changed.nonzero()[:, 0]
             state = {"ids": global_ids(self.spec, rows, self.ps_index, self.num_ps)}
         else:
             rows = self._rows.live_rows()
@@ -221,11 +216,14 @@ class ShardTable:
         own, making those it lacks, and removes the "removed" ids it owns. Loaded rows count as changed: call
         `mark_saved` after restoring from the checkpoint that is the base of the next increment."""
         ids = _checked_state(self.spec, self._layouts, state)
+        size = self.spec.num_embeddings
+        if size is not None and ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= size):
+            bad = int(ids[(ids < 0) | (ids >= size)][0])
+            raise ValueError(f"table {self.spec.name!r} has ids 0 to {size - 1}; the checkpoint has a row of id {bad}")
         mine = self._owned(ids)
         removed = state.get("removed")
         if removed is not None and self._rows is not None:
-            removed = removed[self._owned(removed)]
-            rows = self._rows.find(removed)
+            rows = self._rows.find(torch.unique(removed[self._owned(removed)]))
             self._remove_rows(rows[rows >= 0])
         ids = ids[mine]
         if self._rows is None:
@@ -240,6 +238,23 @@ class ShardTable:
         for name, slot in self._slots.items():
             slot[rows] = state[f"slot.{name}"][mine]
         self._changed[rows] = True
+
+    def _lookup_dynamic(self, ids: torch.Tensor) -> torch.Tensor:
+        assert self._rows is not None
+        rows = self._rows.find(ids)
+        absent = (rows < 0).nonzero()[:, 0]
+        if not absent.numel():
+            self._renormalise(rows)
+            return self._values.index_select(0, rows)
+        out = torch.empty((ids.numel(), self.spec.embedding_dim), dtype=torch.float32)
+        present = (rows >= 0).nonzero()[:, 0]
+        held = rows.index_select(0, present)
+        self._renormalise(held)
+        out.index_copy_(0, present, self._values.index_select(0, held))
+        made = initial_rows(self.spec, ids.index_select(0, absent))
+        if self.spec.max_norm is not None:
+            _clip_norms(self.spec, made)
+        return out.index_copy_(0, absent, made)
 
     def _initialise_fixed_rows(self) -> None:
         for begin in range(0, self._values.shape[0], _INIT_CHUNK_ROWS):
@@ -276,23 +291,28 @@ class ShardTable:
         if self._padding_id is not None:
             kept = ids != self._padding_id
             ids, counts, grads = ids[kept], counts[kept], grads[kept]
-        unique, inverse = torch.unique(ids, return_inverse=True)
-        summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
-        summed_counts = torch.zeros_like(unique).index_add_(0, inverse, counts)
+        ids, order = torch.sort(ids)
+        counts, grads = counts.index_select(0, order), grads.index_select(0, order)
+        if ids.numel() > 1 and bool((ids[1:] == ids[:-1]).any()):
+            ids, inverse = torch.unique_consecutive(ids, return_inverse=True)
+            grads = torch.zeros((ids.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
+            counts = torch.zeros_like(ids).index_add_(0, inverse, counts)
         if scale != 1.0:
-            summed.mul_(scale)
-        return unique, summed_counts, summed
+            grads.mul_(scale)
+        return ids, counts, grads
 
     def _rows_seen(self, ids: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:
         """Dynamic tables: counts the sightings of distinct `ids` and admits those due; the row of each id, -1 for
         those still without one (rejected)."""
         assert self._rows is not None
         rows = self._rows.find(ids)
-        present = rows >= 0
-        held = rows[present]
-        self._rows.counts[held] += counts[present]
-        self._rows.last_seen[held] = step
-        absent = (~present).nonzero()[:, 0]
+        absent = (rows < 0).nonzero()[:, 0]
+        held, seen = rows, counts
+        if absent.numel():
+            present = (rows >= 0).nonzero()[:, 0]
+            held, seen = rows.index_select(0, present), counts.index_select(0, present)
+        self._rows.counts.index_add_(0, held, seen)
+        self._rows.last_seen.index_fill_(0, held, step)
         if absent.numel():
             admitted, sightings = self._sightings.admit(ids[absent], counts[absent], step)
             new = absent[admitted]
@@ -304,12 +324,16 @@ class ShardTable:
         return rows
 
     def _new_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows for ids that have none, at their initial values with fresh slots (counts and last_seen to set)."""
+        """Rows for ids that have none, at their initial values as a lookup read them (renormalised with max_norm),
+        with fresh slots; counts and last_seen are the caller's to set."""
         assert self._rows is not None
         rows = self._rows.add(ids)
         if self._rows.capacity > self._values.shape[0]:
             self._grow_storage(self._rows.capacity)
-        self._values[rows] = initial_rows(self.spec, ids)
+        values = initial_rows(self.spec, ids)
+        if self.spec.max_norm is not None:
+            _clip_norms(self.spec, values)
+        self._values[rows] = values
         for name, slot in new_slots(self._layouts, rows.numel()).items():
             self._slots[name][rows] = slot
         self._changed[rows] = True
@@ -435,6 +459,8 @@ def _checked_state(spec: TableSpec, layouts: dict[str, SlotLayout], state: dict[
     if ids is None or ids.dtype != torch.int64 or ids.dim() != 1:
         raise ValueError(f"table {spec.name!r}: the checkpoint's rows need 'ids', a 1-D int64 tensor")
     n = ids.numel()
+    if torch.unique(ids).numel() != n:
+        raise ValueError(f"table {spec.name!r}: the checkpoint's 'ids' repeat ids; each row must appear once")
     expected: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"values": (torch.float32, (n, spec.embedding_dim))}
     expected |= {f"slot.{name}": (layout.dtype, (n, *layout.row_shape)) for name, layout in layouts.items()}
     if spec.dynamic:
