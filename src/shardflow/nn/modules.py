@@ -91,7 +91,8 @@ class DynamicEmbedding(_Table):
     """An embedding of any int64 ids (hashed features, no `num_embeddings`): each PS keeps a hash table of the
     rows it owns, made when an id is admitted (after `admit_after` sightings, or with `admit_probability` at each),
     removed when unseen for `expire_after_steps` global steps or, past `capacity_per_ps` rows, least frequently
-    seen first. An id without a row reads its initial values and its gradient is dropped and counted."""
+    seen first. An id without a row reads its initial values and its gradient is dropped and counted. With
+    `admit_after` > 1 each PS counts the sightings of up to `max_pending_per_ps` waiting ids (see TableSpec)."""
 
     def __init__(
         self,
@@ -101,6 +102,7 @@ class DynamicEmbedding(_Table):
         admit_probability: float | None = None,
         expire_after_steps: int | None = None,
         capacity_per_ps: int | None = None,
+        max_pending_per_ps: int | None = None,
         initializer: Initializer | None = None,
         optimizer: RowOptimizer | None = None,
     ) -> None:
@@ -110,6 +112,7 @@ class DynamicEmbedding(_Table):
             admit_probability=admit_probability,
             expire_after_steps=expire_after_steps,
             capacity_per_ps=capacity_per_ps,
+            max_pending_per_ps=max_pending_per_ps,
             initializer=initializer or Initializer(),
             optimizer=optimizer,
         )

@@ -34,6 +34,8 @@ class Model(torch.nn.Module):
             admit_after=config.get("admit_after", 2),
             expire_after_steps=config.get("expire_after_steps"),
             capacity_per_ps=config.get("capacity_per_ps"),
+            # Millions of ids are seen once: every one is counted until it is seen again.
+            max_pending_per_ps=config.get("max_pending_per_ps", 1 << 21),
             optimizer=sf.nn.rowwise_adagrad(lr=0.05),
         )
         self.head = torch.nn.Linear(8, 1)

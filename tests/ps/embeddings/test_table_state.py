@@ -32,9 +32,16 @@ def _train(tables: list[ShardTable], steps: range, seed: int = 0, id_range: int 
 def _merged(tables: list[ShardTable]) -> dict[str, torch.Tensor]:
     """Every PS's full state as one, sorted by id."""
     states = [table.rows_state(False) for table in tables]
-    merged = {key: torch.cat([state[key] for state in states]) for key in states[0]}
+    merged = {key: torch.cat([state[key] for state in states]) for key in states[0] if not key.startswith("pending.")}
     order = torch.argsort(merged["ids"])
-    return {key: value[order] for key, value in merged.items()}
+    merged = {key: value[order] for key, value in merged.items()}
+    # The ids waiting for admission, of every PS together (not where each waits).
+    pending = {key: torch.cat([s[key] for s in states]) for key in states[0] if key.startswith("pending.")}
+    pending.pop("pending.source", None)
+    if pending:
+        order = torch.argsort(pending["pending.ids"])
+        merged |= {key: value[order] for key, value in pending.items()}
+    return merged
 
 
 def _assert_same(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
@@ -142,3 +149,27 @@ def test_rows_outside_a_fixed_table_are_refused_naming_the_first():
     smaller = ShardTable(TableSpec(name="items", embedding_dim=DIM, num_embeddings=10), ADAM, 0, 1)
     with pytest.raises(ValueError, match="table 'items' has ids 0 to 9; the checkpoint has a row of id 10"):
         smaller.load_rows(bigger.rows_state(False))
+
+
+def test_ids_waiting_for_admission_keep_their_sightings_across_a_restore_onto_three_ps():
+    """Sightings of ids not admitted yet are in the state: restored onto 3 PS (after a full state and an increment,
+    each of which holds a PS's whole waiting set), the same ids are admitted at the same sighting as live."""
+    spec = TableSpec(name="users", embedding_dim=DIM, admit_after=3)
+    two = [ShardTable(spec, ADAGRAD, p, 2) for p in range(2)]
+    _train(two, range(3), id_range=400)
+    files = [table.rows_state(False) for table in two]
+    for table in two:
+        table.mark_saved()
+    _train(two, range(3, 5), seed=2, id_range=400)
+    files += [table.rows_state(True) for table in two]
+    three = [ShardTable(spec, ADAGRAD, p, 3) for p in range(3)]
+    for state in files:
+        for table in three:
+            table.load_rows(state)
+    for table in three:
+        table.load_scalars(two[0].scalars())
+    _assert_same(_merged(three), _merged(two))
+    assert _merged(two)["pending.ids"].numel() > 0
+    _train(two, range(5, 8), seed=3, id_range=400)
+    _train(three, range(5, 8), seed=3, id_range=400)
+    _assert_same(_merged(three), _merged(two))

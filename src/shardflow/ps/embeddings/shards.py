@@ -140,7 +140,7 @@ class EmbeddingShards:
                     ps_index=self.ps_index,
                     num_ps=self.num_ps,
                     kind="full" if full else "increment",
-                    state=table.rows_state(changed_only=not full),
+                    state=table.rows_state(changed_only=not full, copy=False),
                     scalars=table.scalars(),
                 )
             )

@@ -74,6 +74,10 @@ class TableSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Dynamic: a row unseen for this many global steps is removed."""
     capacity_per_ps: PositiveInt | None = None
     """Dynamic: at most this many rows per PS; beyond, the least frequently seen rows are evicted."""
+    max_pending_per_ps: PositiveInt | None = None
+    """Dynamic with admit_after > 1: at most this many ids counted while they wait for admission, per PS (about
+    100 bytes each; None: capacity_per_ps, else 1,048,576); beyond, the least recently seen are forgotten and their
+    count starts again."""
 
     @property
     def dynamic(self) -> bool:

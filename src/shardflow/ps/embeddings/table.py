@@ -4,14 +4,19 @@ them."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
+from shardflow.ps.embeddings.files import PENDING
 from shardflow.ps.embeddings.hash_index import RowMap
 from shardflow.ps.embeddings.init import initial_rows, table_key, uniform_draws
 from shardflow.ps.embeddings.row_optimizers import SlotLayout, apply_update, new_slots, slot_layouts
 from shardflow.ps.embeddings.spec import RowOptimizer, TableSpec, global_ids, local_rows, num_local_rows, owners
 
 _INIT_CHUNK_ROWS = 1 << 20
+PENDING_SOURCE = PENDING + "source"
+"""(ps_index, num_ps) of the PS whose ids waiting for admission a state holds."""
 """A fixed table's rows are initialised this many at a time, so that only their global ids are extra memory."""
 _ADMISSION_SALT = 0x2545F4914F6CDD1D
 """Separates the admission draws from the initial values' (both are keyed by the table and the id)."""
@@ -164,14 +169,18 @@ class ShardTable:
             held += self._rows.memory_bytes() + self._sightings.memory_bytes()
         return held
 
-    def rows_state(self, changed_only: bool) -> dict[str, torch.Tensor]:
+    def rows_state(self, changed_only: bool, *, copy: bool = True) -> dict[str, torch.Tensor]:
         """This PS's rows as plain tensors (a copy): "ids" (global), "values", "slot.<name>" per optimizer slot, and
-        for dynamic tables "counts" and "last_seen", sorted by id. With `changed_only`, only the rows changed since
-        `mark_saved`, and "removed": the ids that had a row then (or got one since) and have none now."""
+        for dynamic tables "counts" and "last_seen", sorted by id, and the ids waiting for admission ("pending.*").
+        With `changed_only`, only the rows changed since `mark_saved`, and "removed": the ids that had a row then
+        (or got one since) and have none now. `copy=False`: a fixed table's whole values and slots are the table's
+        own, for a caller that is done with them before the next update (a PS writing its checkpoint files)."""
         if self._rows is None and not changed_only:
             rows = torch.arange(self._values.shape[0])
-            state = {"ids": global_ids(self.spec, rows, self.ps_index, self.num_ps), "values": self._values.clone()}
-            return state | {f"slot.{name}": slot.clone() for name, slot in self._slots.items()}
+            held = [self._values, *self._slots.values()]
+            values, *slots = held if not copy else [tensor.clone() for tensor in held]
+            state = {"ids": global_ids(self.spec, rows, self.ps_index, self.num_ps), "values": values}
+            return state | {f"slot.{name}": slot for name, slot in zip(self._slots, slots, strict=True)}
         if self._rows is None:
             rows = self._changed.nonzero()[:, 0]
             state = {"ids": global_ids(self.spec, rows, self.ps_index, self.num_ps)}
@@ -189,6 +198,8 @@ class ShardTable:
         state |= {f"slot.{name}": slot[rows] for name, slot in self._slots.items()}
         if changed_only:
             state["removed"] = self._removed_ids()
+        if self._rows is not None:
+            state |= self._sightings.state(torch.tensor([self.ps_index, self.num_ps]))
         return state
 
     def scalars(self) -> dict[str, float]:
@@ -238,6 +249,8 @@ class ShardTable:
         for name, slot in self._slots.items():
             slot[rows] = state[f"slot.{name}"][mine]
         self._changed[rows] = True
+        if self._rows is not None and PENDING_SOURCE in state:
+            self._sightings.load(state, self._owned)
 
     def _lookup_dynamic(self, ids: torch.Tensor) -> torch.Tensor:
         assert self._rows is not None
@@ -383,7 +396,7 @@ class _Sightings:
         self._key = table_key(spec) ^ _ADMISSION_SALT
         counting = spec.admit_probability is None and spec.admit_after > 1
         self._pending = RowMap() if counting else None
-        self._max_pending = max_pending_ids or spec.capacity_per_ps or 1 << 20
+        self._max_pending = max_pending_ids or spec.max_pending_per_ps or spec.capacity_per_ps or 1 << 20
 
     def admit(self, ids: torch.Tensor, counts: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """For distinct ids without a row, seen `counts` times at `step`: whether each is admitted now, and its
@@ -408,6 +421,36 @@ class _Sightings:
             keep = self._max_pending - self._max_pending // 8
             pending.remove(live[_least_valued(pending.ids[live], len(pending) - keep, pending.last_seen[live])])
         return admitted, sightings
+
+    def state(self, source: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The ids waiting for admission with their sightings, sorted by id, and `source`: (ps_index, num_ps) of
+        the PS that holds them, whose whole set they are (see `load`)."""
+        if self._pending is None:
+            return {}
+        pending = self._pending
+        live = pending.live_rows()
+        live = live[torch.argsort(pending.ids[live])]
+        return {
+            PENDING_SOURCE: source,
+            "pending.ids": pending.ids[live],
+            "pending.counts": pending.counts[live],
+            "pending.last_seen": pending.last_seen[live],
+        }
+
+    def load(self, state: dict[str, torch.Tensor], owned: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Take the waiting ids of `state` that this PS `owned`, in place of those it holds of the same source (the
+        PS that wrote them): a later file of that PS holds its whole set then."""
+        pending = self._pending
+        if pending is None:
+            return
+        source_ps, source_num_ps = (int(v) for v in state[PENDING_SOURCE].tolist())
+        live = pending.live_rows()
+        pending.remove(live[owners(self._spec, pending.ids[live], source_num_ps) == source_ps])
+        ids = state["pending.ids"]
+        mine = owned(ids)
+        rows = pending.add(ids[mine])
+        pending.counts[rows] = state["pending.counts"][mine]
+        pending.last_seen[rows] = state["pending.last_seen"][mine]
 
     def forget_unseen_since(self, step: int) -> None:
         if self._pending is not None:
