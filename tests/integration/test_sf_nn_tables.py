@@ -150,3 +150,38 @@ def test_a_checkpoint_of_2_ps_with_increments_restored_onto_3_ps_trains_on_exact
         assert torch.equal(got[name]["ids"], expected[name]["ids"]), name
         for key in expected[name]:
             torch.testing.assert_close(got[name][key], expected[name][key], atol=1e-6, rtol=0, msg=f"{name} {key}")
+
+
+@pytest.mark.parametrize(
+    "setting",
+    [
+        {"mode": "ssp", "clip_grad_norm": 0.5},
+        {"mode": "sync", "clip_grad_norm": 0.5, "accumulation": 2},
+        {"mode": "async", "accumulation": 2},
+    ],
+    ids=["ssp-clipped", "sync-clipped-accumulated", "async-accumulated"],
+)
+def test_sf_nn_tables_train_in_every_mode_with_clipping_and_accumulation(run_job, setting):
+    steps_per_worker = 6
+    batches = 2 * steps_per_worker * setting.get("accumulation", 1)
+    proc, result = run_job("tables.py", optimizer="Adagrad", num_batches=batches, **setting)
+    assert proc.returncode == 0, proc.stdout
+    replicas = 2 if setting["mode"] == "sync" else 1
+    assert result["global_step"] == 2 * steps_per_worker // replicas
+    _, rows = trained_tables(Path(result["checkpoint"]).parents[1])
+    ids = rows["ids"]
+    assert torch.isfinite(ids.values).all() and len(ids) > 0
+
+
+def test_a_nan_in_the_rows_gradient_of_one_batch_is_never_applied(run_job, tmp_path):
+    """The loss is finite but the batch's rows get NaN gradients: the step is refused on every PS and counted, the
+    rows stay finite, training goes on."""
+    proc, result = run_job(
+        "tables.py", mode="async", num_batches=12, nan_rows_at=5 * 8, max_nonfinite_updates=2, optimizer="SGD"
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert "NaN or inf" in proc.stdout
+    assert result["global_step"] == 11
+    assert all(stats["nonfinite"] == 1 for stats in result["ps_stats"].values()), result["ps_stats"]
+    _, rows = trained_tables(tmp_path / "model")
+    assert all(torch.isfinite(table.values).all() for table in rows.values())

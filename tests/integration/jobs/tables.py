@@ -63,26 +63,43 @@ def main(config: dict[str, Any]) -> None:
 
     optimizer = getattr(sf.optim, config.get("optimizer", "Adagrad"))(lr=config.get("lr", 0.1))
     strategy = sf.ParameterServerStrategy(
-        num_ps=config.get("num_ps", 2), num_workers=config.get("num_workers", 2), mode=config.get("mode", "sync")
+        num_ps=config.get("num_ps", 2),
+        num_workers=config.get("num_workers", 2),
+        mode=config.get("mode", "sync"),
+        gradient_accumulation_steps=config.get("accumulation", 1),
+        max_nonfinite_updates=config.get("max_nonfinite_updates", 1),
     )
 
     def model_fn() -> Model:
         torch.manual_seed(0)
         return Model(dynamic, admit_after, num_ids)
 
+    nan_rows_at = config.get("nan_rows_at")
+    """A batch (by its first record) whose ids' rows get NaN gradients while its loss stays finite."""
+
+    def checked_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if nan_rows_at is None or int(batch["record"][0]) != nan_rows_at:
+            return loss_fn(model, batch)
+        rows = model.ids(batch["ids"])
+        # where() picks the finite branch forward, but backward sends 0 * inf = NaN into the other's rows.
+        poisoned = torch.where(torch.ones_like(rows, dtype=torch.bool), rows, rows * float("inf"))
+        out = model.head(torch.cat([poisoned.mean(dim=1), model.tags(batch["tags"])], dim=1))
+        return torch.nn.functional.mse_loss(out, batch["targets"])
+
     est = sf.Estimator(
         model_fn,
-        loss_fn,
+        checked_loss,
         optimizer,
         strategy,
         config["model_dir"],
         save_checkpoints_steps=config.get("save_checkpoints_steps"),
+        clip_grad_norm=config.get("clip_grad_norm"),
     )
     result = sf.train_and_evaluate(
         est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs", 1))
     )
     with open(config["result"], "w") as f:
-        fields = ("global_step", "start_step", "first_loss", "final_loss", "ps_stats")
+        fields = ("global_step", "start_step", "first_loss", "final_loss", "ps_stats", "checkpoint")
         json.dump({name: getattr(result, name) for name in fields}, f)
 
 
