@@ -111,6 +111,7 @@ def test_a_table_of_40_million_rows_trains_while_the_chief_and_workers_hold_none
     assert result["global_step"] == 120
     assert result["final_loss"] < result["first_loss"]
     mib = {name: rss >> 20 for name, rss in peak.items()}
+    print("peak RSS MiB:", mib)
     assert {"chief", "worker:0", "worker:1", "ps:0", "ps:1"} <= set(mib), mib
     assert all(mib[name] < 700 for name in ("chief", "worker:0", "worker:1")), mib
     # The rows are on the PS: each holds its half (1.2 GiB), made there.

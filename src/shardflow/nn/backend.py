@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from shardflow.nn.modules import _Table
+    from shardflow.nn.modules import TableModule
 
 
 class Looked(NamedTuple):
@@ -25,13 +25,13 @@ class Looked(NamedTuple):
 
 
 class TableBackend(Protocol):
-    def lookup(self, table: _Table, ids: torch.Tensor) -> Looked: ...
+    def lookup(self, table: TableModule, ids: torch.Tensor) -> Looked: ...
 
 
 _current: TableBackend | None = None
 
 
-def current(table: _Table) -> TableBackend:
+def current(table: TableModule) -> TableBackend:
     """The backend in use; an error naming `table` where there is none."""
     if _current is None:
         raise RuntimeError(

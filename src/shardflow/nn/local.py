@@ -10,7 +10,7 @@ import msgspec
 import torch
 
 from shardflow.nn import backend
-from shardflow.nn.modules import _Table, tables
+from shardflow.nn.modules import TableModule, tables
 from shardflow.ps.embeddings.table import ShardTable
 from shardflow.ps.optimizers import OptimizerLike, as_optimizer_spec
 
@@ -33,7 +33,7 @@ class LocalTables:
         self.global_step = 0
         self._looked: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
-    def lookup(self, table: _Table, ids: torch.Tensor) -> backend.Looked:
+    def lookup(self, table: TableModule, ids: torch.Tensor) -> backend.Looked:
         flat = ids.detach().reshape(-1).to("cpu", torch.int64)
         unique, inverse = torch.unique(flat, return_inverse=True)
         shard = self.tables[table.table_name or ""]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from shardflow.nn.backend import Looked
-from shardflow.nn.modules import _Table, tables
+from shardflow.nn.modules import TableModule, tables
 from shardflow.ps import protocol
 from shardflow.ps.connection import PSConnection
 from shardflow.ps.embeddings.spec import owners
@@ -100,7 +100,7 @@ class TableLookups:
             lookup_round = self._send(wanted, min_step)
             self._next = {key: (lookup_round, ids) for key, ids in zip(keys, wanted, strict=True)}
 
-    def lookup(self, module: _Table, ids: torch.Tensor) -> Looked:
+    def lookup(self, module: TableModule, ids: torch.Tensor) -> Looked:
         """The rows of `ids` for `module`'s forward: those sent ahead if they are of these ids, else fetched now."""
         table = self._index[module.table_name or ""]
         call = self._calls.get(table, 0)

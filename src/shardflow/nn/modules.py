@@ -13,7 +13,7 @@ from shardflow.nn import backend
 from shardflow.ps.embeddings.spec import Initializer, RowOptimizer, TableSpec
 
 
-class _Table(torch.nn.Module):
+class TableModule(torch.nn.Module):
     """What the three kinds share: the table's declaration, completed with its name (its path in the model) by
     `table_specs`."""
 
@@ -53,7 +53,7 @@ class _Table(torch.nn.Module):
         return ", ".join(f"{k}={v}" for k, v in shown.items())
 
 
-class Embedding(_Table):
+class Embedding(TableModule):
     """`torch.nn.Embedding` whose table lives only on the parameter servers, partitioned over them: no worker
     and not the chief ever allocates it. Each PS initialises its rows itself (`initializer`, seeded per row;
     N(0, 1) by default, as torch's). `optimizer`: the table's row optimizer (sf.nn.sgd/adagrad/rowwise_adagrad/
@@ -87,7 +87,7 @@ class Embedding(_Table):
         return F.embedding(looked.inverse, looked.rows)
 
 
-class DynamicEmbedding(_Table):
+class DynamicEmbedding(TableModule):
     """An embedding of any int64 ids (hashed features, no `num_embeddings`): each PS keeps a hash table of the
     rows it owns, made when an id is admitted (after `admit_after` sightings, or with `admit_probability` at each),
     removed when unseen for `expire_after_steps` global steps or, past `capacity_per_ps` rows, least frequently
@@ -122,7 +122,7 @@ class DynamicEmbedding(_Table):
         return F.embedding(looked.inverse, looked.rows)
 
 
-class EmbeddingBag(_Table):
+class EmbeddingBag(TableModule):
     """`torch.nn.EmbeddingBag` (sum, mean or max of each bag; `per_sample_weights`; `padding_idx`) over a table
     that lives only on the parameter servers, as `sf.nn.Embedding`'s."""
 
@@ -178,11 +178,11 @@ class EmbeddingBag(_Table):
         )
 
 
-def tables(model: torch.nn.Module) -> dict[str, _Table]:
+def tables(model: torch.nn.Module) -> dict[str, TableModule]:
     """The model's `sf.nn` tables by their path in it, each named so (a table reached by two paths: the first)."""
-    found: dict[str, _Table] = {}
+    found: dict[str, TableModule] = {}
     for name, module in model.named_modules():
-        if isinstance(module, _Table):
+        if isinstance(module, TableModule):
             if not name:
                 raise ValueError("an sf.nn table must sit inside a model (a torch.nn.Module holding it), not be one")
             module.table_name = name

@@ -219,6 +219,12 @@ def run_worker(
             if params.tables is not None:  # the model's sf.nn tables look their rows up on the PS
                 stack.enter_context(backend.installed(params.tables))
             step = _train(worker, hooks, profiler)
+        if params.tables is not None and params.tables.not_prefetched:
+            log.info(
+                "%s: %d sf.nn table lookups were made when forward asked, not sent ahead with the step before",
+                name,
+                params.tables.not_prefetched,
+            )
         params.done()
     finally:
         params.close()

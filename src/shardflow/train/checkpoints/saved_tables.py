@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from shardflow.nn import backend
-from shardflow.nn.modules import _Table, table_specs
+from shardflow.nn.modules import TableModule, table_specs
 from shardflow.ps.embeddings.chains import chain_order
 from shardflow.ps.embeddings.files import FileRecord
 from shardflow.ps.embeddings.init import initial_rows
@@ -47,7 +47,7 @@ class SavedTables:
             rows[spec.name] = (spec, ids, values)
         return cls(rows)
 
-    def lookup(self, table: _Table, ids: torch.Tensor) -> backend.Looked:
+    def lookup(self, table: TableModule, ids: torch.Tensor) -> backend.Looked:
         spec, saved_ids, values = self.rows[table.table_name or ""]
         unique, inverse = torch.unique(ids.detach().reshape(-1).to("cpu", torch.int64), return_inverse=True)
         out = initial_rows(spec, unique)
