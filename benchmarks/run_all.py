@@ -57,6 +57,11 @@ BENCHMARKS = [
     Benchmark(name="input_pipeline", script="input_pipeline.py"),
     Benchmark(name="plan_validation", script="plan_validation.py"),
     Benchmark(
+        name="embedding_tables",
+        script="embedding_tables.py",
+        quick_flags=("--steps", "300", "--tf-steps", "100", "--local-steps", "100", "--repeats", "1"),
+    ),
+    Benchmark(
         name="ps_sync",
         script="ps_training.py",
         flags=("--sync",),

@@ -27,20 +27,20 @@ def free_ports(count: int) -> list[int]:
             s.close()
 
 
-def start_servers(num_workers: int, attempts: int = 3) -> tuple[dict, list[multiprocessing.Process]]:
+def start_servers(num_workers: int, num_ps: int = 1, attempts: int = 3) -> tuple[dict, list[multiprocessing.Process]]:
     """The cluster's worker and PS servers, listening; a server that fails to bind (a port taken meanwhile) makes
     it start again on other ports."""
     for _ in range(attempts):
-        ports = free_ports(num_workers + 2)
+        ports = free_ports(num_workers + num_ps + 1)
         cluster = {
             "worker": [f"localhost:{port}" for port in ports[:num_workers]],
-            "ps": [f"localhost:{ports[num_workers]}"],
+            "ps": [f"localhost:{port}" for port in ports[num_workers:-1]],
             "chief": [f"localhost:{ports[-1]}"],
         }
         servers = [
             multiprocessing.Process(target=serve, args=(cluster, "worker", i), daemon=True) for i in range(num_workers)
         ]
-        servers.append(multiprocessing.Process(target=serve, args=(cluster, "ps", 0), daemon=True))
+        servers += [multiprocessing.Process(target=serve, args=(cluster, "ps", i), daemon=True) for i in range(num_ps)]
         for p in servers:
             p.start()
         deadline = time.monotonic() + 120

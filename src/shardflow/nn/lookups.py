@@ -27,14 +27,15 @@ Path = tuple[Any, ...]
 @dataclass
 class _Ids:
     """One table's ids of one lookup, prepared: unique, where each id is among them, how often each occurs, and
-    the PS owning each unique id."""
+    which of the unique ids each PS owns."""
 
     table: int
     source: torch.Tensor
     unique: torch.Tensor
     inverse: torch.Tensor
     counts: torch.Tensor
-    owner: torch.Tensor
+    mine: list[torch.Tensor | None]
+    """Per PS: the positions in `unique` of the ids it owns; None: all of them (it is the only PS)."""
     rows: torch.Tensor | None = None
 
 
@@ -44,7 +45,7 @@ class _Round:
 
     wanted: list[_Ids]
     seqs: dict[int, int] = field(default_factory=dict)
-    sent: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    sent: dict[int, list[tuple[int, torch.Tensor | None]]] = field(default_factory=dict)
     """Per PS: for each id list sent, its index in `wanted` and which of its unique ids went."""
     collected: bool = False
 
@@ -138,16 +139,23 @@ class TableLookups:
             for prepared, rows in self._looked:
                 if prepared.table != table:
                     continue
-                mine = (prepared.owner == ps).nonzero().view(-1)
-                ids.append(prepared.unique[mine])
-                counts.append(prepared.counts[mine])
+                mine = prepared.mine[ps]
                 grad = rows.grad if rows.grad is not None else torch.zeros_like(rows)
-                grads.append(grad.index_select(0, mine.to(grad.device)))
+                if mine is None:
+                    ids.append(prepared.unique)
+                    counts.append(prepared.counts)
+                    grads.append(grad)
+                else:
+                    ids.append(prepared.unique[mine])
+                    counts.append(prepared.counts[mine])
+                    grads.append(grad.index_select(0, mine.to(grad.device)))
             if not ids:
                 dim = spec.embedding_dim
                 frames += [_EMPTY_IDS, _EMPTY_IDS, torch.empty((0, dim), dtype=spec.torch_dtype)]
-                continue
-            frames += [torch.cat(ids), torch.cat(counts), torch.cat(grads)]
+            elif len(ids) == 1:  # one lookup of the table this step, the usual case: nothing to join
+                frames += [ids[0], counts[0], grads[0]]
+            else:
+                frames += [torch.cat(ids), torch.cat(counts), torch.cat(grads)]
         return frames
 
     def gradients(self) -> list[torch.Tensor]:
@@ -158,7 +166,7 @@ class TableLookups:
 
     def _prepare(self, table: int, ids: torch.Tensor) -> _Ids:
         flat = ids.detach().reshape(-1).to("cpu", torch.int64)
-        unique, inverse = torch.unique(flat, return_inverse=True)
+        unique, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
         spec = self.specs[table]
         if spec.num_embeddings is not None and unique.numel():
             low, high = int(unique[0]), int(unique[-1])
@@ -166,8 +174,12 @@ class TableLookups:
                 raise IndexError(
                     f"sf.nn table {spec.name!r} has {spec.num_embeddings} rows; the batch looks up ids {low}..{high}"
                 )
-        counts = torch.bincount(inverse, minlength=unique.numel())
-        return _Ids(table, ids, unique, inverse, counts, owners(spec, unique, self.num_ps))
+        if self.num_ps == 1:
+            mine: list[torch.Tensor | None] = [None]
+        else:
+            owner = owners(spec, unique, self.num_ps)
+            mine = [(owner == ps).nonzero().view(-1) for ps in range(self.num_ps)]
+        return _Ids(table, ids, unique, inverse, counts, mine)
 
     def _send(self, wanted: list[_Ids], min_step: Sequence[int]) -> _Round:
         lookup_round = _Round(wanted)
@@ -175,10 +187,11 @@ class TableLookups:
         for ps, peer in enumerate(connection.peers):
             indices, frames, sent = [], [], []
             for position, prepared in enumerate(wanted):
-                mine = (prepared.owner == ps).nonzero().view(-1)
-                if mine.numel():
+                mine = prepared.mine[ps]
+                ids = prepared.unique if mine is None else prepared.unique[mine]
+                if ids.numel():
                     indices.append(prepared.table)
-                    frames.append(prepared.unique[mine])
+                    frames.append(ids)
                     sent.append((position, mine))
             if indices:
                 lookup = protocol.Lookup(table_indices=tuple(indices), min_step=min_step[ps])
@@ -204,9 +217,12 @@ class TableLookups:
                     protocol.Lookup.op, "frames", peer, f"{len(values)} came for {len(sent)} tables asked"
                 )
             for (position, mine), rows in zip(sent, values, strict=True):
-                target = lookup_round.wanted[position].rows
-                assert target is not None
-                target.index_copy_(0, mine, rows)
+                prepared = lookup_round.wanted[position]
+                if mine is None:  # the only PS: its frame holds every row, in order (read only, as autograd reads it)
+                    prepared.rows = rows
+                    continue
+                assert prepared.rows is not None
+                prepared.rows.index_copy_(0, mine, rows)
         lookup_round.collected = True
 
     def _find(self, ids: torch.Tensor) -> Path | None:

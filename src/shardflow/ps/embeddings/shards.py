@@ -60,7 +60,7 @@ class EmbeddingShards:
             self.lookups["looked_up_ids"] += table_ids.numel()
             table = self.tables[index]
             table.check_ids(table_ids, f"{what} for table {self.specs[index].name!r}")
-            values.append(table.lookup(table_ids))
+            values.append(table.lookup(table_ids, checked=True))
         return values
 
     def gradients(self, frames: Sequence[torch.Tensor], what: str) -> list[list[EmbeddingGrad]]:
@@ -109,7 +109,7 @@ class EmbeddingShards:
         learning rate times `lr_factor` (what the job's schedule makes of its base rate now)."""
         for spec, table, (ids, counts, values) in zip(self.specs, self.tables, grads, strict=True):
             lr = None if lr_factor == 1.0 or spec.optimizer is None else spec.optimizer.lr * lr_factor
-            table.apply(ids, counts, values, step=step + 1, lr=lr)
+            table.apply(ids, counts, values, step=step + 1, lr=lr, checked=True)  # checked by `gradients`
             table.maintain(step + 1)
 
     def stats(self) -> dict[str, int]:

@@ -72,10 +72,10 @@ class ShardTable:
                 f"{what}: table {name!r} takes ids as a 1-D int64 tensor, got {ids.dtype} {tuple(ids.shape)}"
             )
         size = self.spec.num_embeddings
-        if size is not None:
-            outside = (ids < 0) | (ids >= size)
-            if bool(outside.any()):
-                bad = int(ids[outside][0])
+        if size is not None and ids.numel():
+            low, high = (int(bound) for bound in torch.aminmax(ids))  # one pass; the first bad id only if there is one
+            if low < 0 or high >= size:
+                bad = int(ids[(ids < 0) | (ids >= size)][0])
                 raise ValueError(f"{what}: table {name!r} has ids 0 to {size - 1}, got id {bad}")
         if self.num_ps > 1:
             owner = owners(self.spec, ids, self.num_ps)
@@ -87,11 +87,13 @@ class ShardTable:
                     f"{self.ps_index} of {self.num_ps}"
                 )
 
-    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+    def lookup(self, ids: torch.Tensor, *, checked: bool = False) -> torch.Tensor:
         """The rows of `ids` (a fresh [n, dim] tensor). A dynamic table's ids without a row read their initial values
         (no row is made, nothing counted); the padding id reads zeros; with max_norm, the stored rows are
-        renormalised in place first, as torch.nn.functional.embedding does."""
-        self.check_ids(ids, "lookup")
+        renormalised in place first, as torch.nn.functional.embedding does. `checked`: the caller has passed `ids`
+        through `check_ids` already."""
+        if not checked:
+            self.check_ids(ids, "lookup")
         if self._rows is None:
             rows = local_rows(self.spec, ids, self.ps_index, self.num_ps)
             self._renormalise(rows)
@@ -111,12 +113,15 @@ class ShardTable:
         step: int,
         lr: float | None = None,
         scale: float = 1.0,
+        checked: bool = False,
     ) -> None:
         """Applies one update: `grads` [n, dim] of `ids` [n] (repeats allowed: several pushes concatenated), seen
         `counts` [n] times in the batch, summed per id and multiplied by `scale`, at global `step`. `lr` overrides
         the optimizer's (a schedule's value). A dynamic table counts sightings, admits ids (their first update
-        applied to the initial values the lookup returned) and drops the gradients of ids still without a row."""
-        self.check_ids(ids, "apply")
+        applied to the initial values the lookup returned) and drops the gradients of ids still without a row.
+        `checked`: as for `lookup`."""
+        if not checked:
+            self.check_ids(ids, "apply")
         self._check_update(ids, counts, grads)
         self.optimizer_step += 1
         ids, counts, grads = self._coalesced(ids, counts, grads, scale)
@@ -304,15 +309,15 @@ class ShardTable:
         if self._padding_id is not None:
             kept = ids != self._padding_id
             ids, counts, grads = ids[kept], counts[kept], grads[kept]
-        ids, order = torch.sort(ids)
-        counts, grads = counts.index_select(0, order), grads.index_select(0, order)
-        if ids.numel() > 1 and bool((ids[1:] == ids[:-1]).any()):
-            ids, inverse = torch.unique_consecutive(ids, return_inverse=True)
-            grads = torch.zeros((ids.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
-            counts = torch.zeros_like(ids).index_add_(0, inverse, counts)
+        if ids.numel() < 2 or bool((ids[1:] > ids[:-1]).all()):
+            # Distinct already, as a worker pushes them (its batch's unique ids, sorted): nothing to sum.
+            return ids, counts, grads * scale if scale != 1.0 else grads
+        unique, inverse = torch.unique(ids, return_inverse=True)
+        summed = torch.zeros((unique.numel(), grads.shape[1]), dtype=grads.dtype).index_add_(0, inverse, grads)
+        summed_counts = torch.zeros_like(unique).index_add_(0, inverse, counts)
         if scale != 1.0:
-            grads.mul_(scale)
-        return ids, counts, grads
+            summed.mul_(scale)
+        return unique, summed_counts, summed
 
     def _rows_seen(self, ids: torch.Tensor, counts: torch.Tensor, step: int) -> torch.Tensor:
         """Dynamic tables: counts the sightings of distinct `ids` and admits those due; the row of each id, -1 for
