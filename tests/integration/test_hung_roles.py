@@ -1,7 +1,8 @@
-"""Hung roles, stopped from outside (SIGSTOP: alive and silent): a PS that never wakes is killed by the launcher and
-restarted, a PS that stalls past the data plane's connection deadline and wakes has its requests sent again, and a
-worker that wakes after its shard went to another stands down. Every job ends by itself, at its exact global step,
-with every record's gradient applied once (tests/integration/jobs/audit.py)."""
+"""Hung roles, stopped from outside (SIGSTOP: alive and silent): a PS or a chief (under `shardflow launch`) that never
+wakes is killed by the launcher and restarted, a PS that stalls past the data
+plane's connection deadline and wakes has its requests sent again, and a worker that wakes after its shard went to
+another stands down. Every job ends by itself, at its exact global step, with every record's gradient applied once
+(tests/integration/jobs/audit.py)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,23 @@ def test_a_worker_that_wakes_after_its_shard_was_handed_over_stands_down(tmp_pat
     assert "worker:1 did not come back within worker_rejoin_timeout_s=1s: worker:0 reads the rest" in out, out
     assert "worker:1: worker:0 reads the rest of this worker's shard since it was lost; it stands down" in out, out
     _audit(tmp_path, num_records=LONG)
+
+
+def test_a_chief_stopped_for_good_under_shardflow_launch_is_killed_and_restarted_and_the_job_ends_exact(tmp_path):
+    path = _write_config(tmp_path, num_records=LONG, step_delay_s=0.01, save_checkpoints_steps=64)
+    command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "2", "--hung-timeout", "3"]
+    command += ["--restart-backoff", "0.2", str(JOBS / "audit.py"), str(path)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_training(proc, tmp_path, 1.0)
+        chief = _role(proc, "chief")
+        chief.send_signal(signal.SIGSTOP)
+    finally:
+        out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert f"chief (pid {chief.pid}) is hung: no heartbeat for" in out, out
+    assert f"chief (pid {chief.pid}) exited with code -9 (SIGKILL); restarting it" in out, out
+    assert "the chief was restarted: resumed from the live parameter servers at global step" in out, out
+    # The stopped chief held up every role's heartbeat, never their liveness files: none else was taken for hung.
+    assert out.count("is hung") == 1, out
+    _audit(tmp_path, num_records=LONG, chief_restarted=True)
