@@ -43,12 +43,13 @@ elif isinstance(action, list):  # seconds each run lives before it is SIGKILLed;
         time.sleep(action[count])
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(0)
-elif action == "hang-once":  # beats once, then is stopped for good; its restart exits 0
+elif action in ("hang-once", "stop-at-once"):  # stopped for good, after a beat or before any; its restart exits 0
     marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".hung")
     if os.path.exists(marker):
         sys.exit(0)
     open(marker, "w").close()
-    open(os.environ["SHARDFLOW_LIVENESS_FILE"], "w").close()
+    if action == "hang-once":
+        open(os.environ["SHARDFLOW_LIVENESS_FILE"], "w").close()
     os.kill(os.getpid(), signal.SIGSTOP)
 sys.exit(action)
 """
@@ -289,6 +290,28 @@ def test_a_hung_role_is_killed_and_restarted(spec, role_command):
     assert text.count("hello from worker:1") == 2
     # Nothing else was taken for hung: the other roles exited at once.
     assert text.count("is hung") == 1
+
+
+def test_a_role_stopped_before_it_ever_beat_is_killed_and_restarted(spec, role_command, monkeypatch):
+    # A fresh Python per role, which never touches its liveness file: a forked role's touches start as it is forked.
+    monkeypatch.setenv("SHARDFLOW_ZYGOTE", "off")
+    output = io.StringIO()
+    launcher = LocalLauncher(
+        spec,
+        role_command({"worker:1": "stop-at-once"}),
+        output=output,
+        max_restarts=1,
+        restart_backoff_s=0.1,
+        hung_timeout_s=0.5,
+    )
+    with launcher:
+        launcher.start()
+        first = launcher.pids["worker:1"]
+        assert launcher.wait(timeout_s=20) is None
+    text = output.getvalue()
+    assert f"worker:1 (pid {first}) is hung: no heartbeat for" in text, text
+    assert f"worker:1 (pid {first}) exited with code -9 (SIGKILL); restarting it in 0.1s" in text
+    assert text.count("hello from worker:1") == 2
 
 
 def test_a_chief_killed_by_a_signal_is_restarted_and_one_that_exits_with_an_error_is_not(spec, role_command):

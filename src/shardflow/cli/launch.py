@@ -18,7 +18,7 @@ example:
 Every role runs `python train.py --lr 0.1`; the environment variable SHARDFLOW_CLUSTER tells
 each process its role. Output lines are prefixed with the role, e.g. "[worker:0] ...".
 A worker, PS or evaluator that dies, a chief killed by a signal, or any role that hangs (its
-liveness file untouched for --hung-timeout seconds: it is killed), is restarted
+liveness file untouched for --hung-timeout seconds from its start: it is killed), is restarted
 (--max-restarts times, after a back-off that doubles from --restart-backoff seconds, and starts over
 after a minute's healthy run); a restarted worker resumes its input after the last step every PS
 applied, a restarted PS makes every PS reload the latest checkpoint, and a restarted chief resumes
@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=HUNG_TIMEOUT_S,
         metavar="SECONDS",
-        help="a role whose liveness file stays untouched this long is killed and restarted, while it "
+        help="a role whose liveness file stays untouched this long from its start is killed and restarted, while it "
         f"has restarts left; as the script's ParameterServerStrategy.hung_timeout_s ({HUNG_TIMEOUT_S:g})",
     )
     parser.add_argument("script", help="the Python training script every role runs")

@@ -97,7 +97,7 @@ class LocalLauncher:
         `restart_backoff_s` after its first death, doubling each time up to MAX_BACKOFF_S, and again from
         `restart_backoff_s` after a run of `healthy_run_s`; a death beyond that is the task's failure.
         `hung_timeout_s`: such a process that leaves its liveness file (cluster/liveness.py) untouched for this long
-        is killed, and so restarted. `preload`: modules the zygote imports for every forked role."""
+        from its start is killed, and so restarted. `preload`: modules the zygote imports for every forked role."""
         if not command or isinstance(command, str):
             raise ValueError(
                 f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
@@ -176,7 +176,8 @@ class LocalLauncher:
     def _spawn(self, task: TaskSpec) -> RoleProcess:
         self._started_at[task] = time.monotonic()
         if self._hung_timeout_s is not None:
-            liveness.forget(self._liveness_file(task))
+            # The watch starts now: a role stopped before it first touched the file is hung too.
+            liveness.touch(self._liveness_file(task))
         if self._zygote is not None and self._forking:
             try:
                 return self._zygote.spawn(self._command, self._child_env(task), zygote.process_name(task.name))

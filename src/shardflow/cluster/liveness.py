@@ -1,8 +1,9 @@
 """A role's liveness file: a thread of the role's own touches it every second, from the role's start to its end
 (`keep_touching`). A supervisor that finds it older than its deadline takes the role for hung (alive but silent:
-stopped, frozen, swapped out) and kills it, so that it is restarted: the local launcher (cluster/launcher.py), or a
-cluster manager's liveness probe that tests the file's age (deploy/jobset.yaml, deploy/tfjob.yaml). A kill is the
-only cure a supervisor has for a process that is alive: nothing else restarts it."""
+stopped, frozen, swapped out) and kills it, so that it is restarted: the local launcher (cluster/launcher.py), which
+judges a role from the moment it started it, or a cluster manager's liveness probe that tests the file's age
+(deploy/jobset.yaml, deploy/tfjob.yaml). A kill is the only cure a supervisor has for a process that is alive:
+nothing else restarts it."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ def touch(path: str | os.PathLike[str]) -> None:
 
 
 def silent_for(path: str | os.PathLike[str]) -> float | None:
-    """Seconds since the role last touched `path`; None while it has not (a role still starting is not judged by
-    this: startup_timeout_s is its deadline)."""
+    """Seconds since `path` was last touched; None while there is none (a role a cluster manager started that has
+    not touched it yet: its probe passes; the local launcher touches it as it starts the role)."""
     try:
         return max(0.0, time.time() - os.stat(path).st_mtime)
     except OSError:
@@ -63,7 +64,6 @@ def silent_for(path: str | os.PathLike[str]) -> float | None:
 
 
 def forget(path: str | os.PathLike[str]) -> None:
-    """Removes a role's file before its process is started again, so that the new process is not judged by the
-    silence of the one it replaces."""
+    """Removes a role's file once its supervisor killed it, so that it is killed once per hang."""
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
