@@ -104,7 +104,7 @@ def test_a_chief_stopped_for_good_under_shardflow_launch_is_killed_and_restarted
     assert "the chief was restarted: resumed from the live parameter servers at global step" in out, out
     # The stopped chief held up every role's heartbeat, never their liveness files: none else was taken for hung.
     assert out.count("is hung") == 1, out
-    _audit(tmp_path, num_records=LONG, chief_restarted=True)
+    _audit(tmp_path, num_records=LONG, resumed=True)
 
 
 class _Lines:

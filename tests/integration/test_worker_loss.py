@@ -57,11 +57,11 @@ def _run(command: list[str], env: dict[str, str], timeout_s: float = 150) -> tup
 
 
 def _audit(
-    tmp_path: Path, epochs: int = 1, num_records: int = NUM_RECORDS, replicas: int = 1, chief_restarted: bool = False
+    tmp_path: Path, epochs: int = 1, num_records: int = NUM_RECORDS, replicas: int = 1, resumed: bool = False
 ) -> dict[str, Any]:
     """The result, checked: the exact global step (a step is `replicas` batches), and every record's gradient
-    applied exactly `epochs` times; and every batch a worker step, unless the chief was restarted (the result then
-    counts the workers' steps since it adopted the PS)."""
+    applied exactly `epochs` times; and every batch a worker step, unless the run `resumed` (a restarted chief, a
+    re-run: the result counts the workers' steps since then)."""
     result = json.loads((tmp_path / "result.json").read_text())
     batches = epochs * num_records // BATCH
     assert result["global_step"] == batches // replicas
@@ -71,7 +71,7 @@ def _audit(
     assert torch.equal(applied, torch.full_like(applied, float(epochs))), (
         f"records applied 0, 1, 2.. times: {counts.tolist()}"
     )
-    if not chief_restarted:
+    if not resumed:
         assert sum(result["worker_steps"].values()) == batches
     return result
 
