@@ -22,7 +22,7 @@ Set by users:
   and shardflow once; `off` starts each role as a fresh Python.
 - `SHARDFLOW_LOCAL_SOCKETS`: `on` (the default) has a local cluster's roles reach each PS over a UNIX socket; `off`
   over loopback TCP, as roles on other machines would (to watch the traffic with a packet capture, or compare).
-- `SHARDFLOW_LIVENESS_FILE`: a file a worker or PS touches with every heartbeat, for its supervisor to find it hung
+- `SHARDFLOW_LIVENESS_FILE`: a file every role touches every second, for its supervisor to find it hung
   (cluster/liveness.py): deploy/'s manifests set it for their liveness probe, the local launcher for its own watch.
 - `SHARDFLOW_SHARED_MEMORY`: `on` (the default) has a worker move its gradients and parameters to and from each PS
   it reaches over a UNIX socket through shared memory (ps/lanes.py); `off` through the socket.

@@ -3,13 +3,16 @@ that a test could not hit from outside (between a worker's pushes to two PS, ins
 checkpoint save).
 
 `SHARDFLOW_FAULT` is JSON: {"role": "worker:1", "point": "push", "step": 7, "marker": "<file>"}. The process of
-that role SIGKILLs itself when it reaches `point` at `step`, once per job: it first creates `marker`, and a
-process that finds the marker (the same role, restarted) goes on. The points:
+that role SIGKILLs itself when it reaches `point` at `step` (without "step": at any), once per job: it first creates
+`marker`, and a process that finds the marker (the same role, restarted) goes on. The points:
 
 - `push`: a worker, in the push of its own step `step`, after ps:0 got it and before any other PS did.
 - `apply`: a PS, while it applies the update that makes global step `step`.
 - `checkpoint`: the chief, while it saves the checkpoint of global step `step`, its files written but not yet
   renamed into place.
+- `state`, `stop`, `lost`: a PS at global step `step`, as the chief asks it for its state now (not a snapshot: the
+  final checkpoint's), to stop training (preemption, early stopping), or tells it a worker is lost; before it
+  answers.
 
 Unset (always, outside such tests), each check is one dictionary lookup.
 """
@@ -25,7 +28,7 @@ from typing import Any
 
 from shardflow import env
 
-POINTS = ("push", "apply", "checkpoint")
+POINTS = ("push", "apply", "checkpoint", "state", "stop", "lost")
 
 
 @cache
@@ -40,7 +43,7 @@ def _fault() -> dict[str, Any] | None:
         return {
             "role": str(fault["role"]),
             "point": fault["point"],
-            "step": int(fault["step"]),
+            "step": int(fault["step"]) if "step" in fault else None,
             "marker": fault["marker"],
         }
     except (ValueError, KeyError, TypeError) as error:
@@ -50,7 +53,7 @@ def _fault() -> dict[str, Any] | None:
 def reached(point: str, role: str, step: int) -> None:
     """SIGKILL this process if `SHARDFLOW_FAULT` names this point, role and step, and it has not fired yet."""
     fault = _fault()
-    if fault is None or (fault["point"], fault["role"], fault["step"]) != (point, role, step):
+    if fault is None or (fault["point"], fault["role"]) != (point, role) or fault["step"] not in (None, step):
         return
     try:
         os.close(os.open(fault["marker"], os.O_CREAT | os.O_EXCL | os.O_WRONLY))

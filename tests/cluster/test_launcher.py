@@ -43,13 +43,14 @@ elif isinstance(action, list):  # seconds each run lives before it is SIGKILLed;
         time.sleep(action[count])
         os.kill(os.getpid(), signal.SIGKILL)
     sys.exit(0)
-elif action == "hang-once":  # beats once, then is silent for good; its restart exits 0
+elif action in ("hang-once", "stop-at-once"):  # stopped for good, after a beat or before any; its restart exits 0
     marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".hung")
     if os.path.exists(marker):
         sys.exit(0)
     open(marker, "w").close()
-    open(os.environ["SHARDFLOW_LIVENESS_FILE"], "w").close()
-    time.sleep(60)
+    if action == "hang-once":
+        open(os.environ["SHARDFLOW_LIVENESS_FILE"], "w").close()
+    os.kill(os.getpid(), signal.SIGSTOP)
 sys.exit(action)
 """
 
@@ -226,9 +227,7 @@ def test_a_worker_that_dies_is_restarted_after_its_back_off_and_the_job_goes_on(
     assert text.count("hello from worker:1") == 2
 
 
-def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent_and_the_chief_is_never_restarted(
-    spec, role_command
-):
+def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent(spec, role_command):
     actions = {"chief:0": "sleep", "ps:0": "sleep", "worker:0": "sleep", "worker:1": 5}
     launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=2, restart_backoff_s=0.1)
     with launcher:
@@ -237,13 +236,6 @@ def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent_and_the_chi
         assert failure is not None and (failure.task.name, failure.returncode) == ("worker:1", 5)
         # Backed off 0.1s, then 0.2s: three runs in all.
         assert [d.task.name for d in launcher.restarts] == ["worker:1", "worker:1"]
-
-    actions = {"ps:0": "sleep", "worker:0": "sleep", "worker:1": "sleep", "chief:0": 4}
-    launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=2)
-    with launcher:
-        launcher.start()
-        failure = launcher.wait(timeout_s=20)
-        assert failure is not None and (failure.task.name, launcher.restarts) == ("chief", [])
 
 
 def test_stop_during_a_back_off_calls_the_restart_off(spec, role_command):
@@ -296,5 +288,49 @@ def test_a_hung_role_is_killed_and_restarted(spec, role_command):
     assert re.search(hung, text), text
     assert f"worker:1 (pid {first}) exited with code -9 (SIGKILL); restarting it in 0.1s" in text
     assert text.count("hello from worker:1") == 2
-    # Nothing else was taken for hung: the other roles never beat.
+    # Nothing else was taken for hung: the other roles exited at once.
     assert text.count("is hung") == 1
+
+
+def test_a_role_stopped_before_it_ever_beat_is_killed_and_restarted(spec, role_command, monkeypatch):
+    # A fresh Python per role, which never touches its liveness file: a forked role's touches start as it is forked.
+    monkeypatch.setenv("SHARDFLOW_ZYGOTE", "off")
+    output = io.StringIO()
+    launcher = LocalLauncher(
+        spec,
+        role_command({"worker:1": "stop-at-once"}),
+        output=output,
+        max_restarts=1,
+        restart_backoff_s=0.1,
+        hung_timeout_s=0.5,
+    )
+    with launcher:
+        launcher.start()
+        first = launcher.pids["worker:1"]
+        assert launcher.wait(timeout_s=20) is None
+    text = output.getvalue()
+    assert f"worker:1 (pid {first}) is hung: no heartbeat for" in text, text
+    assert f"worker:1 (pid {first}) exited with code -9 (SIGKILL); restarting it in 0.1s" in text
+    assert text.count("hello from worker:1") == 2
+
+
+def test_a_chief_killed_by_a_signal_is_restarted_and_one_that_exits_with_an_error_is_not(spec, role_command):
+    output = io.StringIO()
+    launcher = LocalLauncher(
+        spec, role_command({"chief:0": "fail-once"}), output=output, max_restarts=1, restart_backoff_s=0.1
+    )
+    with launcher:
+        launcher.start()
+        first = launcher.pids["chief"]
+        assert launcher.wait(timeout_s=20) is None
+    assert [(death.task.name, death.returncode) for death in launcher.restarts] == [("chief", -9)]
+    assert f"chief (pid {first}) exited with code -9 (SIGKILL); restarting it in 0.1s" in output.getvalue()
+
+    for ended_on_purpose in (4, 143):  # a failed job; a preempted one
+        actions = {"chief:0": ended_on_purpose}
+        launcher = LocalLauncher(spec, role_command(actions), output=io.StringIO(), max_restarts=2)
+        with launcher:
+            launcher.start()
+            failure = launcher.wait(timeout_s=20)
+        assert failure is not None and (failure.task.name, failure.returncode) == ("chief", ended_on_purpose)
+        assert launcher.restarts == []

@@ -1,6 +1,7 @@
-"""A server's wire limits: a message over them is dropped unread, answered and counted; a frame over the frame
-limit never reaches the server (ZeroMQ refuses it before allocating); the server keeps serving after each. Also
-what no header can make decode() raise, and the rate limit on warnings about malformed requests."""
+"""A server's wire limits: a message over them is dropped unread, answered and counted; a frame far over the frame
+limit never reaches the server (ZeroMQ refuses it before allocating); a frame of exactly the limit is delivered
+under every mechanism, CURVE's overhead included; the server keeps serving after each. Also what no header can make
+decode() raise, and the rate limit on warnings about malformed requests."""
 
 from __future__ import annotations
 
@@ -20,25 +21,28 @@ from hypothesis import strategies as st
 
 from shardflow.comm import Client, CommError, DeadlineExceeded, ProtocolError, Server, decode
 from shardflow.comm.framing import WireLimits, encode
+from shardflow.comm.security import Credentials
 from shardflow.comm.server import LogLimiter
 
 LIMITS = WireLimits(max_header_bytes=256, max_frames=4, max_frame_bytes=1024, max_message_bytes=2048)
 
 
 @pytest.fixture
-def limited_server() -> Iterator[Callable[[WireLimits], Server]]:
-    """Starts a server with the given limits that answers every request it is handed with {"ok": True}."""
+def limited_server() -> Iterator[Callable[..., Server]]:
+    """Starts a server with the given limits (at an address, with credentials) that answers every request it is
+    handed with {"ok": True} and its frames' sizes."""
     stop = threading.Event()
     started: list[tuple[Server, threading.Thread]] = []
 
-    def start(limits: WireLimits) -> Server:
-        server = Server("tcp://127.0.0.1:0", limits=limits)
+    def start(limits: WireLimits, address: str = "tcp://127.0.0.1:0", credentials: Credentials | None = None) -> Server:
+        server = Server(address, credentials=credentials, limits=limits)
 
         def loop() -> None:
             while not stop.is_set():
                 request = server.recv(timeout_s=0.02)
                 if request is not None:
-                    server.reply(request, {"ok": True, "frames": len(request.tensors)})
+                    sizes = [tensor.numel() for tensor in request.tensors]
+                    server.reply(request, {"ok": True, "frames": len(sizes), "frame_bytes": sizes})
 
         thread = threading.Thread(target=loop, daemon=True)
         thread.start()
@@ -70,8 +74,9 @@ def test_a_message_within_every_limit_is_delivered(limited_server: Callable[[Wir
         ([torch.zeros(1)] * 4, None, "more than 4 frames"),
         ([torch.zeros(1000, dtype=torch.uint8)] * 3, None, "more than the 2048 bytes"),
         ([], {"op": "pull", "padding": "x" * 300}, "header frame has 3"),
+        ([torch.zeros(1025, dtype=torch.uint8)], None, "frame 1 has 1025 bytes, more than the 1024"),
     ],
-    ids=["frames", "total-size", "header-size"],
+    ids=["frames", "total-size", "header-size", "frame-size"],
 )
 def test_a_message_over_a_limit_is_answered_with_the_limit_counted_and_never_delivered(
     limited_server: Callable[[WireLimits], Server],
@@ -111,10 +116,31 @@ def test_a_frame_over_the_frame_limit_never_reaches_the_server_which_keeps_servi
         client.connect("ps:0", server.address)
         # ZeroMQ closes the connection before it allocates the frame: no reply, so the deadline names the server.
         with pytest.raises(DeadlineExceeded, match=f"no reply from ps:0 at {server.address}"):
-            client.request("ps:0", {"op": "push"}, [torch.zeros(1025, dtype=torch.uint8)], timeout_s=1)
+            client.request("ps:0", {"op": "push"}, [torch.zeros(2048, dtype=torch.uint8)], timeout_s=1)
         assert server.malformed == 0  # it never saw the message
         # The client's socket reconnects by itself and is served again.
         assert client.request("ps:0", {"op": "pull"}, timeout_s=5)[0]["ok"]
+
+
+@pytest.mark.parametrize("mechanism", ["null", "plain", "curve"])
+def test_a_frame_of_exactly_the_limit_is_delivered_and_one_byte_more_never_is(
+    limited_server: Callable[..., Server], tmp_path, mechanism: str
+) -> None:
+    """ZMQ_MAXMSGSIZE counts the frame on the wire, which CURVE makes 33 bytes longer: the limit is the same
+    whatever the mechanism, and an encrypted connection is not dropped for a frame within it."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    address = f"ipc://{private}/server" if mechanism == "plain" else "tcp://127.0.0.1:0"
+    credentials = None if mechanism == "null" else Credentials("the secret")
+    server = limited_server(LIMITS, address, credentials)
+    assert server.mechanism == mechanism
+    with Client("worker:0", credentials=credentials) as client:
+        client.connect("ps:0", server.address)
+        reply = client.request("ps:0", {"op": "push"}, [torch.zeros(1024, dtype=torch.uint8)], timeout_s=5)[0]
+        assert reply["frame_bytes"] == [1024]
+        # One byte more: answered with the limit (null, plain), or the connection closed unread (curve).
+        with pytest.raises(CommError, match=f"ps:0 at {server.address}"):
+            client.request("ps:0", {"op": "push"}, [torch.zeros(1025, dtype=torch.uint8)], timeout_s=1)
 
 
 def test_the_frame_limit_comes_from_the_environment_and_sets_the_message_limit(monkeypatch) -> None:

@@ -1,16 +1,21 @@
-"""Hung roles, stopped from outside (SIGSTOP: alive and silent): a PS that never wakes is killed by the launcher and
-restarted, a PS that stalls past the data plane's connection deadline and wakes has its requests sent again, and a
-worker that wakes after its shard went to another stands down. Every job ends by itself, at its exact global step,
-with every record's gradient applied once (tests/integration/jobs/audit.py)."""
+"""Hung roles, stopped from outside (SIGSTOP: alive and silent): a PS, a chief (under `shardflow launch`) or a worker
+stopped before it ever beat that never wakes is killed by the launcher and restarted, a PS that stalls past the data
+plane's connection deadline and wakes has its requests sent again, and a worker that wakes after its shard went to
+another stands down. Every job ends by itself, at its exact global step, with every record's gradient applied once
+(tests/integration/jobs/audit.py)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 from .test_worker_loss import JOBS, NUM_RECORDS, _audit, _kill_if_running, _role, _wait_for_training, _write_config
 
@@ -79,4 +84,75 @@ def test_a_worker_that_wakes_after_its_shard_was_handed_over_stands_down(tmp_pat
     assert proc.returncode == 0, out
     assert "worker:1 did not come back within worker_rejoin_timeout_s=1s: worker:0 reads the rest" in out, out
     assert "worker:1: worker:0 reads the rest of this worker's shard since it was lost; it stands down" in out, out
+    _audit(tmp_path, num_records=LONG)
+
+
+def test_a_chief_stopped_for_good_under_shardflow_launch_is_killed_and_restarted_and_the_job_ends_exact(tmp_path):
+    path = _write_config(tmp_path, num_records=LONG, step_delay_s=0.01, save_checkpoints_steps=64)
+    command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "2", "--hung-timeout", "3"]
+    command += ["--restart-backoff", "0.2", str(JOBS / "audit.py"), str(path)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        _wait_for_training(proc, tmp_path, 1.0)
+        chief = _role(proc, "chief")
+        chief.send_signal(signal.SIGSTOP)
+    finally:
+        out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert f"chief (pid {chief.pid}) is hung: no heartbeat for" in out, out
+    assert f"chief (pid {chief.pid}) exited with code -9 (SIGKILL); restarting it" in out, out
+    assert "the chief was restarted: resumed from the live parameter servers at global step" in out, out
+    # The stopped chief held up every role's heartbeat, never their liveness files: none else was taken for hung.
+    assert out.count("is hung") == 1, out
+    _audit(tmp_path, num_records=LONG, resumed=True)
+
+
+class _Lines:
+    """A job's output, read as it comes, so that a test can act the moment a line appears."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._new = threading.Condition()
+        self._thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        self._thread.start()
+
+    def wait_for(self, pattern: str, timeout_s: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout_s
+        with self._new:
+            while True:
+                for line in self.lines:
+                    if found := re.search(pattern, line):
+                        return found
+                if not self._thread.is_alive() or not self._new.wait(deadline - time.monotonic()):
+                    raise AssertionError(f"no line matching {pattern!r} within {timeout_s}s:\n{self.text()}")
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            with self._new:
+                self.lines.append(line)
+                self._new.notify_all()
+        with self._new:
+            self._new.notify_all()
+
+
+def test_a_worker_stopped_before_its_first_beat_is_killed_and_restarted(tmp_path):
+    proc = _start(tmp_path, hung_timeout_s=3.0, restart_backoff_s=0.1)
+    output = _Lines(proc)
+    try:
+        _wait_for_training(proc, tmp_path, 1.0)
+        _role(proc, "worker:1").send_signal(signal.SIGKILL)
+        # Stopped the moment the launcher started it again: before it could touch its liveness file, or just after.
+        restarted = int(output.wait_for(r"restarted worker:1 \(pid (\d+)\)", timeout_s=30)[1])
+        psutil.Process(restarted).send_signal(signal.SIGSTOP)
+        proc.wait(timeout=120)
+    finally:
+        _kill_if_running(proc)
+    out = output.text()
+    assert proc.returncode == 0, out
+    assert f"worker:1 (pid {restarted}) is hung: no heartbeat for" in out, out
+    assert f"worker:1 (pid {restarted}) exited with code -9 (SIGKILL); restarting it" in out, out
     _audit(tmp_path, num_records=LONG)

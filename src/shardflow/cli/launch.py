@@ -17,12 +17,14 @@ example:
 
 Every role runs `python train.py --lr 0.1`; the environment variable SHARDFLOW_CLUSTER tells
 each process its role. Output lines are prefixed with the role, e.g. "[worker:0] ...".
-A worker, PS or evaluator that dies, or hangs (no heartbeat for --hung-timeout seconds: it is
-killed), is restarted (--max-restarts times, after a back-off that doubles from --restart-backoff
-seconds, and starts over after a minute's healthy run); a restarted worker resumes its input after the last step
-every PS applied, and a restarted PS makes every PS reload the latest checkpoint, so no record is
-applied twice or lost. If a role fails for good (the chief dies, a role raises, or the restarts
-run out), the others are stopped and the exit code is 1; Ctrl-C stops all roles (130).
+A worker, PS or evaluator that dies, a chief killed by a signal, or any role that hangs (its
+liveness file untouched for --hung-timeout seconds from its start: it is killed), is restarted
+(--max-restarts times, after a back-off that doubles from --restart-backoff seconds, and starts over
+after a minute's healthy run); a restarted worker resumes its input after the last step every PS
+applied, a restarted PS makes every PS reload the latest checkpoint, and a restarted chief resumes
+from the live PS, so no record is applied twice or lost. If a role fails for good (the chief exits
+with an error, a role raises, or the restarts run out), the others are stopped and the exit code is
+1; Ctrl-C stops all roles (130).
 The roles share a fresh secret made for this job (unless SHARDFLOW_CLUSTER_SECRET is set): no
 other process can push to, pull from, stop, or write a control key of the job.
 SIGTERM, as a cluster manager sends on preemption, goes to the chief: it checkpoints at the current
@@ -55,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_count(minimum=0),
         default=3,
         metavar="N",
-        help="how many times each worker, PS or evaluator that dies is restarted (3)",
+        help="how many times each worker, PS or evaluator that dies, or chief killed by a signal, is restarted (3)",
     )
     parser.add_argument(
         "--restart-backoff",
@@ -69,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=HUNG_TIMEOUT_S,
         metavar="SECONDS",
-        help="a worker or PS whose heartbeat stops this long is killed and restarted, while it has restarts left; "
-        f"as the script's ParameterServerStrategy.hung_timeout_s ({HUNG_TIMEOUT_S:g})",
+        help="a role whose liveness file stays untouched this long from its start is killed and restarted, while it "
+        f"has restarts left; as the script's ParameterServerStrategy.hung_timeout_s ({HUNG_TIMEOUT_S:g})",
     )
     parser.add_argument("script", help="the Python training script every role runs")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed to the script untouched")

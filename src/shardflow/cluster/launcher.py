@@ -28,10 +28,12 @@ from shardflow.cluster.spec import ClusterSpec, TaskSpec
 from shardflow.cluster.zygote import Zygote, ZygoteError
 from shardflow.comm.security import new_secret
 
-RESTARTABLE = ("worker", "ps", "evaluator")
-"""The roles a launcher restarts; not the chief, whose control plane every role hangs on. A worker resumes where
-the PS say it stopped; a restarted PS gets every PS restored from the latest checkpoint
-(train/checkpoints/restore.py)."""
+RESTARTABLE = ("chief", "worker", "ps", "evaluator")
+"""The roles a launcher restarts. A worker resumes where the PS say it stopped; a restarted PS gets every PS restored
+from the latest checkpoint (train/checkpoints/restore.py); a restarted chief resumes from the live PS at the exact
+global step (train/chief.py). The chief only when a signal killed it (SIGKILL for a hang, the OOM killer): one that
+exited ended the job on purpose (1: a role failed for good; 143: preempted), as does SIGTERM or SIGINT to it."""
+_ENDS_A_CHIEF_ON_PURPOSE = (signal.SIGTERM, signal.SIGINT)
 MAX_BACKOFF_S = 30.0
 HEALTHY_RUN_S = 60.0
 """A role whose process ran this long before it died starts its restart back-off over from restart_backoff_s: a
@@ -91,11 +93,11 @@ class LocalLauncher:
         healthy_run_s: float = HEALTHY_RUN_S,
     ) -> None:
         """`max_restarts`: how many times a process of a task whose type is in `restartable` is started again
-        after it dies (any exit but 0, while the launcher is not stopping), `restart_backoff_s` after its first
-        death, doubling each time up to MAX_BACKOFF_S, and again from `restart_backoff_s` after a run of
-        `healthy_run_s`; a death beyond that is the task's failure. `hung_timeout_s`: such a process whose heartbeat
-        (its liveness file, cluster/liveness.py) stops for this long while it has restarts left is killed, and so
-        restarted. `preload`: modules the zygote imports for every forked role (see zygote.installed_modules)."""
+        after it dies (any exit but 0, while the launcher is not stopping; the chief's, see RESTARTABLE),
+        `restart_backoff_s` after its first death, doubling each time up to MAX_BACKOFF_S, and again from
+        `restart_backoff_s` after a run of `healthy_run_s`; a death beyond that is the task's failure.
+        `hung_timeout_s`: such a process that leaves its liveness file (cluster/liveness.py) untouched for this long
+        from its start is killed, and so restarted. `preload`: modules the zygote imports for every forked role."""
         if not command or isinstance(command, str):
             raise ValueError(
                 f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
@@ -174,7 +176,8 @@ class LocalLauncher:
     def _spawn(self, task: TaskSpec) -> RoleProcess:
         self._started_at[task] = time.monotonic()
         if self._hung_timeout_s is not None:
-            liveness.forget(self._liveness_file(task))
+            # The watch starts now: a role stopped before it first touched the file is hung too.
+            liveness.touch(self._liveness_file(task))
         if self._zygote is not None and self._forking:
             try:
                 return self._zygote.spawn(self._command, self._child_env(task), zygote.process_name(task.name))
@@ -215,11 +218,12 @@ class LocalLauncher:
         cannot is left to the chief, which waits for it, hands its shard over or fails the job naming it."""
         with self._state:
             while not self._state.wait_for(lambda: self._stopping, min(1.0, timeout_s / 4)):
+                exited = {role_exit.task for role_exit in self._exits}
                 for task, process in self._processes.items():
                     silent_s = liveness.silent_for(self._liveness_file(task))
                     if silent_s is None or silent_s <= timeout_s:
                         continue
-                    if task in self._pending or not self._can_restart(task):
+                    if task in self._pending or task in exited or not self._can_restart(task):
                         continue
                     liveness.forget(self._liveness_file(task))  # one kill per hang
                     self._say(
@@ -229,8 +233,12 @@ class LocalLauncher:
                     with contextlib.suppress(ProcessLookupError, PermissionError):
                         os.killpg(process.pid, signal.SIGKILL)
 
-    def _can_restart(self, task: TaskSpec) -> bool:
-        return task.type in self._restartable and self._restart_counts.get(task, 0) < self._max_restarts
+    def _can_restart(self, task: TaskSpec, returncode: int = -signal.SIGKILL) -> bool:
+        """Whether `task` gets another process after one that ended with `returncode` (by default: that the
+        launcher's SIGKILL ends)."""
+        if task.type not in self._restartable or self._restart_counts.get(task, 0) >= self._max_restarts:
+            return False
+        return task.type != "chief" or (returncode < 0 and -returncode not in _ENDS_A_CHIEF_ON_PURPOSE)
 
     def _liveness_file(self, task: TaskSpec) -> Path:
         assert self._runtime_dir is not None
@@ -357,7 +365,7 @@ class LocalLauncher:
         returncode = process.wait()
         with self._state:
             role_exit = RoleExit(task, process.pid, returncode)
-            if returncode != 0 and not self._stopping and self._can_restart(task):
+            if returncode != 0 and not self._stopping and self._can_restart(task, returncode):
                 restarts = self._restart_counts[task] = self._restart_counts.get(task, 0) + 1
                 ran_s = time.monotonic() - self._started_at[task]
                 level = 0 if ran_s >= self._healthy_run_s else self._backoff_levels.get(task, 0)
@@ -436,8 +444,9 @@ def run_local(
     hung_timeout_s: float | None = liveness.HUNG_TIMEOUT_S,
 ) -> int:
     """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`); a worker, PS or evaluator
-    that dies, or is hung for `hung_timeout_s`, is restarted up to `max_restarts` times. SIGTERM preempts the job: the
-    chief checkpoints and every task gets `termination_grace_s` to exit; the exit status is then 143."""
+    that dies, a chief killed by a signal, or any of them hung for `hung_timeout_s`, is restarted up to
+    `max_restarts` times. SIGTERM preempts the job: the chief checkpoints and every task gets `termination_grace_s`
+    to exit; the exit status is then 143."""
     launcher = LocalLauncher(
         spec,
         command,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from importlib.machinery import SourceFileLoader
 from typing import Any, NoReturn
 
+from shardflow.cluster import liveness
 from shardflow.cluster.zygote import (
     PRELOAD,
     REQUEST_HEADER,
@@ -213,6 +214,8 @@ def _become(request: _Request) -> int:
     os.chdir(request.cwd)
     os.environ.clear()
     os.environ.update(request.env)
+    # Before the script runs: however long it takes to reach shardflow, the role is not taken for hung.
+    liveness.keep_touching()
     _reseed()
     sys.orig_argv = list(request.argv)
     return _run(request.argv[1:])

@@ -134,6 +134,10 @@ def send_frames(socket: zmq.Socket[Any], frames: Sequence[Any], flags: int = 0) 
 
 
 _DEFAULT_MAX_FRAME_MB = 1024
+CURVE_FRAME_OVERHEAD = 33
+"""Bytes CURVE adds to each frame on the wire (libzmq's MESSAGE command: its name, a nonce, a flags byte and the
+MAC), which ZMQ_MAXMSGSIZE counts. Without them in the socket's limit, an allowed frame within 32 bytes of the limit
+closed an encrypted connection, and with it every request queued on it."""
 
 
 def _max_frame_bytes() -> int:
@@ -149,10 +153,11 @@ def _max_frame_bytes() -> int:
 class WireLimits:
     """The most a server takes in one message, so that no peer can make it hold memory without bound.
 
-    ZeroMQ checks the frame size before it allocates (ZMQ_MAXMSGSIZE): a bigger frame closes the sender's
-    connection, unanswered, and the client's deadline names the server. The Receiver checks the rest as it takes
-    the frames; a message over them is dropped unread and answered with an error naming the limit. ZeroMQ hands
-    over a message's frames together, so those limits bound what one message costs until it is dropped.
+    ZeroMQ checks the frame size on the wire before it allocates (ZMQ_MAXMSGSIZE, set to the frame limit plus
+    CURVE_FRAME_OVERHEAD): a bigger frame closes the sender's connection, unanswered, and the client's deadline
+    names the server. The Receiver checks the rest, the frame limit exactly among them, as it takes the frames; a
+    message over them is dropped unread and answered with an error naming the limit. ZeroMQ hands over a message's
+    frames together, so those limits bound what one message costs until it is dropped.
     """
 
     max_header_bytes: int = 64 << 10
@@ -179,6 +184,11 @@ class WireLimits:
         """What frame `index` (0: the header) of `size` bytes, `total` bytes with those before it, breaks."""
         if index == 0 and size > self.max_header_bytes:
             return f"its header frame has {size} bytes, more than the {self.max_header_bytes} allowed"
+        if size > self.max_frame_bytes:
+            return (
+                f"its frame {index} has {size} bytes, more than the {self.max_frame_bytes} allowed "
+                f"(set in MiB by {env.MAX_FRAME_MB})"
+            )
         if index >= self.max_frames:
             return f"it has more than {self.max_frames} frames (a header and {self.max_frames - 1} tensors)"
         if total > self.max_message_bytes:
@@ -224,7 +234,7 @@ class Receiver:
         self._envelope = envelope
         self._timeout_ms: int | None = None
         if limits is not None:
-            socket.maxmsgsize = limits.max_frame_bytes
+            socket.maxmsgsize = limits.max_frame_bytes + CURVE_FRAME_OVERHEAD
 
     def recv(self, timeout_ms: int) -> list[zmq.Frame] | None:
         """The next message's frames, not copied, or None after `timeout_ms` (-1: no limit).

@@ -315,6 +315,8 @@ class ParameterServer:
 
     def _on_state(self, request: Request, get: protocol.GetState) -> None:
         """Parameters, optimizer slots and input positions: now, or as snapshotted (for checkpoints)."""
+        if get.snapshot_step is None:
+            faults.reached("state", self.name, self.step)
         state = self._capture(self.step) if get.snapshot_step is None else self.snapshots.get(get.snapshot_step)
         reply = state.reply(self.step, self.finished, self.shards.dtypes, self._stats())
         self.server.reply(request, reply.header(), state.tensors())
@@ -338,10 +340,12 @@ class ParameterServer:
             self._guarded(request, push, HANDLERS[type(push)])
 
     def _on_lost(self, request: Request, lost: protocol.Lost) -> None:
+        faults.reached("lost", self.name, self.step)
         self._reply(request)
         self.updates.lost(lost.worker_index)
 
     def _on_stop(self, request: Request, _: protocol.Stop) -> None:
+        faults.reached("stop", self.name, self.step)
         self._reply(request)
         self.updates.stop()
 

@@ -33,7 +33,7 @@ from shardflow.train.checkpoints.restore import Recovery, restore_latest
 from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.checkpoints.servers import TableSetup, fetch_state, init_servers
 from shardflow.train.chief_loop import ChiefLoop
-from shardflow.train.heartbeat import Heartbeats
+from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import RecoveryNotice
 from shardflow.train.preemption import Preemption
@@ -79,17 +79,15 @@ def run_chief(
     loop = _chief_loop(job, role, start, apply, profiler, heartbeats, failures)
     role.control.set(control_keys.READY, "1")
     try:
-        training_started = time.monotonic()
-        loop.run(preemption)
-        training_s = time.monotonic() - training_started
-        finished = _finish(job, role, start.admin, loop, profiler, preemption)
+        final = loop.run(preemption)
+        finished = _finish(job, role, start.admin, loop, profiler, preemption, final)
     finally:
         _remove(job_file)
         _remove(job.model_dir / SECRET_FILE)  # the job is over: so is its secret
         loop.summaries.close()
         profiler.close()
         on_connect(None)
-    return _result(finished, loop, start, started, training_s)
+    return _result(finished, loop, start, started, loop.training_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,11 +231,12 @@ def _finish(
     loop: ChiefLoop,
     profiler: ChiefProfiler,
     preemption: Preemption,
+    final: tuple[ModelState, Path],
 ) -> _Finished:
-    """The final checkpoint and evaluation; then every PS and role is told the job is over, and the captures are
-    collected."""
+    """The final evaluation, of the `final` checkpoint (its state and where it was saved); then every PS and role
+    is told the job is over, and the captures are collected."""
     control = role.control
-    state, path = loop.checkpoints.save_final(loop.preempted)
+    state, path = final
     loop.model.load_state_dict(state.params, strict=False)  # what a final inline evaluation evaluates
     metrics: dict[str, float] = {}
     if loop.eval_spec is not None:
@@ -247,11 +246,15 @@ def _finish(
         elif not loop.preempted:  # no time for a final evaluation within the grace period
             with saved_tables(loop.model, state, job.model_dir):  # the sf.nn tables' rows of the final step
                 metrics = loop.evaluate(state.step)
-    admin.shutdown()
+    try:
+        admin.shutdown()
+    except PSRestarted as restarted:
+        # The final checkpoint is saved: a PS restarted since needs no restore, only the end of the job, next.
+        log.info("%s after the final checkpoint; the control plane tells it the job is over", restarted)
     control.set(control_keys.SHUTDOWN, "1")
     if role.spec.num("evaluator") and job.eval_spec is not None and not loop.preempted:
-        final = control.read(job_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
-        metrics = final.metrics
+        evaluated = control.read(job_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600)
+        metrics = evaluated.metrics
     profiler.collect(loop.capture_roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
     return _Finished(state=state, path=path, metrics=metrics, captures=list(profiler.completed))
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +86,8 @@ class ChiefLoop:
         self.handed_over: dict[str, str] = {}
         """Workers lost for good whose remaining shards another worker reads (see _hand_over), to whom."""
         self._refused_request: str | None = None
+        self.training_s = 0.0
+        """Seconds from the start of training until the workers were done, the final checkpoint aside."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
 
@@ -93,9 +96,10 @@ class ChiefLoop:
         """How many times every PS was restored after one was lost (train/checkpoints/restore.py)."""
         return self.recovery.generation if self.recovery is not None else 0
 
-    def run(self, preemption: Preemption | None = None) -> None:
-        """Until every worker is done; or, once `preemption` is requested, until they finished their step in flight
-        (waiting at most half the grace period: the other half is the final checkpoint's and the exit's)."""
+    def run(self, preemption: Preemption | None = None) -> tuple[ModelState, Path]:
+        """Until every worker is done and the final checkpoint is saved; or, once `preemption` is requested, until
+        they finished their step in flight (waiting at most half the grace period: the other half is the final
+        checkpoint's and the exit's). Returns the final state and where it was saved."""
         self.started = time.monotonic()  # evaluation times count from the start of training, not start-up
         next_ps_poll = next_slow = time.monotonic()
         stop_waiting_at = float("inf")
@@ -103,11 +107,8 @@ class ChiefLoop:
             while True:
                 done = self._watch_workers()
                 now = time.monotonic()
-                if (done or now >= stop_waiting_at) and (replies := self._final_status()) is not None:
-                    # Snapshots taken since the last poll are still saved, before the final checkpoint.
-                    self.global_step = replies[0].step  # the final summaries' step
-                    self.checkpoints.save_snapshots(replies, self._evaluate_snapshot)
-                    return
+                if (done or now >= stop_waiting_at) and (final := self._save_final()) is not None:
+                    return final
                 if preemption is not None and not self.preempted and self._preempt(preemption, now >= next_ps_poll):
                     stop_waiting_at = now + preemption.remaining_s() / 2
                 if now >= next_ps_poll:
@@ -126,15 +127,21 @@ class ChiefLoop:
             self.display.update(self.global_step, self.progress)
             self.display.close()
 
-    def _final_status(self) -> list[StatusReply] | None:
-        """Every PS's status once the workers are done; None if a PS was restarted meanwhile: the next watch restores
-        every PS, and the workers train again from there."""
+    def _save_final(self) -> tuple[ModelState, Path] | None:
+        """Once the workers are done: checkpoint the snapshots the PS took since the last poll, then the final state
+        every PS holds now. None if a PS was restarted meanwhile, even during the save: the next watch restores every
+        PS, the workers train again from there, and this is tried again once they are done."""
+        self.training_s = time.monotonic() - self.started
         try:
             replies = self.client.status()
+            if not all(reply.initialized for reply in replies):
+                return None
+            self.global_step = replies[0].step  # the final summaries' step
+            self.checkpoints.save_snapshots(replies, self._evaluate_snapshot)
+            return self.checkpoints.save_final(self.preempted)
         except PSRestarted as restarted:
-            log.warning("%s; every PS is restored next", restarted)
+            log.warning("%s as training ended; every PS is restored next, and the workers finish again", restarted)
             return None
-        return replies if all(reply.initialized for reply in replies) else None
 
     def _preempt(self, preemption: Preemption, ask_roles: bool) -> bool:
         """Whether this process got SIGTERM or (when `ask_roles`) another role told that it did; if so, end training
@@ -148,7 +155,7 @@ class ChiefLoop:
         if not preemption.requested:
             return False
         self.preempted = True
-        self.client.stop()
+        self._stop_training()
         log.warning(
             "preempted by %s at global step %d: checkpointing and ending the job within %.0fs",
             preemption.reason,
@@ -167,13 +174,32 @@ class ChiefLoop:
         while restarted and self.recovery is not None:
             try:
                 state = self.recovery.restore(restarted[0], self.global_step)
+                self.global_step = state.step
+                self.checkpoints.restored(state.step)
+                self._tell_restored()
             except PSRestarted as again:
                 log.warning("%s; every PS is restored again", again)
                 restarted = self._restarted_servers() or restarted
                 continue
-            self.global_step = state.step
-            self.checkpoints.restored(state.step)
             restarted = self._restarted_servers()
+
+    def _tell_restored(self) -> None:
+        """What a restore does not carry: that training ends at the current step (preempted, or stopped early), and
+        which workers are lost (lost_worker_policy "continue")."""
+        if self.preempted or self.stopped_early:
+            self.client.stop()
+        if self.job.strategy.lost_worker_policy == "continue":
+            for name in self.heartbeats.lost:
+                if name in self.workers:
+                    self.client.lost(int(name.rpartition(":")[2]))
+
+    def _stop_training(self) -> None:
+        """Every PS ends training at its current step. One restarted meanwhile is told again once every PS is
+        restored (`_tell_restored`)."""
+        try:
+            self.client.stop()
+        except PSRestarted as restarted:
+            log.warning("%s as the chief ended training; every PS is restored next, then told", restarted)
 
     def _restarted_servers(self) -> list[str]:
         """The PS restarted since the last check (their beats come from a new process)."""
@@ -216,7 +242,10 @@ class ChiefLoop:
             self.heartbeats.check(name)
         finally:
             if not was_lost and name in self.heartbeats.lost and self.job.strategy.lost_worker_policy == "continue":
-                self.client.lost(int(name.rpartition(":")[2]))
+                try:
+                    self.client.lost(int(name.rpartition(":")[2]))
+                except PSRestarted as restarted:  # told again once every PS is restored (`_tell_restored`)
+                    log.warning("%s as the chief told it %s is lost; every PS is restored next", restarted, name)
 
     def _can_hand_over(self) -> bool:
         """A lost worker's shard can go to another in async mode with a known number of epochs: the adopter reads
@@ -290,7 +319,7 @@ class ChiefLoop:
             values = [e["metrics"][stopping.metric] for e in self.eval_history]
             if stopping.should_stop(values):
                 self.stopped_early = True
-                self.client.stop()
+                self._stop_training()
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Evaluate the parameters now loaded in the chief's model, and record the result."""

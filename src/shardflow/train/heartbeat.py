@@ -1,6 +1,6 @@
 """A role's heartbeat: a beat every second on the control plane, from a thread and a connection of its own, from
-the role's start to its end, and a touch of its liveness file for its supervisor (cluster/liveness.py); and the
-chief's watch of them (Heartbeats)."""
+the role's start to its end; and the chief's watch of them (Heartbeats). What the role's supervisor watches is its
+liveness file, touched by a thread that waits for nobody (cluster/liveness.py): a beat may wait for a slow chief."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import threading
 import time
 from collections.abc import Sequence
 
-from shardflow import env
-from shardflow.cluster import control_keys, liveness
+from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.comm.errors import CommError
 from shardflow.train.job import RoleFailedError
@@ -29,16 +28,12 @@ class Heartbeat:
         self._key = control_keys.heartbeat(name)
         self._control = ControlPlane(control.address, timeout_s=control.timeout_s)
         self._interval_s = interval_s
-        self._liveness_file = env.get(env.LIVENESS_FILE)
         self._stopped = threading.Event()
         self._beat(0)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._thread.start()
 
     def _beat(self, count: int) -> None:
-        # First the file: a chief slow to answer says nothing of whether this process is hung.
-        if self._liveness_file is not None:
-            liveness.touch(self._liveness_file)
         self._control.set(self._key, f"{os.getpid()}:{count}")
 
     def _run(self) -> None:

@@ -17,7 +17,7 @@ from typing import NoReturn
 import torch
 
 from shardflow import env
-from shardflow.cluster import control_keys
+from shardflow.cluster import control_keys, liveness
 from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
@@ -46,6 +46,8 @@ OnConnect = Callable[[PSConnection | None], None]
 def run_process(job: JobConfig, on_connect: OnConnect) -> TrainResult:
     """Run this process's role of `job`. Returns the result in the chief; other roles exit the process when the job
     is done. `on_connect` is told the role's client to the PS while it exists (Estimator.global_step reads it)."""
+    # For this process's supervisor, from its start: the chief's too (a launcher or cluster manager restarts it).
+    liveness.keep_touching()
     finished = _already_finished(job)
     found = cluster_from_env(num_ps=job.strategy.num_ps, num_workers=job.strategy.num_workers)
     if finished is not None:

@@ -44,8 +44,9 @@ class ParameterServerStrategy(UpdateRule):
     rejoins (none of its records is skipped); "continue" completes them with the remaining replicas and lets the
     others run ahead of it. Async never waits."""
     hung_timeout_s: float = HUNG_TIMEOUT_S
-    """A worker or PS whose heartbeat stops for this long is hung: the local launcher kills it to restart it (while
-    it has restarts left), as the liveness probe of deploy/'s manifests does on Kubernetes. Keep it above
+    """A worker or PS that leaves its liveness file (cluster/liveness.py) untouched for this long, counted from its
+    start, is hung: the local launcher kills it to restart it (while it has restarts left), as the liveness probe of
+    deploy/'s manifests does on Kubernetes. Keep it above
     heartbeat_timeout_s (a role silent for less comes back by itself) and below request_timeout_s and
     worker_rejoin_timeout_s."""
     max_restarts: int = 3
