@@ -40,6 +40,9 @@ HEALTHY_RUN_S = 60.0
 death now and then in a long job is no crash loop, and its recovery should not wait out a back-off grown earlier."""
 PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 """How a preempted job's chief exits, checkpointed or not: the status SIGTERM gives (143)."""
+USER_ERROR_EXIT_CODE = 3
+"""How a role exits when the user's code or data failed (loss_fn, the model, input_fn): it would fail the same way
+again, so it is not restarted; restarts are for crashes, hangs and lost processes."""
 
 
 class RoleProcess(Protocol):
@@ -237,6 +240,8 @@ class LocalLauncher:
         """Whether `task` gets another process after one that ended with `returncode` (by default: that the
         launcher's SIGKILL ends)."""
         if task.type not in self._restartable or self._restart_counts.get(task, 0) >= self._max_restarts:
+            return False
+        if returncode == USER_ERROR_EXIT_CODE:
             return False
         return task.type != "chief" or (returncode < 0 and -returncode not in _ENDS_A_CHIEF_ON_PURPOSE)
 

@@ -46,7 +46,10 @@ class TableRows:
         from the PS that hold them, in parallel; every other row of the local weight is stale. `step`: the global
         step the wait is recorded at."""
         connection, layout = self.connection, self.connection.layout
-        rows = torch.unique(ids.detach().reshape(-1).cpu())
+        if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+            raise TypeError(f"the sparse embedding of {name!r} looks up ids of {ids.dtype}: cast them with .long()")
+        # int32 ids (what make_csv_dataset infers) are as good as int64 to torch: the PS takes int64 row numbers.
+        rows = torch.unique(ids.detach().reshape(-1).cpu().to(torch.int64))
         pieces = layout.row_pieces[name]
         weight = connection.named[name]
         if rows.numel() and (int(rows[0]) < 0 or int(rows[-1]) >= weight.shape[0]):

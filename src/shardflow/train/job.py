@@ -21,6 +21,11 @@ ModelFn = Callable[[], torch.nn.Module] | torch.nn.Module
 """A function building the model, or the model itself."""
 
 
+class UserCodeError(RuntimeError):
+    """The user's code or data failed in a role (loss_fn, the model, input_fn, a batch): it would fail the same way
+    again, so the role is not restarted (cluster/launcher.py USER_ERROR_EXIT_CODE) and the job fails naming it."""
+
+
 class RoleFailedError(RuntimeError):
     """A process of the job failed or stopped answering; the message names its role and why."""
 

@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
@@ -19,7 +20,7 @@ import torch
 from shardflow import env
 from shardflow.cluster import control_keys, liveness
 from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
-from shardflow.cluster.launcher import LocalLauncher, RoleExit, local_threads
+from shardflow.cluster.launcher import USER_ERROR_EXIT_CODE, LocalLauncher, RoleExit, local_threads
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
@@ -29,7 +30,7 @@ from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.chief import run_chief
 from shardflow.train.evaluator import run_evaluator
-from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.job import JobConfig, RoleFailedError, UserCodeError
 from shardflow.train.preemption import Preemption, tell_chief
 from shardflow.train.progress import chief_prefix
 from shardflow.train.ps_role import run_ps
@@ -128,7 +129,7 @@ def _run_chief(
     is over; by default this connects, and serves it until every role said goodbye."""
     own_preemption = preemption is None
     if preemption is None:
-        preemption = Preemption(job.strategy.termination_grace_s).install()
+        preemption = Preemption(job.strategy.termination_grace_s).install(ctrl_c=lambda: not failures)
     role = _connect(job, spec, task) if control is None else RoleContext(spec, task, control)
     log_handlers = _log_to(job.model_dir / "logs" / "chief.log")
     try:
@@ -191,6 +192,10 @@ def _run_other_role(job: JobConfig, spec: ClusterSpec, task: TaskSpec, on_connec
         if not _stands_down(role, error):
             with contextlib.suppress(ControlPlaneError):
                 role.control.set(control_keys.failed(task.name), f"{type(error).__name__}: {error}")
+            if isinstance(error, UserCodeError):  # the same again on a restart: said once, and not restarted
+                traceback.print_exception(error.__cause__ or error)
+                sys.stdout.flush()
+                raise SystemExit(USER_ERROR_EXIT_CODE) from None
             raise
     with contextlib.suppress(ControlPlaneError):
         role.control.set(control_keys.goodbye(task.name), "1")
@@ -315,8 +320,9 @@ def _run_embedded(job: JobConfig, on_connect: OnConnect) -> TrainResult:
     # it on every poll.
     failures: list[RoleExit] = []
     main_thread = threading.main_thread().ident
-    # SIGTERM to this process preempts the whole job; the roles end when the chief says the job is over.
-    preemption = Preemption(strategy.termination_grace_s).install()
+    # SIGTERM or Ctrl-C to this process preempts the whole job (a checkpoint at the current step); the roles end
+    # when the chief says the job is over.
+    preemption = Preemption(strategy.termination_grace_s).install(ctrl_c=lambda: not failures)
 
     def on_failure(exit_: RoleExit) -> None:
         failures.append(exit_)

@@ -32,14 +32,26 @@ class Preemption:
         self.reason = ""
         self.requested_at: float | None = None
         self._previous: Callable[[int, FrameType | None], Any] | int | None = None
+        self._previous_sigint: Callable[[int, FrameType | None], Any] | int | None = None
+        self._users_ctrl_c: Callable[[], bool] = lambda: True
         self._installed = False
         self._closed = threading.Event()
 
-    def install(self, on_request: Callable[[Preemption], None] = lambda _: None) -> Preemption:
-        """Handle SIGTERM from now on (only the main thread can; elsewhere only `request` preempts). Once
-        preempted, `on_request` runs in a daemon thread (it may do I/O), which then enforces the deadline."""
+    def install(
+        self,
+        on_request: Callable[[Preemption], None] = lambda _: None,
+        ctrl_c: Callable[[], bool] | None = None,
+    ) -> Preemption:
+        """Handle SIGTERM from now on (only the main thread can; elsewhere only `request` preempts). With `ctrl_c`,
+        SIGINT alike while `ctrl_c()` says it is the user's (the process the user started: Ctrl-C checkpoints as
+        SIGTERM does; a second one ends it at once); otherwise SIGINT raises KeyboardInterrupt as usual (the
+        launcher's way of interrupting the chief when a role failed). Once preempted, `on_request` runs in a daemon
+        thread (it may do I/O), which then enforces the deadline."""
         if threading.current_thread() is threading.main_thread():
             self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+            if ctrl_c is not None:
+                self._users_ctrl_c = ctrl_c
+                self._previous_sigint = signal.signal(signal.SIGINT, self._on_sigint)
             self._installed = True
         threading.Thread(target=self._watch, args=(on_request,), daemon=True, name="shardflow-preemption").start()
         return self
@@ -50,6 +62,9 @@ class Preemption:
         if self._installed and signal.getsignal(signal.SIGTERM) == self._on_sigterm:
             # None means the previous handler was set outside Python and cannot be put back.
             signal.signal(signal.SIGTERM, signal.SIG_DFL if self._previous is None else self._previous)
+        if self._installed and signal.getsignal(signal.SIGINT) == self._on_sigint:
+            previous = self._previous_sigint
+            signal.signal(signal.SIGINT, signal.default_int_handler if previous is None else previous)
         self._installed = False
 
     def request(self, reason: str) -> None:
@@ -72,6 +87,13 @@ class Preemption:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process at once
         self.request("SIGTERM")
 
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        if not self._users_ctrl_c():
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a second Ctrl-C: KeyboardInterrupt
+        print("shardflow: Ctrl-C: checkpointing and ending the job (Ctrl-C again to stop at once)", file=sys.stderr)
+        self.request("Ctrl-C")
+
     def _watch(self, on_request: Callable[[Preemption], None]) -> None:
         while self.requested_at is None:
             if self._closed.wait(_POLL_S):
@@ -81,11 +103,12 @@ class Preemption:
             exit_now(f"still running {self.grace_s:g}s after {self.reason} (termination_grace_s); exiting")
 
 
-def exit_now(message: str) -> None:
-    """End this process with the status SIGTERM would have given it. Callable from any thread: it writes straight
-    to stderr, taking no lock the main thread may hold."""
-    with contextlib.suppress(OSError):
-        os.write(sys.stderr.fileno(), f"shardflow: {message}\n".encode())
+def exit_now(message: str | None) -> None:
+    """End this process with the status SIGTERM would have given it, after `message` if any. Callable from any
+    thread: it writes straight to stderr, taking no lock the main thread may hold."""
+    if message is not None:
+        with contextlib.suppress(OSError):
+            os.write(sys.stderr.fileno(), f"shardflow: {message}\n".encode())
     os._exit(PREEMPTED_EXIT_CODE)
 
 
@@ -108,8 +131,8 @@ def tell_chief(role: RoleContext) -> Callable[[Preemption], None]:
         except (ControlPlaneError, RuntimeError) as error:
             exit_now(f"{name}: {preemption.reason}, and the chief's control plane at {address} is gone ({error})")
             return
-        if over:
-            exit_now(f"{name}: {preemption.reason} after the job ended")
+        if over:  # the launcher ending a finished job's roles: nothing to say
+            exit_now(None)
         print(
             f"{name}: {preemption.reason}; asked the chief to checkpoint and end the job "
             f"within {preemption.grace_s:g}s",
