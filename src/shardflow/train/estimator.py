@@ -16,7 +16,8 @@ from shardflow.ps.optimizers import SGD, OptimizerLike, OptimizerSpec, as_optimi
 from shardflow.ps.schedules import ScheduleLike, as_schedule
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.saved_tables import saved_tables
-from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
+from shardflow.train.evaluation import evaluate_model
+from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model
 from shardflow.train.launch import run_process
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
@@ -149,7 +150,7 @@ class Estimator:
             return self.evaluate_model(model, eval_spec)
 
     def evaluate_model(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:
-        """The mean loss and metrics of `model` over the evaluation input, in this process."""
+        """The loss and metrics of `model` over the whole evaluation input, in this process."""
         return evaluate_model(model, self.loss_fn, eval_spec)
 
 
