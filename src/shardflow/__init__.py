@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     import subprocess
     from collections.abc import Mapping
 
-    from shardflow import nn, optim
+    from shardflow import metrics, nn, optim
     from shardflow.ps.placement import Partitioner
     from shardflow.train.estimator import Estimator, train_and_evaluate
     from shardflow.train.hooks import Hook, StepInfo
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 _LAZY = {
     "optim": "shardflow.optim",
     "nn": "shardflow.nn",
+    "metrics": "shardflow.metrics",
     "Estimator": "shardflow.train.estimator",
     "RoleFailedError": "shardflow.train.job",
     "train_and_evaluate": "shardflow.train.estimator",
@@ -54,6 +55,7 @@ __all__ = [
     "StepInfo",
     "TrainResult",
     "TrainSpec",
+    "metrics",
     "nn",
     "optim",
     "train_and_evaluate",
@@ -61,7 +63,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 
-__getattr__ = lazy_getattr(__name__, _LAZY, submodules=("optim", "nn"))
+__getattr__ = lazy_getattr(__name__, _LAZY, submodules=("optim", "nn", "metrics"))
 
 
 # A local cluster's roles are forked from a zygote, a process that imports torch and shardflow once for all of them

@@ -16,7 +16,8 @@ from shardflow.ps.optimizers import SGD, OptimizerLike, OptimizerSpec, as_optimi
 from shardflow.ps.schedules import ScheduleLike, as_schedule
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.saved_tables import saved_tables
-from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model, evaluate_model
+from shardflow.train.evaluation import evaluate_model
+from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model
 from shardflow.train.launch import run_process
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
@@ -79,10 +80,7 @@ class Estimator:
         # Tools (shardflow scale) point each run at its own directory and capture window.
         self.model_dir = Path(env.get(env.MODEL_DIR) or model_dir)
         self.seed = seed
-        profile_steps = env.profile_steps() or profile_steps
-        if profile_steps is not None:
-            profile_steps = check_steps(profile_steps, what="Estimator.profile_steps")
-        self.profile_steps = profile_steps
+        self.profile_steps = _profile_steps(profile_steps)
         """Global steps [first, last) captured on every role into model_dir/profile/."""
         self.profile_ops = profile_ops
         """Also record torch ops, shapes, memory and Python source in the capture (costly; off by default)."""
@@ -152,13 +150,19 @@ class Estimator:
             return self.evaluate_model(model, eval_spec)
 
     def evaluate_model(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:
-        """The mean loss and metrics of `model` over the evaluation input, in this process."""
+        """The loss and metrics of `model` over the whole evaluation input, in this process."""
         return evaluate_model(model, self.loss_fn, eval_spec)
 
 
 def train_and_evaluate(est: Estimator, train_spec: TrainSpec, eval_spec: EvalSpec | None = None) -> TrainResult:
     """Run this process's role. Returns the result in the chief; other roles exit the process when the job is done."""
     return run_process(est.job(train_spec, eval_spec), on_connect=est._set_live)
+
+
+def _profile_steps(given: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The capture window: the environment's (a tool's), else the one given, checked."""
+    steps = env.profile_steps() or given
+    return check_steps(steps, what="Estimator.profile_steps") if steps is not None else None
 
 
 def _check_arguments(

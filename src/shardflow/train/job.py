@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from shardflow.data.torch_edge import to_torch
 from shardflow.ps.optimizers import OptimizerSpec
-from shardflow.train.specs import EvalSpec, InputContext, TrainSpec
+from shardflow.train.evaluation import evaluate_model
+from shardflow.train.specs import EvalSpec, TrainSpec
 from shardflow.train.strategy import ParameterServerStrategy
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
@@ -82,21 +82,3 @@ def build_model(model_fn: ModelFn, seed: int) -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise ValueError(f"Estimator.model_fn must return a torch.nn.Module, got {type(model).__name__}")
     return model
-
-
-def evaluate_model(model: torch.nn.Module, loss_fn: LossFn, eval_spec: EvalSpec) -> dict[str, float]:
-    """The mean loss and metrics of `model` over the evaluation input, in this process."""
-    totals: dict[str, float] = {"loss": 0.0, **dict.fromkeys(eval_spec.metrics, 0.0)}
-    num_batches = 0
-    model.eval()
-    with torch.no_grad():
-        for batch in eval_spec.input_fn(InputContext(1, 0)):
-            if eval_spec.steps is not None and num_batches >= eval_spec.steps:
-                break
-            batch = to_torch(batch)
-            totals["loss"] += float(loss_fn(model, batch))
-            for name, fn in eval_spec.metrics.items():
-                totals[name] += float(fn(model, batch))
-            num_batches += 1
-    model.train()
-    return {k: v / max(num_batches, 1) for k, v in totals.items()}

@@ -9,10 +9,14 @@ from typing import Any
 import torch
 
 from shardflow.cluster.launcher import PREEMPTED_EXIT_CODE
+from shardflow.metrics import Metric
 from shardflow.train.hooks import Hook
 
 InputFn = Callable[["InputContext"], Iterable[Any]]
 MetricFn = Callable[[torch.nn.Module, Any], Any]
+MetricSpec = MetricFn | tuple[Metric, MetricFn]
+"""fn(model, batch) returning values to average, or a pair (metric, fn) where fn returns the arguments of
+metric.update (docs/training.md, "Evaluation metrics")."""
 
 
 @dataclass(frozen=True)
@@ -59,15 +63,19 @@ class TrainSpec:
 
 @dataclass(frozen=True)
 class EvalSpec:
-    """Evaluation on the chief after training: the mean of the loss and each metric over the eval batches."""
+    """Evaluation after training, and during it if asked (on the chief, or the side-car evaluator): the loss and each
+    metric over the whole evaluation input, streamed batch by batch and computed once at the end."""
 
     input_fn: InputFn
     """Called with InputContext(1, 0); returns an iterable of batches."""
     _: KW_ONLY
     steps: int | None = None
     """Evaluate at most this many batches; None means the whole input."""
-    metrics: Mapping[str, MetricFn] = field(default_factory=dict)
-    """name -> fn(model, batch) returning a number or scalar tensor, averaged over batches."""
+    metrics: Mapping[str, MetricSpec] = field(default_factory=dict)
+    """name -> fn(model, batch) returning per-example values (a tensor, each element counted once) or the batch's
+    mean (a number, weighted by the batch size), averaged over every example; or name -> (metric, fn): metric has
+    update/compute/reset (sf.metrics.AUC(), a torchmetrics Metric), fn(model, batch) returns update's arguments (a
+    tuple, or one value), and the result is metric.compute() over the whole input."""
     every_n_steps: int | None = None
     """Also evaluate while training, each time the global step passes a multiple of this."""
     every_n_secs: float | None = None
@@ -76,6 +84,10 @@ class EvalSpec:
     """Stop training when an evaluated metric stops improving."""
 
     def __post_init__(self) -> None:
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"EvalSpec.steps must be >= 1 or None (the whole input), got {self.steps}")
+        for name, spec in self.metrics.items():
+            _check_metric(name, spec)
         if self.every_n_steps is not None and self.every_n_steps < 1:
             raise ValueError(f"EvalSpec.every_n_steps must be >= 1, got {self.every_n_steps}")
         if self.every_n_secs is not None and self.every_n_secs <= 0:
@@ -84,6 +96,25 @@ class EvalSpec:
             raise ValueError(
                 "EvalSpec.early_stopping needs every_n_steps or every_n_secs, so evaluation runs during training"
             )
+
+
+def _check_metric(name: str, spec: object) -> None:
+    where = f"EvalSpec.metrics[{name!r}]"
+    if name == "loss":
+        raise ValueError("EvalSpec.metrics cannot name a metric 'loss': the loss_fn's mean is always there as 'loss'")
+    if isinstance(spec, tuple):
+        if len(spec) != 2 or not isinstance(spec[0], Metric) or not callable(spec[1]):
+            raise ValueError(
+                f"{where} is a tuple, so it must be a pair (metric, fn): a metric with update/compute/reset and "
+                "fn(model, batch) returning the arguments of its update"
+            )
+    elif isinstance(spec, Metric):
+        raise ValueError(
+            f"{where} is a metric with no function to feed it: give the pair ({type(spec).__name__}(...), fn), "
+            "where fn(model, batch) returns the arguments of its update"
+        )
+    elif not callable(spec):
+        raise ValueError(f"{where} must be fn(model, batch) or a pair (metric, fn), got {type(spec).__name__}")
 
 
 @dataclass(frozen=True, kw_only=True)
