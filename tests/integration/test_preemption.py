@@ -121,6 +121,22 @@ def test_sigterm_to_the_embedded_launcher_checkpoints_at_the_current_step_and_re
     rerun(run_job, tmp_path, assert_checkpointed_where_training_stopped(tmp_path / "model", first))
 
 
+def test_ctrl_c_on_python_train_py_checkpoints_like_sigterm_with_one_line_per_process(start_job, run_job, tmp_path):
+    log = tmp_path / "steps.jsonl"
+    job = start_job("regression.py", **JOB, step_log=str(log))
+    wait_for_steps(log, job.proc, 30)
+    roles = list(job.roles().values())
+    sent = time.monotonic()
+    job.proc.send_signal(signal.SIGINT)  # what the terminal sends the process the user started
+    returncode, _ = wait_for_exit(job.proc, roles, sent)
+    out = job.finish(5)[1]
+    assert returncode == PREEMPTED_EXIT_CODE, out
+    assert "Ctrl-C: checkpointing and ending the job" in out, out
+    assert "Traceback" not in out and "SIGTERM after the job ended" not in out, out
+    first = json.loads((tmp_path / "result.json").read_text())
+    rerun(run_job, tmp_path, assert_checkpointed_where_training_stopped(tmp_path / "model", first))
+
+
 def test_sigterm_to_one_worker_preempts_the_whole_job_and_resumes_exactly(start_job, run_job, tmp_path):
     log = tmp_path / "steps.jsonl"
     job = start_job("regression.py", **JOB, step_log=str(log))

@@ -193,7 +193,8 @@ def _run_other_role(job: JobConfig, spec: ClusterSpec, task: TaskSpec, on_connec
             with contextlib.suppress(ControlPlaneError):
                 role.control.set(control_keys.failed(task.name), f"{type(error).__name__}: {error}")
             if isinstance(error, UserCodeError):  # the same again on a restart: said once, and not restarted
-                traceback.print_exception(error.__cause__ or error)
+                if error.__cause__ is not None:  # where in the user's code (the chief says what failed)
+                    traceback.print_exception(error.__cause__)
                 sys.stdout.flush()
                 raise SystemExit(USER_ERROR_EXIT_CODE) from None
             raise

@@ -65,7 +65,8 @@ def main(config: dict[str, Any]) -> None:
     def input_fn(ctx: sf.InputContext):
         for b in range(ctx.worker_index, num_batches, ctx.num_workers):
             rows = slice(b * batch, (b + 1) * batch)
-            yield ids[rows], tags[rows], targets[rows]
+            # "ids_dtype": "int32" is what make_csv_dataset infers, and plain PyTorch accepts.
+            yield ids[rows].to(getattr(torch, config.get("ids_dtype", "int64"))), tags[rows], targets[rows]
 
     optimizer = getattr(sf.optim, config.get("optimizer", "Adagrad"))(lr=config.get("lr", 0.1))
     strategy = sf.ParameterServerStrategy(

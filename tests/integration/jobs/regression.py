@@ -50,7 +50,8 @@ def loss_fn(model, batch):
     slow = config.get("slow_worker_delay_s")
     if slow and TASK.get("index") == 1:
         time.sleep(slow)
-    return torch.nn.functional.mse_loss(model(x), y)
+    # "reduction": "none" is the mistake a user makes: a per-example loss.
+    return torch.nn.functional.mse_loss(model(x), y, reduction=config.get("reduction", "mean"))
 
 
 strategy = sf.ParameterServerStrategy(
