@@ -49,8 +49,10 @@ def run_process(job: JobConfig, on_connect: OnConnect) -> TrainResult:
     is done. `on_connect` is told the role's client to the PS while it exists (Estimator.global_step reads it)."""
     # For this process's supervisor, from its start: the chief's too (a launcher or cluster manager restarts it).
     liveness.keep_touching()
-    finished = _already_finished(job)
     found = cluster_from_env(num_ps=job.strategy.num_ps, num_workers=job.strategy.num_workers)
+    if found is None or found[1].type == "chief":
+        check_writable(job.model_dir)  # before any role starts
+    finished = _already_finished(job)
     if finished is not None:
         if found is None or found[1].type == "chief":
             return finished
@@ -64,6 +66,20 @@ def run_process(job: JobConfig, on_connect: OnConnect) -> TrainResult:
     if task.type == "chief":
         return _run_chief(job, spec, task, on_connect)
     _run_other_role(job, spec, task, on_connect)
+
+
+def check_writable(model_dir: Path) -> None:
+    """Raise ValueError naming `model_dir` and why, if this process cannot write checkpoints into it."""
+    try:
+        model_dir.mkdir(parents=True, exist_ok=True)
+        probe = model_dir / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(
+            f"model_dir {model_dir} cannot be written ({error.strerror or error}): checkpoints, logs and summaries go "
+            "there; give Estimator(model_dir=...) a directory you can write"
+        ) from None
 
 
 def _already_finished(job: JobConfig) -> TrainResult | None:
