@@ -110,6 +110,15 @@ BENCHMARKS = [
         about="This tree's async and sync PS training against the tree before issue 19's refactor (6ae3acb), "
         "alternating.",
     ),
+    Benchmark(
+        name="ps_against_before_auth",
+        script="ps_against_commit.py",
+        flags=("7ce6469", "--repeats", "6"),
+        quick_flags=("--steps", "1000", "--repeats", "2"),
+        in_make_bench=False,
+        about="This tree's async and sync PS training against the tree before issue 24's authentication (CURVE on "
+        "TCP, PLAIN only on private sockets; 7ce6469), alternating.",
+    ),
 ]
 BY_NAME = {benchmark.name: benchmark for benchmark in BENCHMARKS}
 
