@@ -25,8 +25,9 @@ DOCUMENTS = [
     README,
     *(
         ROOT / "docs" / f"{page}.md"
-        for page in ("training", "data", "embeddings", "reliability-and-faults", "security", "profiling", "cli")
+        for page in ("training", "data", "tfdata", "embeddings", "reliability-and-faults", "security", "profiling")
     ),
+    ROOT / "docs" / "cli.md",
     ROOT / "docs" / "examples.md",
 ]
 """The README and the docs pages that hold its former sections: their code blocks and commands are checked."""
