@@ -14,25 +14,37 @@ import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from shardflow.train.input_sharding import WorkerInput
 from shardflow.train.specs import InputContext, TrainSpec
 
 
 class _Shard:
     """One input_fn(ctx) pipeline, iterated epoch after epoch through `last_epoch` (inclusive)."""
 
-    def __init__(self, spec: TrainSpec, ctx: InputContext, state: dict[str, Any] | None, last_epoch: float) -> None:
+    def __init__(
+        self,
+        spec: TrainSpec,
+        ctx: InputContext,
+        state: dict[str, Any] | None,
+        last_epoch: float,
+        announce: bool = False,
+    ) -> None:
         self.spec = spec
         self.ctx = ctx
         self.last_epoch = last_epoch
         self.epoch = int(state["epoch"]) if state else 0
         self.consumed = 0
+        self._input: WorkerInput | None = None
+        self._announce = announce
+        """Say how the input is sharded once its first batch was read (a generator reads ctx only then)."""
         self._iterator: Iterator[Any] = iter(())
         self._stateful = False
         if self.epoch <= last_epoch:
             self._start(state)
 
     def _start(self, state: dict[str, Any] | None) -> None:
-        iterator = iter(self.spec.input_fn(dataclasses.replace(self.ctx, epoch=self.epoch)))
+        self._input = WorkerInput(self.spec.input_fn, dataclasses.replace(self.ctx, epoch=self.epoch))
+        iterator = iter(self._input.iterable)
         self._stateful = callable(getattr(iterator, "get_state", None)) and callable(
             getattr(iterator, "set_state", None)
         )
@@ -59,6 +71,9 @@ class _Shard:
             batch = next(self._iterator, _END)
             if batch is not _END:
                 self.consumed += 1
+                if self._announce and self._input is not None:
+                    self._announce = False
+                    self._input.announce()
                 return batch
             self.epoch += 1
             if self.epoch <= self.last_epoch:
@@ -101,7 +116,7 @@ class InputPosition:
             ctx = InputContext(int(entry["num_workers"]), int(entry["index"]))
             return _Shard(self.spec, ctx, entry["position"], min(float(entry["last_epoch"]), self._last_epoch))
         if self._own is None:
-            self._own = _Shard(self.spec, self.ctx, self._own_state, self._last_epoch)
+            self._own = _Shard(self.spec, self.ctx, self._own_state, self._last_epoch, announce=True)
             return self._own
         return None
 

@@ -44,7 +44,8 @@ class TrainSpec:
     max_steps: int | None = None
     """Stop at this global step (exact: the PS apply no update beyond it)."""
     epochs: int | None = None
-    """Every record is seen this many times across all workers, when input_fn shards by worker."""
+    """Every record is seen this many times across all workers: input_fn shards by ctx.worker_index, or returns a
+    shardflow.data.Dataset, which each worker auto-shards (see train/input_sharding.py)."""
     hooks: Sequence[Hook] = ()
     """Per-step logic run in every worker (see shardflow.train.hooks.Hook)."""
 
