@@ -1,4 +1,5 @@
-"""Real local jobs whose input_fn forgets to shard: each worker auto-shards its input and says how."""
+"""Real local jobs whose input_fn forgets to shard, or yields nothing: each worker auto-shards its input and says
+how, and an empty input fails the job naming the worker instead of training nothing, or hanging, in silence."""
 
 from __future__ import annotations
 
@@ -42,3 +43,23 @@ def test_policy_off_has_every_worker_read_everything_and_say_so(run_job, tmp_pat
     for worker in ("worker:0", "worker:1"):
         line = f"[{worker}] {worker} reads the whole input, as each of the 2 workers does (AutoShardPolicy.OFF"
         assert line in proc.stdout, proc.stdout
+
+
+@pytest.mark.parametrize("length", [{"epochs": 2}, {"max_steps": 40}])
+def test_an_input_that_yields_nothing_fails_the_job_naming_the_worker(run_job, tmp_path, length):
+    pattern = str(tmp_path / "no-such-dir" / "*.tfrecord")
+    proc, _ = run_job("unsharded.py", source="glob", pattern=pattern, timeout_s=90, **length)
+    assert proc.returncode != 0, proc.stdout
+    assert "worker:0 read no batch in its first epoch" in proc.stdout, proc.stdout
+    assert "Likely a glob that matches no file" in proc.stdout, proc.stdout
+
+
+def test_an_allowed_empty_input_with_max_steps_ends_and_says_why(run_job, tmp_path):
+    pattern = str(tmp_path / "no-such-dir" / "*.tfrecord")
+    proc, result = run_job(
+        "unsharded.py", source="glob", pattern=pattern, max_steps=40, allow_empty_input=True, timeout_s=90
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == 0
+    assert "worker:1 has no input (TrainSpec.allow_empty_input=True): it trains no step" in proc.stdout
+    assert "training ended at global step 0, before max_steps=40: the input of every worker ended" in proc.stdout

@@ -1,8 +1,9 @@
 """A worker's input: auto-sharded as tf.distribute does when input_fn does not shard it, exactly once across the
-workers and resumable."""
+workers and resumable; an empty first epoch fails naming the worker, unless allowed."""
 
 from __future__ import annotations
 
+import glob
 import json
 from collections import Counter
 from pathlib import Path
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from shardflow import data
-from shardflow.train.input import InputPosition
+from shardflow.train.input import EmptyInputError, InputPosition
 from shardflow.train.specs import InputContext, TrainSpec
 
 NUM_RECORDS = 48
@@ -124,3 +125,39 @@ def test_an_auto_sharded_position_resumes_exactly():
         state = json.loads(json.dumps(first.get_state()))
         seen.update(drain(InputPosition(spec, InputContext(2, w), state)))
     assert seen == Counter({record: 2 for record in range(NUM_RECORDS)})
+
+
+def test_an_empty_first_epoch_fails_naming_the_worker_and_an_empty_glob(tmp_path):
+    def input_fn(ctx: InputContext):
+        for path in sorted(glob.glob(str(tmp_path / "*.tfrecord")))[ctx.worker_index :: ctx.num_workers]:
+            yield from data.TFRecordDataset(path).batch(4)
+
+    with pytest.raises(EmptyInputError) as raised:
+        InputPosition(TrainSpec(input_fn, max_steps=40), InputContext(2, 1)).next()
+    message = str(raised.value)
+    assert message.startswith("worker:1 read no batch in its first epoch: input_fn(InputContext(num_workers=2, "), (
+        message
+    )
+    assert "Likely a glob that matches no file" in message and "TrainSpec(allow_empty_input=True)" in message
+
+
+def test_an_empty_share_of_a_non_empty_input_says_so():
+    def input_fn(ctx: InputContext) -> data.Dataset:
+        return data.Dataset.range(2).shard(ctx.num_workers, ctx.worker_index)  # 2 records, 3 workers
+
+    with pytest.raises(EmptyInputError, match="the whole input is not empty, but this worker's share is"):
+        InputPosition(TrainSpec(input_fn, epochs=2), InputContext(3, 2)).next()
+
+
+def test_an_allowed_empty_input_ends_even_without_epochs(caplog):
+    spec = TrainSpec(lambda ctx: iter(()), max_steps=40, allow_empty_input=True)
+    position = InputPosition(spec, InputContext(2, 0))
+    assert position.next() is None and position.next() is None
+    assert "worker:0 has no input (TrainSpec.allow_empty_input=True): it trains no step" in caplog.text
+
+
+def test_an_input_fn_returning_a_used_up_iterator_ends_the_input_after_the_first_epoch(caplog):
+    batches = iter([1, 2, 3])
+    position = InputPosition(TrainSpec(lambda ctx: batches, max_steps=100), InputContext(1, 0))
+    assert drain(position) == [1, 2, 3]
+    assert "epoch 1 of its input yielded no batch" in caplog.text

@@ -80,6 +80,7 @@ def run_chief(
     role.control.set(control_keys.READY, "1")
     try:
         final = loop.run(preemption)
+        _say_why_it_ended(job, loop, final[0].step)
         finished = _finish(job, role, start.admin, loop, profiler, preemption, final)
     finally:
         _remove(job_file)
@@ -213,6 +214,19 @@ def _chief_loop(
         # asked for at once: what a PS lost from now on is restored to.
         checkpoints.adopt(start.replies, start.step)
     return loop
+
+
+def _say_why_it_ended(job: JobConfig, loop: ChiefLoop, end: int) -> None:
+    """A run that ended before the max_steps it was given alone says so: the input of every worker ended."""
+    spec = job.train_spec
+    if loop.preempted or loop.stopped_early:
+        return
+    if spec.epochs is None and spec.max_steps is not None and end < spec.max_steps:
+        log.warning(
+            "training ended at global step %d, before max_steps=%d: the input of every worker ended",
+            end,
+            spec.max_steps,
+        )
 
 
 @dataclass(frozen=True, kw_only=True)

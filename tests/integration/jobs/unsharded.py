@@ -72,6 +72,7 @@ spec = sf.TrainSpec(
     input_fn,
     epochs=config.get("epochs"),
     max_steps=config.get("max_steps"),
+    allow_empty_input=config.get("allow_empty_input", False),
 )
 result = sf.train_and_evaluate(est, spec)
 seen = est.state_dict()["seen"]
