@@ -16,13 +16,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from shardflow.train.input_sharding import WorkerInput
+from shardflow.train.job import UserCodeError
 from shardflow.train.specs import InputContext, TrainSpec
 
 log = logging.getLogger(__name__)
 
 
-class EmptyInputError(ValueError):
-    """A worker's input yielded nothing in its first epoch, and the TrainSpec does not allow that."""
+class EmptyInputError(UserCodeError, ValueError):
+    """A worker's input yielded nothing in its first epoch, and the TrainSpec does not allow that: the same on a
+    restart, so the worker is not restarted for it."""
 
 
 class _Shard:
