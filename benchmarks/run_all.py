@@ -49,6 +49,7 @@ class Benchmark:
 QUICK_TRAINING = ("--steps", "1000", "--repeats", "1")
 # Quickest first.
 BENCHMARKS = [
+    Benchmark(name="cli_startup", script="cli_startup.py"),
     Benchmark(name="comm_roundtrip", script="comm_roundtrip.py"),
     Benchmark(name="ps_training", script="ps_training.py", quick_flags=QUICK_TRAINING),
     Benchmark(name="profiler_overhead", script="profiler_overhead.py", quick_flags=QUICK_TRAINING),

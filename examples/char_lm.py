@@ -33,11 +33,12 @@ if __name__ == "__main__":
 import glob
 import math
 import os
+import sys
 import sysconfig
 
 import numpy as np
 import torch
-from summary import print_summary
+from summary import command, print_summary, shell_path
 
 import shardflow as sf
 from shardflow import data
@@ -167,8 +168,8 @@ def main(args: argparse.Namespace) -> None:
             f"perplexity {math.exp(eval_loss):.2f} (uniform over bytes: {VOCAB_SIZE})",
             f"held-out acc.    {result.metrics['next_byte_accuracy']:.1%} of next bytes predicted",
             *(f"{'sample' if i == 0 else '':17}| {line}".rstrip() for i, line in enumerate(generated)),
-            f"train further    python examples/char_lm.py --model-dir {est.model_dir} --max-steps "
-            f"{result.global_step + args.max_steps}  (continues from the last checkpoint)",
+            f"train further    {command('python')} {shell_path(sys.argv[0])} --model-dir {shell_path(est.model_dir)} "
+            f"--max-steps {result.global_step + args.max_steps}  (continues from the last checkpoint)",
         ],
     )
 

@@ -7,7 +7,8 @@ needs to reach a target:
     python examples/digits.py --workers 4 --mode sync
     shardflow scale examples/digits.py --workers 1,2,4 --target 'accuracy>=0.95'
 
-The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief.
+The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief. It needs
+scikit-learn, which `make demo` does not install: `.venv/bin/pip install scikit-learn` (`make test` installs it).
 """
 
 # ruff: noqa: E402  (most imports follow parse_args(), so that --help does not wait for torch to load)
@@ -38,9 +39,16 @@ from shardflow import data
 # isort: split
 import numpy as np
 import torch
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from summary import print_summary
+from summary import command, print_summary
+
+try:
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+except ModuleNotFoundError:
+    raise SystemExit(
+        "digits.py reads scikit-learn's bundled digits, and scikit-learn is not installed (`make demo` leaves it "
+        f"out): {command('pip')} install scikit-learn"
+    ) from None
 
 BATCH_SIZE = 32
 TARGET_ACCURACY = 0.95

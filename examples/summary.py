@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shlex
+import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -37,12 +41,33 @@ def print_summary(title: str, est: sf.Estimator, result: sf.TrainResult, lines: 
         print(f"  {line}")
     checkpoint = Path(str(result.checkpoint))
     print(f"  checkpoints      {checkpoint.parent}  (latest: {checkpoint.name})")
-    print(f"  TensorBoard      {est.model_dir / 'tensorboard'}  (tensorboard --logdir {est.model_dir / 'tensorboard'})")
+    tensorboard = est.model_dir / "tensorboard"
+    print(f"  TensorBoard      {tensorboard}  ({command('tensorboard')} --logdir {shell_path(tensorboard)})")
     print(f"  logs             {est.model_dir / 'logs'}")
     if result.profile_dir is not None:
         capture = Path(result.profile_dir)
-        print(f"  merged trace     {capture / 'merged.trace.json.gz'}  (open in ui.perfetto.dev)")
-        print(f"  profile report   {write_profile_report(capture)}  (or: shardflow profile steps {est.model_dir})")
+        print(f"  merged trace     {capture / 'merged.trace.json.gz'}  (or open it in ui.perfetto.dev)")
+        print(
+            f"  profile report   {write_profile_report(capture)}  "
+            f"(or: {command('shardflow')} profile steps {shell_path(est.model_dir)})"
+        )
+
+
+def command(program: str) -> str:
+    """How a fresh shell runs `program` of the environment running this script: by name where its PATH finds this
+    one (the virtual environment is active), else by path (.venv/bin/shardflow), as `make demo` leaves it."""
+    ours = Path(sys.executable).parent / program
+    found = shutil.which(program)
+    if not ours.exists() or (found is not None and Path(found).absolute() == ours.absolute()):
+        return program
+    return shell_path(ours)
+
+
+def shell_path(path: str | os.PathLike[str]) -> str:
+    """`path` as a shell word: relative to the working directory when inside it, else absolute."""
+    absolute = Path(path).absolute()
+    inside = absolute.is_relative_to(Path.cwd())
+    return shlex.quote(str(absolute.relative_to(Path.cwd()) if inside else absolute))
 
 
 def _worker_steps(result: sf.TrainResult) -> str:

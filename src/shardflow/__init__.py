@@ -7,7 +7,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from shardflow import env
-from shardflow._lazy import lazy_getattr
+from shardflow._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
     import socket
@@ -64,6 +64,7 @@ __version__ = "0.1.0"
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY, submodules=("optim", "nn", "metrics"))
+__dir__ = lazy_dir(__name__, _LAZY)
 
 
 # A local cluster's roles are forked from a zygote, a process that imports torch and shardflow once for all of them

@@ -22,3 +22,14 @@ def lazy_getattr(package: str, names: dict[str, str], submodules: tuple[str, ...
         return value
 
     return __getattr__
+
+
+def lazy_dir(package: str, names: dict[str, str]) -> Callable[[], list[str]]:
+    """A module `__dir__` for `package` that lists its lazy attributes (`names`) beside those already loaded, so
+    that `dir()` and completion show the whole public API before anything is imported."""
+    namespace = sys.modules[package].__dict__
+
+    def __dir__() -> list[str]:
+        return sorted({*namespace, *names})
+
+    return __dir__

@@ -5,12 +5,14 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import fresh_shell
 import numpy as np
 import pytest
 import torch
@@ -41,16 +43,55 @@ def run_example(script: str, tmp_path: Path, *args: str, timeout_s: float = 120)
     return output, json.loads(result_path.read_text())
 
 
-def test_char_lm_trains_on_sharded_stdlib_files_and_writes_the_profile_report(tmp_path):
+@pytest.fixture(scope="module")
+def char_lm(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict[str, Any]]:
+    """One run of char_lm.py as `make demo` runs it, smaller: its directory, output and result."""
+    directory = tmp_path_factory.mktemp("char_lm")
     args = ("--max-files", "200", "--max-steps", "30", "--profile-steps", "5:8", "--eval-batches", "2")
-    output, result = run_example("char_lm.py", tmp_path, *args)
+    return directory, *run_example("char_lm.py", directory, *args)
+
+
+def test_char_lm_trains_on_sharded_stdlib_files_and_writes_the_profile_report(char_lm):
+    directory, output, result = char_lm
     assert result["global_step"] == 30
     assert result["final_loss"] < result["first_loss"]
     assert "held-out loss" in output and "perplexity" in output
-    (report,) = (tmp_path / "model" / "profile").glob("*/report.html")
+    (report,) = (directory / "model" / "profile").glob("*/report.html")
     assert "<html" in report.read_text().lower()
     assert (report.parent / "merged.trace.json.gz").exists()
     assert str(report) in output
+
+
+def summary_command(output: str, pattern: str) -> str:
+    """The command a summary line prints: `pattern`'s group, searched line by line."""
+    found = re.search(pattern, output, flags=re.MULTILINE)
+    assert found, f"no summary line matches {pattern!r} in:\n{output}"
+    return found[1]
+
+
+def test_the_profile_command_the_demo_prints_runs_in_a_new_terminal(char_lm):
+    directory, output, _ = char_lm
+    command = summary_command(output, r"^  profile report .*\(or: (.+)\)$")
+    done = fresh_shell.run(command, directory)
+    assert done.returncode == 0, f"{command}\n{done.stderr}"
+    assert "diagnosis:" in done.stdout
+
+
+def test_the_train_further_command_the_demo_prints_finds_python_and_the_script_in_a_new_terminal(char_lm):
+    directory, output, _ = char_lm
+    command = summary_command(output, r"^  train further\s+(.+?)  \(continues")
+    assert " --model-dir model " in command
+    done = fresh_shell.run(f"{command} --help", directory)  # --help: the command as printed, without training more
+    assert done.returncode == 0, f"{command}\n{done.stderr}"
+    assert "--max-steps" in done.stdout
+
+
+def test_the_tensorboard_command_the_demo_prints_finds_tensorboard_in_a_new_terminal(char_lm):
+    directory, output, _ = char_lm
+    program, logdir = summary_command(output, r"^  TensorBoard .*\((\S+ --logdir \S+)\)$").split(" --logdir ")
+    assert (directory / logdir).is_dir()
+    done = fresh_shell.run(f"command -v {program}", directory)  # not run: it would serve until stopped
+    assert done.returncode == 0, f"{program} is not found in a new terminal"
 
 
 def test_digits_evaluates_accuracy_during_training_for_shardflow_scale(tmp_path):
@@ -59,6 +100,23 @@ def test_digits_evaluates_accuracy_during_training_for_shardflow_scale(tmp_path)
     assert [e["global_step"] for e in result["eval_history"]][:2] == [20, 40]
     assert "accuracy" in result["metrics"]
     assert "test accuracy" in output
+
+
+def test_digits_without_scikit_learn_says_how_to_install_it(tmp_path):
+    # A package named sklearn that is not there, as in a fresh `make demo` environment.
+    (tmp_path / "sklearn").mkdir()
+    (tmp_path / "sklearn" / "__init__.py").write_text("raise ModuleNotFoundError('No module named sklearn')\n")
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / "digits.py"), "--model-dir", str(tmp_path / "model")],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": pythonpath},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "scikit-learn is not installed" in done.stderr and "pip install scikit-learn" in done.stderr
 
 
 @pytest.fixture(scope="module")

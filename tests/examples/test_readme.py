@@ -3,7 +3,8 @@
 The same holds for the docs pages that hold what used to be the README's manual (DOCUMENTS). A ```python block is a
 complete program unless the line before it is `<!-- fragment -->` (a snippet showing an API call). Commands that need
 a running job or a capture are checked against their subcommand's --help; the quick,
-harmless ones (--help, --version, plan) are run.
+harmless ones (--help, --version, plan) are run. Programs and commands run as the README says to run them: from a
+new terminal after `source .venv/bin/activate` (fresh_shell.py).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import functools
 import re
 import shlex
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import fresh_shell
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -24,13 +25,15 @@ DOCUMENTS = [
     README,
     *(
         ROOT / "docs" / f"{page}.md"
-        for page in ("training", "data", "embeddings", "reliability-and-faults", "security", "profiling", "cli")
+        for page in ("training", "data", "tfdata", "embeddings", "reliability-and-faults", "security", "profiling")
     ),
+    ROOT / "docs" / "cli.md",
     ROOT / "docs" / "examples.md",
 ]
 """The README and the docs pages that hold its former sections: their code blocks and commands are checked."""
 FRAGMENT_MARKER = "<!-- fragment -->"
-SHARDFLOW = [sys.executable, "-m", "shardflow"]
+ACTIVATE = "source .venv/bin/activate"
+"""How the README has a new terminal find `shardflow` and `python`; the tests do it for their own environment."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,7 +84,8 @@ COMMANDS = list(dict.fromkeys(command for path in DOCUMENTS for command in shell
 
 
 def shardflow(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*SHARDFLOW, *args], capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    """`shardflow ARGS` typed into a new terminal after the README's activation."""
+    return fresh_shell.run(f"{fresh_shell.activate()} && shardflow {shlex.join(args)}", ROOT, timeout_s=30)
 
 
 @functools.cache
@@ -105,13 +109,14 @@ def test_the_readme_has_a_complete_program_and_its_fragments_are_marked():
     )
 
 
+def test_the_readme_says_how_a_new_terminal_finds_the_tools_make_demo_installed():
+    assert ACTIVATE in shell_commands(README.read_text())
+
+
 @pytest.mark.parametrize("block", PROGRAMS, ids=lambda block: f"{block.document}-line-{block.line}")
 def test_python_program_runs_as_a_script_on_a_local_cluster(block: CodeBlock, tmp_path: Path):
-    script = tmp_path / "train.py"
-    script.write_text(block.code)
-    done = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False
-    )
+    (tmp_path / "train.py").write_text(block.code)
+    done = fresh_shell.run(f"{fresh_shell.activate()} && python train.py", tmp_path, timeout_s=90)
     assert done.returncode == 0, (
         f"{block.document} line {block.line}: the program exited {done.returncode} (if it is a snippet, put "
         f"{FRAGMENT_MARKER} on the line before it)\n{done.stdout}{done.stderr}"
@@ -134,6 +139,9 @@ def test_programs_that_train_seed_their_data_so_every_role_sees_the_same():
 def test_shell_command_exists_with_every_flag_it_uses(command: str):
     words = [word.strip("[]") for word in shlex.split(command.replace("\\|", "|"))]
     program, *args = words
+    if command == ACTIVATE:
+        assert re.search(r"^VENV := \.venv$", (ROOT / "Makefile").read_text(), flags=re.MULTILINE), "make's venv moved"
+        return
     if program == "make":
         makefile = (ROOT / "Makefile").read_text()
         for target in args:

@@ -59,7 +59,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         _wait_for(tmp / "model" / "profile" / AHEAD / "merged.trace.json.gz", job)
         with contextlib.redirect_stdout(io.StringIO()) as printed:
             assert main(["profile", "capture", str(tmp / "model"), "--steps", "3"]) == 0
-        assert Path(printed.getvalue().strip()).name.startswith("on-demand-")
+        (tmp / "profile_capture.txt").write_text(printed.getvalue())
         yield tmp / "model"
     finally:
         for process in [*psutil.Process(job.pid).children(recursive=True), psutil.Process(job.pid)]:
@@ -89,6 +89,16 @@ def role_names(trace: dict[str, Any]) -> dict[int, str]:
 def on_demand_name(model_dir: Path) -> str:
     (directory,) = (model_dir / "profile").glob("on-demand-*")
     return directory.name
+
+
+def test_profile_capture_says_what_it_asks_for_where_it_lands_and_which_roles_it_captured(model_dir):
+    printed = (model_dir.parent / "profile_capture.txt").read_text()
+    name = on_demand_name(model_dir)
+    first, last = name.removeprefix("on-demand-").split("-")
+    assert f"asked the job in {model_dir} for global steps [{first}, {last}) of every role" in printed
+    assert f"waiting for the capture to land in {model_dir / 'profile' / name}" in printed
+    assert f"captured chief, worker:0, worker:1, ps:0 into {model_dir / 'profile' / name}" in printed
+    assert f"shardflow profile steps {model_dir} --capture {name}" in printed
 
 
 def test_every_push_arrow_starts_before_the_apply_it_ends_in(model_dir):

@@ -257,7 +257,7 @@ def test_rerunning_a_finished_job_starts_no_cluster_and_a_higher_max_steps_conti
 
     status, out, again, seconds = run_regression(tmp_path, "again", model_dir, max_steps=20)
     assert status == 0, out
-    message = "already holds global step 20 >= max_steps 20; raise max_steps to train further"
+    message = "at global step 20: training is already done (max_steps=20 reached); nothing to train. Raise max_steps"
     assert out.count(message) == 1, out
     assert (again["global_step"], again["worker_steps"], again["est_global_step"]) == (20, {}, 20)
     # No role was started: the worker's log is untouched and no cluster start-up was paid for.

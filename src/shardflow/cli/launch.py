@@ -7,9 +7,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from shardflow.cluster.launcher import run_local
 from shardflow.cluster.liveness import HUNG_TIMEOUT_S
-from shardflow.cluster.spec import ClusterSpec
 
 EPILOG = """\
 example:
@@ -85,6 +83,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    # Here, not at the top: the launcher brings torch and ZeroMQ, which `shardflow --help` need not wait for.
+    from shardflow.cluster.launcher import run_local
+    from shardflow.cluster.spec import ClusterSpec
+
     spec = ClusterSpec.local(args.workers, args.ps, evaluator=args.evaluator)
     command = [sys.executable, args.script, *args.script_args]
     return run_local(

@@ -5,9 +5,12 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardflow.cli.tables import print_table
+
+if TYPE_CHECKING:
+    from shardflow.train.job_keys import Capture
 
 EPILOG = """\
 examples:
@@ -289,13 +292,26 @@ def _export(args: argparse.Namespace) -> int:
 
 def _capture(args: argparse.Namespace) -> int:
     # The runtime answers the request; the query commands above need only shardflow.profile.
+    from shardflow.profile.capture import finalize
+    from shardflow.profile.events import trace_metadata
+    from shardflow.profile.trace import role_sort_key
     from shardflow.train.profiling import request_capture
 
+    def announce(capture: Capture) -> None:
+        recorded = "spans, counters and torch ops" if capture.ops else "spans and counters; --ops adds torch ops"
+        print(f"asked the job in {args.model_dir} for global steps [{capture.first}, {capture.last}) of every role")
+        print(f"({recorded}); waiting for the capture to land in {args.model_dir / 'profile' / capture.name}")
+        sys.stdout.flush()  # the steps may take a while to come
+
     try:
-        print(request_capture(args.model_dir, args.steps, ops=args.ops))
+        directory = request_capture(args.model_dir, args.steps, ops=args.ops, on_request=announce)
     except (FileNotFoundError, RuntimeError) as error:
         print(f"shardflow profile capture: {error}", file=sys.stderr)
         return 1
+    roles = sorted(trace_metadata(finalize(directory)).get("roles", {}), key=role_sort_key)
+    print(f"captured {', '.join(roles) or 'no role'} into {directory}; to read it:")
+    print(f"  shardflow profile steps {args.model_dir} --capture {directory.name}")
+    print(f"  shardflow profile report {args.model_dir} --capture {directory.name}")
     return 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardflow._lazy import lazy_getattr
+from shardflow._lazy import lazy_dir, lazy_getattr
 from shardflow.data import errors
 from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
 from shardflow.data.dataset import Dataset, DatasetIterator, State
@@ -122,3 +122,4 @@ __all__ = [
 _LAZY["experimental"] = "shardflow.data.experimental"
 
 __getattr__ = lazy_getattr(__name__, _LAZY, submodules=("experimental",))
+__dir__ = lazy_dir(__name__, _LAZY)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shardflow._lazy import lazy_getattr
+from shardflow._lazy import lazy_dir, lazy_getattr
 from shardflow.data import structure
 from shardflow.data.assert_cardinality import assert_cardinality
 from shardflow.data.cardinality import INFINITE_CARDINALITY, UNKNOWN_CARDINALITY
@@ -32,14 +32,13 @@ if TYPE_CHECKING:
 Transformation = Callable[[Dataset[Any]], Dataset[Any]]
 
 # File sources are imported on first use, as in shardflow.data.
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "CsvDataset": "shardflow.data.sources",
-        "make_csv_dataset": "shardflow.data.sources",
-        "TFRecordWriter": "shardflow.data.dataset_writer",
-    },
-)
+_LAZY = {
+    "CsvDataset": "shardflow.data.sources",
+    "make_csv_dataset": "shardflow.data.sources",
+    "TFRecordWriter": "shardflow.data.dataset_writer",
+}
+__getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
 
 
 # Functions over datasets and iterators.

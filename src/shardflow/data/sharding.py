@@ -6,6 +6,11 @@ from typing import Any, Protocol, TypeVar
 
 from shardflow.data.dataset import Dataset
 from shardflow.data.options import AutoShardPolicy
+from shardflow.data.resample import RejectionResampleDataset
+from shardflow.data.sampling import DirectedDataset
+from shardflow.data.shuffle import ShuffleDataset
+from shardflow.data.slicing import ShardDataset
+from shardflow.data.sources.list_files import ListFilesDataset
 
 T = TypeVar("T")
 
@@ -50,6 +55,45 @@ def auto_shard(
 def auto_shard_for(dataset: Dataset[T], context: InputContextLike, policy: AutoShardPolicy | None = None) -> Dataset[T]:
     """`auto_shard` driven by a worker's InputContext (its num_workers and worker_index)."""
     return auto_shard(dataset, context.num_workers, context.worker_index, policy)
+
+
+def shard_elements(dataset: Dataset[T], num_workers: int, worker_index: int) -> Dataset[T]:
+    """DATA sharding that keeps every element on exactly one worker even where the workers' pipelines order their
+    elements differently: the output is sharded, as tf.data does, unless an op of the pipeline orders its elements
+    at random in each process (a shuffle, a sampling, a shuffled list_files, a map with deterministic=False); then
+    each input of that op is, below it (a shuffled list_files before its shuffle), so that each worker shuffles
+    only its own share."""
+    if not _orders_at_random(dataset):
+        return dataset.shard(num_workers, worker_index)
+    if isinstance(dataset, ListFilesDataset) and len(dataset._files) >= num_workers:
+        files: Dataset[Any] = dataset._shard_files(num_workers, worker_index)
+        return files
+    inputs = dataset._inputs()
+    if not inputs:  # a source that shuffles by itself: no place below it
+        return dataset.shard(num_workers, worker_index)
+    return dataset._with_inputs(tuple(shard_elements(each, num_workers, worker_index) for each in inputs))
+
+
+def shard_files(dataset: Dataset[T], num_workers: int, worker_index: int) -> Dataset[T] | None:
+    """FILE sharding: the pipeline with every source that reads files by name reading its share of them; None where
+    it has no such source. Raises ValueError where a source has fewer files than workers."""
+    return _shard_files(dataset, num_workers, worker_index)
+
+
+def is_sharded(dataset: Dataset[Any]) -> bool:
+    """Whether the pipeline calls `.shard(...)` anywhere: then it shards itself."""
+    return isinstance(dataset, ShardDataset) or any(is_sharded(each) for each in dataset._inputs())
+
+
+def _orders_at_random(dataset: Dataset[Any]) -> bool:
+    """Whether `dataset` or an op below it orders elements by a seed drawn in each process (or by thread timing)."""
+    if isinstance(dataset, ShuffleDataset | DirectedDataset | RejectionResampleDataset):
+        return True
+    if isinstance(dataset, ListFilesDataset) and dataset._shuffle:
+        return True
+    if getattr(dataset, "_deterministic", None) is False:
+        return True
+    return any(_orders_at_random(each) for each in dataset._inputs())
 
 
 def _shard_files(dataset: Dataset[Any], num_workers: int, worker_index: int) -> Dataset[Any] | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardflow._lazy import lazy_getattr
+from shardflow._lazy import lazy_dir, lazy_getattr
 from shardflow.profile.clock import ClockEstimate, estimate_offset
 from shardflow.profile.recorder import SpanRecorder, get_recorder, set_recorder
 
@@ -43,3 +43,4 @@ __all__ = [
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)

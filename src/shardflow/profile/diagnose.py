@@ -60,7 +60,7 @@ def steps(table: pa.Table, step_range: Filter | None = None) -> list[StepRow]:
     if not rows:
         return []
     window_us = max(r["ts"] + r["dur"] for r in rows) - min(r["ts"] for r in rows)
-    num_steps = len({r["step"] for r in rows})
+    num_steps = len(global_steps(spans))
     step_spans = {(r["role"], r["step"]): r for r in rows if r["name"] == STEP}
     stepping_roles = {role for role, _ in step_spans}
     parts: dict[tuple[str, int], dict[str, float]] = {}
@@ -85,6 +85,14 @@ def steps(table: pa.Table, step_range: Filter | None = None) -> list[StepRow]:
         part["idle"] = max(0.0, step_us - sum(part.values()))
         result.append(StepRow(role, step, step_us, part))
     return result
+
+
+def global_steps(table: pa.Table) -> list[int]:
+    """The global steps the events are of: those a PS applied, since an async worker's push may carry the older step
+    it computed at; every step an event carries where no PS applied any."""
+    applied = table.filter(pc.equal(table["name"], APPLY))["step"].drop_null()
+    held: list[int] = pc.unique(applied if len(applied) else table["step"].drop_null()).to_pylist()
+    return sorted(held)
 
 
 @dataclass(frozen=True)

@@ -115,9 +115,11 @@ def load(path: str | Path) -> pa.Table:
     return pq.read_table(path)
 
 
-def trace_metadata(table: pa.Table) -> dict[str, Any]:
-    """The otherData of the trace a table was built from; empty for tables written without it."""
-    metadata: dict[str, Any] = orjson.loads((table.schema.metadata or {}).get(_METADATA_KEY, b"{}"))
+def trace_metadata(table: pa.Table | str | Path) -> dict[str, Any]:
+    """The otherData of the trace a table (or the table's file, of which only the footer is read) was built from;
+    empty for tables written without it."""
+    schema = pq.read_schema(table) if isinstance(table, str | Path) else table.schema
+    metadata: dict[str, Any] = orjson.loads((schema.metadata or {}).get(_METADATA_KEY, b"{}"))
     return metadata
 
 

@@ -1,4 +1,5 @@
-"""One self-contained HTML report of a capture: diagnosis, step-time bars, memory over time, top ops."""
+"""One self-contained HTML report of a capture: diagnosis, step-time bars, every role's timeline, memory over time,
+top ops."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from shardflow.profile.analysis import memory, top
-from shardflow.profile.diagnose import CATEGORIES, diagnose, steps, summarize
+from shardflow.profile.diagnose import CATEGORIES, diagnose, global_steps, steps, summarize
+from shardflow.profile.events import trace_metadata
+from shardflow.profile.timeline import STEP_COLOR, capture_span_us, timeline_svg
 from shardflow.profile.trace import role_sort_key
 
 COLORS = {
@@ -34,21 +37,22 @@ h1 { font-size: 22px; margin-bottom: 4px; } h2 { font-size: 17px; margin-top: 28
 table { border-collapse: collapse; font-size: 13px; } td, th { padding: 3px 10px; text-align: left; }
 th { background: #f0f0f0; } .num { text-align: right; font-variant-numeric: tabular-nums; }
 img { max-width: 100%; }
+.swatch { display: inline-block; width: 10px; height: 10px; margin: 0 4px 0 12px; }
 """
 
 
 def write_report(table: pa.Table, out_path: str | Path, title: str = "shardflow profile") -> Path:
-    """Plots are PNGs inlined as data URIs, so the file opens anywhere without a network."""
+    """Plots are PNGs inlined as data URIs and the timeline an inline SVG, so the file opens anywhere without a
+    network."""
     import matplotlib
 
     matplotlib.use("Agg")
-    num_steps = len(set(table["step"].drop_null().to_pylist()))
-    roles = sorted(set(table["role"].to_pylist()), key=role_sort_key)
     parts = [
         f"<h1>{html.escape(title)}</h1>",
-        f'<p class="meta">{num_steps} global steps, {len(roles)} roles: {html.escape(", ".join(roles))}</p>',
+        _header(table),
         *_diagnosis_section(table),
         *_steps_section(table),
+        *_timeline_section(table),
         *_memory_section(table),
         *_top_section(table),
     ]
@@ -59,6 +63,28 @@ def write_report(table: pa.Table, out_path: str | Path, title: str = "shardflow 
     out_path = Path(out_path)
     out_path.write_text(document, encoding="utf-8")
     return out_path
+
+
+def _header(table: pa.Table) -> str:
+    """The global steps the capture asked for (every role records the same ones), its length, and every role."""
+    recorded = trace_metadata(table).get("roles", {})
+    asked = {(info.get("first_step"), info.get("last_step")) for info in recorded.values()} - {(None, None)}
+    if len(asked) == 1:
+        ((first, last),) = asked
+        num_steps, which = last - first, f"{first}" if last - first == 1 else f"{first} to {last - 1}"
+    else:  # a table without its trace's metadata
+        held = global_steps(table)
+        num_steps, which = len(held), f"{held[0]} to {held[-1]}" if held else "none"
+    start_us, end_us = capture_span_us(table)
+    with_events = set(pc.unique(table["role"]).to_pylist())
+    roles = [
+        role if role in with_events else f"{role} (no events)"
+        for role in sorted(set(recorded) | with_events, key=role_sort_key)
+    ]
+    return (
+        f'<p class="meta">{num_steps} global step{"" if num_steps == 1 else "s"} ({which}) over '
+        f"{(end_us - start_us) / 1000:.1f} ms; {len(roles)} roles: {html.escape(', '.join(roles))}</p>"
+    )
 
 
 def _diagnosis_section(table: pa.Table) -> list[str]:
@@ -83,6 +109,17 @@ def _steps_section(table: pa.Table) -> list[str]:
         "<h2>Step time per role (mean per global step)</h2>",
         _image(_step_bars(summaries)),
         _table(["role", "steps", "step ms", *CATEGORIES, "idle"], rows),
+    ]
+
+
+def _timeline_section(table: pa.Table) -> list[str]:
+    swatches = [(STEP_COLOR, "step"), *((COLORS[part], part.replace("_", " ")) for part in CATEGORIES)]
+    legend = "".join(f'<span class="swatch" style="background:{color}"></span>{name}' for color, name in swatches)
+    return [
+        "<h2>Timeline</h2>",
+        f'<p class="meta">Every role\'s spans over the capture, a lane per thread; hover a span for its name, step '
+        f"and duration.{legend}</p>",
+        timeline_svg(table, COLORS),
     ]
 
 
@@ -128,7 +165,8 @@ def _ops_if_any(table: pa.Table) -> Any:
 def _step_bars(summaries: list[Any]) -> Any:
     import matplotlib.pyplot as plt
 
-    figure, axes = plt.subplots(figsize=(11, 0.45 * len(summaries) + 1.4))
+    # Constrained layout makes room for the legend above the bars, so that nothing covers the axis label.
+    figure, axes = plt.subplots(figsize=(11, 0.45 * len(summaries) + 1.6), layout="constrained")
     labels = [s.role for s in summaries][::-1]
     left = [0.0] * len(labels)
     for part in (*CATEGORIES, "idle"):
@@ -136,8 +174,7 @@ def _step_bars(summaries: list[Any]) -> Any:
         axes.barh(labels, widths, left=left, color=COLORS[part], label=part.replace("_", " "))
         left = [a + b for a, b in zip(left, widths, strict=True)]
     axes.set_xlabel("ms per global step")
-    axes.legend(ncol=6, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(labels) < 4 else -0.12), frameon=False)
-    figure.tight_layout()
+    figure.legend(ncol=6, loc="outside upper center", frameon=False)
     return figure
 
 
@@ -151,17 +188,22 @@ def _memory_lines(table: pa.Table) -> Any:
     memory = pc.and_(pc.equal(table["ph"], "C"), pc.starts_with(table["name"], "memory."))
     counters = table.filter(memory).select(["role", "name", "ts", "value"]).to_pylist()
     names = sorted({c["name"] for c in counters})
-    origin = min(c["ts"] for c in counters)
-    figure, all_axes = plt.subplots(len(names), 1, figsize=(11, 2.4 * len(names)), squeeze=False, sharex=True)
+    # The whole capture on the x axis, as on the timeline: a role samples only while it records, and its samples
+    # (the dots) sit where they were taken.
+    start_us, end_us = capture_span_us(table)
+    figure, all_axes = plt.subplots(
+        len(names), 1, figsize=(11, 2.4 * len(names)), squeeze=False, sharex=True, layout="constrained"
+    )
     for axes, name in zip(all_axes[:, 0], names, strict=True):
         for role in sorted({c["role"] for c in counters if c["name"] == name}, key=role_sort_key):
             series = [(c["ts"], c["value"]) for c in counters if c["name"] == name and c["role"] == role]
-            axes.step([(t - origin) / 1000 for t, _ in series], [v / 1e6 for _, v in series], where="post", label=role)
+            times, values = [(t - start_us) / 1000 for t, _ in series], [v / 1e6 for _, v in series]
+            axes.step(times, values, where="post", marker=".", label=role)
         axes.set_title(name, fontsize=10, loc="left")
         axes.set_ylabel("MB")
+        axes.set_xlim(0, (end_us - start_us) / 1000)
         axes.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
     all_axes[-1, 0].set_xlabel("ms since the capture's first event")
-    figure.tight_layout()
     return figure
 
 

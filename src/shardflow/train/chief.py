@@ -69,6 +69,7 @@ def run_chief(
     store.clean(job.model_dir)
     heartbeats = Heartbeats(role.control, job.strategy)
     start = _start_or_adopt(job, role, heartbeats)
+    restored_from = store.latest(job.model_dir) if start.restored is not None and not start.adopted else None
     on_connect(start.admin)
     # Before the PS are initialised: each reads a capture asked for up front when its init arrives.
     profiler = ChiefProfiler(role.control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
@@ -80,6 +81,7 @@ def run_chief(
     role.control.set(control_keys.READY, "1")
     try:
         final = loop.run(preemption)
+        _say_why_it_ended(job, loop, restored_from, start.step, final[0].step)
         finished = _finish(job, role, start.admin, loop, profiler, preemption, final)
     finally:
         _remove(job_file)
@@ -215,6 +217,29 @@ def _chief_loop(
     return loop
 
 
+def _say_why_it_ended(job: JobConfig, loop: ChiefLoop, restored_from: Path | None, start: int, end: int) -> None:
+    """A run whose workers' inputs ended before any step (a finished job run again), or before the max_steps it
+    was given alone, says so."""
+    if loop.preempted or loop.stopped_early:
+        return
+    spec = job.train_spec
+    trained = any(report.first_loss is not None for report in loop.progress.values())
+    if not trained and restored_from is not None:
+        reason = f"epochs={spec.epochs} reached" if spec.epochs is not None else "the input of every worker ended"
+        log.warning(
+            "restored %s at global step %d: training is already done (%s); nothing to train",
+            restored_from.name,
+            start,
+            reason,
+        )
+    elif spec.epochs is None and spec.max_steps is not None and end < spec.max_steps:
+        log.warning(
+            "training ended at global step %d, before max_steps=%d: the input of every worker ended",
+            end,
+            spec.max_steps,
+        )
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Finished:
     state: ModelState
@@ -262,7 +287,7 @@ def _finish(
 def _result(finished: _Finished, loop: ChiefLoop, start: _Start, started: float, training_s: float) -> TrainResult:
     progress = loop.progress
     first = [p.first_loss for p in progress.values() if p.first_loss is not None]
-    final_losses = [p.loss for p in progress.values() if p.local_step]
+    final_losses = [p.loss for p in progress.values() if p.first_loss is not None]
     state, captures = finished.state, finished.captures
     return TrainResult(
         global_step=state.step,

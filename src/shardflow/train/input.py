@@ -10,29 +10,51 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from shardflow.train.input_sharding import WorkerInput
+from shardflow.train.job import UserCodeError
 from shardflow.train.specs import InputContext, TrainSpec
+
+log = logging.getLogger(__name__)
+
+
+class EmptyInputError(UserCodeError, ValueError):
+    """A worker's input yielded nothing in its first epoch, and the TrainSpec does not allow that: the same on a
+    restart, so the worker is not restarted for it."""
 
 
 class _Shard:
-    """One input_fn(ctx) pipeline, iterated epoch after epoch through `last_epoch` (inclusive)."""
+    """One input_fn(ctx) pipeline, iterated epoch after epoch through `last_epoch` (inclusive). An epoch that yields
+    nothing ends it: in epoch 0 that fails unless the spec allows empty input; later, input_fn has nothing left."""
 
-    def __init__(self, spec: TrainSpec, ctx: InputContext, state: dict[str, Any] | None, last_epoch: float) -> None:
+    def __init__(
+        self,
+        spec: TrainSpec,
+        ctx: InputContext,
+        state: dict[str, Any] | None,
+        last_epoch: float,
+        announce: bool = False,
+    ) -> None:
         self.spec = spec
         self.ctx = ctx
         self.last_epoch = last_epoch
         self.epoch = int(state["epoch"]) if state else 0
         self.consumed = 0
+        self._input: WorkerInput | None = None
+        self._announce = announce
+        """Say how the input is sharded once its first batch was read (a generator reads ctx only then)."""
         self._iterator: Iterator[Any] = iter(())
         self._stateful = False
         if self.epoch <= last_epoch:
             self._start(state)
 
     def _start(self, state: dict[str, Any] | None) -> None:
-        iterator = iter(self.spec.input_fn(dataclasses.replace(self.ctx, epoch=self.epoch)))
+        self._input = WorkerInput(self.spec.input_fn, dataclasses.replace(self.ctx, epoch=self.epoch))
+        iterator = iter(self._input.iterable)
         self._stateful = callable(getattr(iterator, "get_state", None)) and callable(
             getattr(iterator, "set_state", None)
         )
@@ -59,15 +81,68 @@ class _Shard:
             batch = next(self._iterator, _END)
             if batch is not _END:
                 self.consumed += 1
+                if self._announce and self._input is not None:
+                    self._announce = False
+                    self._input.announce()
                 return batch
+            if self.consumed == 0:
+                self._end_empty()
+                return _END
             self.epoch += 1
             if self.epoch <= self.last_epoch:
                 self._start(None)
         return _END
 
+    def _end_empty(self) -> None:
+        """This epoch yielded nothing: fail in epoch 0 unless allowed; else the input ends here (with max_steps
+        alone, input_fn would be called for ever)."""
+        assert self._input is not None  # an epoch was started
+        name = self._input.name
+        if self.epoch == 0 and not self.spec.allow_empty_input:
+            raise EmptyInputError(_empty_message(self.spec, self.ctx, self._input.describe()))
+        if self.epoch == 0:
+            log.warning("%s has no input (TrainSpec.allow_empty_input=True): it trains no step", name)
+        else:
+            log.warning(
+                "%s: epoch %d of its input yielded no batch, so its input ends here. input_fn is called once per "
+                "epoch: does it return an iterator that the epoch before used up?",
+                name,
+                self.epoch,
+            )
+        self.last_epoch = self.epoch - 1
+
     def get_state(self) -> dict[str, Any]:
         inner = self._iterator.get_state() if self._stateful else None  # type: ignore[attr-defined]
         return {"epoch": self.epoch, "consumed": self.consumed, "inner": inner}
+
+
+def _empty_message(spec: TrainSpec, ctx: InputContext, sharding: str) -> str:
+    """Why a worker's first epoch is empty, as far as one look at the whole input tells: the whole input is empty
+    (a glob that matches no file), or only this worker's share is (fewer files or records than workers)."""
+    likely = "a glob that matches no file, an empty file, or a filter that keeps nothing?"
+    if ctx.num_workers > 1 and _whole_input_yields(spec):
+        likely = (
+            "the whole input is not empty, but this worker's share is: fewer files or records than the "
+            f"{ctx.num_workers} workers?"
+        )
+    return (
+        f"worker:{ctx.worker_index} read no batch in its first epoch: input_fn(InputContext(num_workers="
+        f"{ctx.num_workers}, worker_index={ctx.worker_index}, epoch=0)){sharding} yielded nothing. Likely "
+        f"{likely} Fix the input, or pass TrainSpec(allow_empty_input=True) if some workers may have nothing to read"
+    )
+
+
+def _whole_input_yields(spec: TrainSpec) -> bool:
+    """Whether input_fn yields a batch for a single worker (which reads everything); False where it cannot tell."""
+    try:
+        iterator = iter(spec.input_fn(InputContext(1, 0, 0)))
+        found = next(iterator, _END) is not _END
+        close = getattr(iterator, "close", None)
+        if callable(close):
+            close()
+        return found
+    except Exception:  # a look for the message only: the error to raise is the empty input
+        return False
 
 
 class InputPosition:
@@ -101,7 +176,7 @@ class InputPosition:
             ctx = InputContext(int(entry["num_workers"]), int(entry["index"]))
             return _Shard(self.spec, ctx, entry["position"], min(float(entry["last_epoch"]), self._last_epoch))
         if self._own is None:
-            self._own = _Shard(self.spec, self.ctx, self._own_state, self._last_epoch)
+            self._own = _Shard(self.spec, self.ctx, self._own_state, self._last_epoch, announce=True)
             return self._own
         return None
 

@@ -64,6 +64,7 @@ def run_process(job: JobConfig, on_connect: OnConnect) -> TrainResult:
         return _run_embedded(job, on_connect)
     spec, task = found
     if task.type == "chief":
+        _say_cluster_size(job, spec)
         return _run_chief(job, spec, task, on_connect)
     _run_other_role(job, spec, task, on_connect)
 
@@ -94,8 +95,9 @@ def _already_finished(job: JobConfig) -> TrainResult | None:
     if step < max_steps:
         return None
     log.warning(
-        "model_dir %s already holds global step %d >= max_steps %d; raise max_steps to train further",
-        job.model_dir,
+        "restored %s at global step %d: training is already done (max_steps=%d reached); nothing to train. Raise "
+        "max_steps to train further",
+        path.name,
         step,
         max_steps,
     )
@@ -117,6 +119,33 @@ def _already_finished(job: JobConfig) -> TrainResult | None:
         start_step=step,
         worker_steps={},
         ps_stats=manifest.get("ps_stats", {}),
+    )
+
+
+def _say_cluster_size(job: JobConfig, spec: ClusterSpec) -> None:
+    """The cluster the environment describes is the one whose processes were started: where the strategy asks for
+    other numbers, one line says which won and why."""
+    strategy = job.strategy
+    num_workers, num_ps = spec.num("worker"), spec.num("ps")
+    if (num_workers, num_ps) == (strategy.num_workers, strategy.num_ps):
+        return
+    if env.get(env.CLUSTER):
+        source, fix = "shardflow launch", f"`shardflow launch --workers {strategy.num_workers} --ps {strategy.num_ps}`"
+    elif os.environ.get("TF_CONFIG", "").strip():
+        source, fix = "TF_CONFIG", "a TF_CONFIG with those"
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return  # cluster_from_env said it already, in torchrun's terms
+    else:
+        source, fix = "the cluster manager", "a cluster of that size"
+    log.warning(
+        "training uses the %d worker(s) and %d PS that %s started; the strategy's num_workers=%d, num_ps=%d apply "
+        "only where the script starts its own local cluster (python script.py): start it with %s to use them",
+        num_workers,
+        num_ps,
+        source,
+        strategy.num_workers,
+        strategy.num_ps,
+        fix,
     )
 
 

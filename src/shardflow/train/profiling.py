@@ -213,10 +213,15 @@ class ChiefProfiler(RoleProfiler):
 
 
 def request_capture(
-    model_dir: str | os.PathLike[str], num_steps: int, ops: bool = False, timeout_s: float = 300.0
+    model_dir: str | os.PathLike[str],
+    num_steps: int,
+    ops: bool = False,
+    timeout_s: float = 300.0,
+    on_request: Callable[[Capture], None] | None = None,
 ) -> Path:
     """Ask the job running in `model_dir` to capture its next `num_steps` global steps on every role; returns the
-    capture's directory once the chief has merged it."""
+    capture's directory once the chief has merged it. `on_request` is called with the request as soon as it is
+    made, before the wait for the steps to run."""
     job_file = Path(model_dir) / "job.json"
     if not job_file.exists():
         raise FileNotFoundError(f"no running job in {model_dir}: {job_file} is written by the chief while it trains")
@@ -230,7 +235,10 @@ def request_capture(
             first = read_global_step(client, "ps:0", timeout_s=10.0) + 1
         first, last = check_steps((first, first + num_steps), what=f"--steps {num_steps}: the capture's global steps")
         name = f"on-demand-{first}-{last}"
-        control.put(job_keys.CAPTURE_REQUEST, Capture(name=name, first=first, last=last, ops=ops))
+        capture = Capture(name=name, first=first, last=last, ops=ops)
+        control.put(job_keys.CAPTURE_REQUEST, capture)
+        if on_request is not None:
+            on_request(capture)
         done = control.get(
             control_keys.capture_done(name), waiting_for="the chief to merge the capture", timeout_s=timeout_s
         )

@@ -41,11 +41,12 @@ class ProgressDisplay:
         return f"{elapsed / fraction - elapsed:.0f}s" if 0 < fraction < 1 else "0s"
 
     def update(self, step: int, progress: dict[str, ProgressReport]) -> None:
-        if not progress:
-            return  # no worker has reported yet
-        losses = [p.loss for p in progress.values() if p.local_step]
-        loss = sum(losses) / len(losses) if losses else float("nan")
-        epochs = [p.epoch for p in progress.values()]
+        # A worker's first loss is set by its first step of this run: one restored after a finished job has none.
+        running = [p for p in progress.values() if p.first_loss is not None]
+        if not running:
+            return  # no worker has made a step yet (or has any to make): nothing to show
+        loss = sum(p.loss for p in running) / len(running)
+        epochs = [p.epoch for p in running]
         epoch = min(epochs) if epochs else None
         rate = (step - self.start_step) / max(time.monotonic() - self.started, 1e-9)
         if self.live is not None:

@@ -48,9 +48,13 @@ class TrainSpec:
     max_steps: int | None = None
     """Stop at this global step (exact: the PS apply no update beyond it)."""
     epochs: int | None = None
-    """Every record is seen this many times across all workers, when input_fn shards by worker."""
+    """Every record is seen this many times across all workers: input_fn shards by ctx.worker_index, or returns a
+    shardflow.data.Dataset, which each worker auto-shards (see train/input_sharding.py)."""
     hooks: Sequence[Hook] = ()
     """Per-step logic run in every worker (see shardflow.train.hooks.Hook)."""
+    allow_empty_input: bool = False
+    """Let a worker whose input yields nothing in its first epoch train no step; by default that fails the job,
+    naming the worker (a glob that matches no file, a shard with nothing in it)."""
 
     def __post_init__(self) -> None:
         if self.max_steps is None and self.epochs is None:

@@ -123,12 +123,14 @@ class Summaries:
             self._written_interval = interval
 
     def _write_rates(self, step: int, progress: dict[str, ProgressReport], ps_stats: list[dict[str, Any]]) -> None:
+        # Only workers that made a step in this run (a first loss): one restored after its input ended has no rate.
+        running = {name: p for name, p in progress.items() if p.first_loss is not None}
+        if not running:
+            return  # nothing trained yet, or nothing left to train: no point of 0
         now = time.monotonic()
-        running = [p for p in progress.values() if p.local_step]
-        if running:
-            share = sum(p.input_wait_share for p in running) / len(running)
-            self.train.add_scalar("input_wait_share", share, step)
-        for name, p in progress.items():
+        share = sum(p.input_wait_share for p in running.values()) / len(running)
+        self.train.add_scalar("input_wait_share", share, step)
+        for name, p in running.items():
             self.train.add_scalar(f"steps_per_sec/{name}", p.steps_per_s, step)
         if self._last is not None and now > self._last[0]:
             self.train.add_scalar("global_step/sec", (step - self._last[1]) / (now - self._last[0]), step)

@@ -113,6 +113,13 @@ def _resume(role: RoleContext, params: ParameterClient) -> dict[str, Any] | None
         rejoined = params.rejoin()
     if not rejoined.local_step and not rejoined.ahead:
         return _restored_position(role)
+    if not rejoined.ahead and not role.control.is_set(job_keys.progress(role.task.name)):
+        # No run of this worker reported in this job (each reports as it starts): the steps are the restored
+        # checkpoint's, and this is no rejoin.
+        log.info(
+            "%s resumes its input from the restored checkpoint, after %d steps", role.task.name, rejoined.local_step
+        )
+        return rejoined.input_state
     log.warning(
         "%s rejoins the job after %d steps of its own; it resumes its input after the last step every PS applied%s",
         role.task.name,
@@ -214,6 +221,7 @@ def run_worker(
         position = InputPosition(job.train_spec, InputContext(role.num_workers, role.task.index), _resume(role, params))
         profiler.check_requests()
         report = Report(role, params.local_step, job.save_summary_steps, generation)
+        report.send()  # at once: a restart of this worker in this job knows from it that it rejoins
         worker = WorkerStep(name, job, model, params, _ahead(position, params), report, profiler.recorder)
         with contextlib.ExitStack() as stack:
             if params.tables is not None:  # the model's sf.nn tables look their rows up on the PS

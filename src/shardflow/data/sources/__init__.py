@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shardflow._lazy import lazy_getattr
+from shardflow._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
     from shardflow.data.sources.csv import decode_csv
@@ -50,3 +50,4 @@ __all__ = [
 ]
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
+__dir__ = lazy_dir(__name__, _LAZY)
