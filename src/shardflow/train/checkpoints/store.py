@@ -27,6 +27,7 @@ from shardflow import faults
 
 # The PS's table files: staged in model_dir/tables, linked into each checkpoint's own tables/.
 from shardflow.ps.embeddings.chains import TABLES, chain_order, link_into, table_chains
+from shardflow.ps.embeddings.files import checksum, fsync_dir
 from shardflow.ps.embeddings.spec import TableSpec
 from shardflow.ps.protocol import TableRestore
 from shardflow.train.checkpoints.model_state import ModelState
@@ -43,7 +44,6 @@ _MANIFEST_CRC32C = "manifest_crc32c"
 _TEMPORARY = ".tmp-"
 # `ckpt-000000100`; a second copy of the same step (a re-save) is `ckpt-000000100.1`.
 _NAME = re.compile(r"ckpt-(\d+)(?:\.(\d+))?")
-_CHUNK_BYTES = 4 << 20
 # (path, stat of manifest, stat of model) -> whether it verified; the evaluator asks every 0.5 s.
 _verified: dict[tuple[str, tuple[int, ...] | None, tuple[int, ...] | None], bool] = {}
 _MAX_VERIFIED = 1024
@@ -52,14 +52,6 @@ _MAX_VERIFIED = 1024
 def directory(model_dir: str | os.PathLike[str]) -> Path:
     """Where model_dir keeps its checkpoints, one directory `ckpt-<step>` each."""
     return Path(model_dir) / _DIRECTORY
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _write_synced(fd: int, data: bytes) -> None:
@@ -74,16 +66,9 @@ def _write_synced(fd: int, data: bytes) -> None:
 
 
 def _file_record(path: Path, *, sync: bool = False) -> dict[str, Any]:
-    """Size and CRC-32C of a file, read in chunks; with `sync`, the file is also fsynced."""
-    checksum = google_crc32c.Checksum()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK_BYTES):
-            checksum.update(chunk)
-            size += len(chunk)
-        if sync:
-            os.fsync(f.fileno())
-    return {"bytes": size, "crc32c": checksum.hexdigest().decode()}
+    """Size and CRC-32C of a file, as the manifest lists it; with `sync`, the file is also fsynced."""
+    size, crc32c = checksum(path, sync=sync)
+    return {"bytes": size, "crc32c": crc32c}
 
 
 def _manifest_crc32c(manifest: dict[str, Any]) -> str:
@@ -128,7 +113,7 @@ def _point_latest(root: Path, name: str) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)  # a full disk: `latest` still names the checkpoint before
         raise
-    _fsync_dir(root)
+    fsync_dir(root)
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:
@@ -178,14 +163,14 @@ def save(
         full[_MANIFEST_CRC32C] = _manifest_crc32c(full)
         text = json.dumps(full, indent=1).encode()
         _write_synced(os.open(tmp / _MANIFEST, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), text)
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
         faults.reached("checkpoint", "chief", step)
         copies = [p for p in _checkpoints(root) if _step_of(p) == step]
         final = next((p for p in copies if _read_bytes(p / _MANIFEST) == text and _intact(p, step)), None)
         if final is None:
             final = _free_name(root, step)
             os.rename(tmp, final)
-            _fsync_dir(root)
+            fsync_dir(root)
         else:
             shutil.rmtree(tmp)
     except BaseException:
@@ -215,7 +200,7 @@ def _tidy(root: Path, final: Path, copies: list[Path], step: int, keep: int | No
             # Back to the plain name; until `latest` follows, the scan in `latest()` finds it under that name.
             os.rename(final, plain)
             final = plain
-            _fsync_dir(root)
+            fsync_dir(root)
             _point_latest(root, final.name)
         if keep is not None:
             # Oldest written first, so a directory that already held higher steps never loses the newest.
