@@ -113,7 +113,7 @@ def per_step(run: dict, ids: dict[str, float] | None = None) -> dict[str, float]
 def memory_per_row(run: dict, table: str = "item") -> float:
     """Bytes a PS holds per row of `table`, its optimizer's state included (the PS's own count, summed over them)."""
     stats = run["ps_stats"].values()
-    return sum(s[f"table/{table}/bytes"] for s in stats) / sum(s[f"table/{table}/rows"] for s in stats)
+    return sum(s[f"table/{table}/memory_bytes"] for s in stats) / sum(s[f"table/{table}/rows"] for s in stats)
 
 
 def best(runs: list[dict]) -> dict:
