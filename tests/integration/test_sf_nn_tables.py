@@ -3,6 +3,7 @@ checkpoint of 2 PS (full and increments) restores onto 3 PS with the same rows."
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import time
@@ -67,8 +68,7 @@ def trained_tables(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     assert state.tables is not None, f"{latest} holds no sf.nn tables: {sorted(manifest)}"
     specs = {spec.name: spec for spec in table_specs(job.Model())}
     rows = {
-        name: CheckpointRows(latest, name, lambda ids, spec=specs[name]: initial_rows(spec, ids))
-        for name in state.tables.chains
+        name: CheckpointRows(latest, name, functools.partial(initial_rows, specs[name])) for name in state.tables.chains
     }
     return state.params, rows
 
@@ -83,7 +83,8 @@ def test_sync_training_of_sf_nn_tables_equals_one_process_with_torch_sparse_opti
     assert result["global_step"] == steps
     model, expected = one_process(optimizer, lr, steps, batch)
     params, rows = trained_tables(tmp_path / "model")
-    for name, value in model.head.state_dict().items():
+    head: torch.nn.Module = model.head  # type: ignore[assignment]
+    for name, value in head.state_dict().items():
         torch.testing.assert_close(params[f"head.{name}"], value, atol=1e-5, rtol=0, msg=name)
     for name, weights in expected.items():
         got = rows[name].lookup(torch.arange(weights.shape[0]))

@@ -51,8 +51,8 @@ def _watch_servers(heartbeats: _Heartbeats, recovery: _Recovery, **state: Any) -
     loop.global_step, loop.checkpoints = 40, SimpleNamespace(restored=lambda step: None)
     loop.workers, loop.told = ["worker:0", "worker:1"], []
     loop.preempted, loop.stopped_early = state.get("preempted", False), False
-    heartbeats.lost = dict.fromkeys(state.get("lost", ()), 0.0)
-    policy = "continue" if heartbeats.lost else "wait"
+    heartbeats.lost = dict.fromkeys(state.get("lost", ()), 0.0)  # type: ignore[attr-defined]
+    policy = "continue" if heartbeats.lost else "wait"  # type: ignore[attr-defined]
     loop.job = SimpleNamespace(strategy=SimpleNamespace(lost_worker_policy=policy))
     loop.client = SimpleNamespace(stop=lambda: loop.told.append("stop"), lost=lambda k: loop.told.append(f"lost {k}"))
     loop._watch_servers()

@@ -57,7 +57,8 @@ class Counted(torch.nn.Module):
 
 def loss_fn(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     # Each applied gradient of a record adds exactly 1.0 to its counter (SGD at lr 1/16).
-    return -model.seen[ids].sum() / LR
+    seen: torch.Tensor = model.seen  # type: ignore[assignment]
+    return -seen[ids].sum() / LR
 
 
 est = sf.Estimator(

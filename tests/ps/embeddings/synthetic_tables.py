@@ -50,7 +50,7 @@ def write_scenario(directory: Path, spec: TableSpec, num_ps: int) -> list[FileRe
                 gone = torch.tensor(removed, dtype=torch.int64)
                 state["removed"] = gone[owners(spec, gone, num_ps) == ps_index]
             record = write_shard(
-                directory, spec, step=step, ps_index=ps_index, num_ps=num_ps, kind=kind, state=state,
+                directory, spec, step=step, ps_index=ps_index, num_ps=num_ps, kind=kind, state=state,  # type: ignore[arg-type]
                 scalars={"step": float(step)},
             )  # fmt: skip
             records.append(record)

@@ -207,7 +207,7 @@ def test_replay_refuses_files_out_of_chain_order_before_feeding_any(tmp_path):
 def test_replay_refuses_a_chain_lacking_a_ps_increment(tmp_path):
     chain = chain_order(write_scenario(tmp_path, DYNAMIC, num_ps=2))
     with pytest.raises(ValueError, match=r"increment files of step 20 lack ps \[1\]"):
-        replay([(tmp_path / r.path, r) for r in chain if r.path != chain[3].path], DYNAMIC, list().append)
+        replay([(tmp_path / r.path, r) for r in chain if r.path != chain[3].path], DYNAMIC, lambda state: None)
 
 
 def test_linked_files_have_the_manifest_entries_store_computes(tmp_path):

@@ -92,9 +92,9 @@ def test_rowwise_adagrad_keeps_one_accumulator_per_row():
         summed: dict[int, torch.Tensor] = {}
         for i, grad in zip(ids, grads, strict=True):
             summed[i] = summed.get(i, torch.zeros(3, dtype=torch.float64)) + torch.tensor(grad, dtype=torch.float64)
-        for i, grad in summed.items():
-            accumulators[i] += float((grad**2).mean())
-            expected[i] -= 0.5 * grad / (accumulators[i] ** 0.5 + 1e-6)
+        for i, row_grad in summed.items():
+            accumulators[i] += float((row_grad**2).mean())
+            expected[i] -= 0.5 * row_grad / (accumulators[i] ** 0.5 + 1e-6)
     assert torch.allclose(table.lookup(torch.arange(5)).double(), expected, atol=1e-6, rtol=0)
     assert torch.allclose(table.rows_state(False)["slot.sum"].double(), torch.tensor(accumulators, dtype=torch.float64))
 
