@@ -109,7 +109,7 @@ def test_sigint_to_the_launcher_stops_every_role_and_exits_130(tmp_path, process
 
     launcher.send_signal(signal.SIGINT)
 
-    assert launcher.wait(timeout=10) == 130
+    assert launcher.wait(timeout=30) == 130  # within the roles' grace; a loaded machine takes longer
     assert "shardflow launch: interrupted; stopping all roles" in (tmp_path / "stderr.txt").read_text()
     assert_all_gone(processes)
 

@@ -36,11 +36,11 @@ def saved_rows(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def test_admission_after_two_sightings_makes_rows_for_exactly_the_ids_seen_twice(run_job):
-    config = {"num_batches": 300, "batch": 1024, "num_ranks": 1 << 40}
+    config = {"num_batches": 150, "batch": 2048, "num_ranks": 1 << 40}
     proc, result = run_job("dynamic.py", timeout_s=300, **config)
     assert proc.returncode == 0, proc.stdout
-    assert result["global_step"] == 300
-    ids, counts = np.unique(job.make_ids(300, 1024, 1 << 40), return_counts=True)
+    assert result["global_step"] == 150
+    ids, counts = np.unique(job.make_ids(150, 2048, 1 << 40), return_counts=True)
     assert ids.size > 2_000_000  # several million distinct ids, most seen once
     rows = saved_rows(Path(result["checkpoint"]))
     expected = torch.from_numpy(ids[counts >= 2])

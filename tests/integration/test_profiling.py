@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -134,7 +135,9 @@ def test_on_demand_capture_of_a_running_job(start_job, tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Merged while the job goes on, not at its end.
     assert job.proc.poll() is None
-    directory = Path(proc.stdout.strip())
+    found = re.search(r"^captured .* into (\S+); to read it:$", proc.stdout, re.MULTILINE)
+    assert found is not None, proc.stdout
+    directory = Path(found[1])
     with gzip.open(directory / "merged.trace.json.gz") as f:
         trace = json.load(f)
     first, last = (int(x) for x in directory.name.split("-")[-2:])

@@ -104,11 +104,12 @@ def test_a_stranger_without_the_secret_can_do_nothing_and_the_job_ends_exact(sta
                     (protocol.Pull(min_step=0).header(), []),
                     (dict(nan_push), [torch.full((4,), math.nan)]),
                 ):
+                    # Refused in silence or with an error: on loopback any answer would come in milliseconds.
                     with pytest.raises(CommError):
-                        client.request(f"ps:{k}", header, frames, timeout_s=1.0)
+                        client.request(f"ps:{k}", header, frames, timeout_s=0.3)
     # A raw socket with no security at all: nothing comes back.
     raw: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
-    raw.linger, raw.rcvtimeo = 0, 1000
+    raw.linger, raw.rcvtimeo = 0, 300
     raw.connect(ps_addresses[0])
     raw.send_multipart([b"\x83\xa2op\xa4stop\xa1s\xa1x\xa1q\x01"])
     with pytest.raises(zmq.Again):
