@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -173,19 +174,32 @@ def write_shard(
     )  # fmt: skip
 
 
+def save_tensors(
+    tensors: dict[str, torch.Tensor],
+    path: Path,
+    metadata: dict[str, str] | None = None,
+    *,
+    named: Path | None = None,
+    save: Callable[..., None] = save_file,
+) -> None:
+    """safetensors' `save_file` (or `save`, the same), with an I/O error (a full disk) raised as the OSError it is,
+    naming `named` (by default `path`): safetensors raises SafetensorError("... (os error 28)") instead."""
+    try:
+        extra = {"metadata": metadata} if metadata is not None else {}
+        save({k: v.contiguous() for k, v in tensors.items()}, str(path), **extra)
+    except SafetensorError as error:
+        found = re.search(r"\(os error (\d+)\)", str(error))
+        if found is None:
+            raise
+        code = int(found.group(1))
+        raise OSError(code, os.strerror(code), str(named or path)) from error
+
+
 def write_atomically(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
     """Write a safetensors file under a temporary name, sync it, rename it to `path`: its size and CRC-32C."""
     tmp = path.with_name(f"{TEMPORARY}{path.name}-{uuid.uuid4().hex[:8]}")
     try:
-        try:
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp), metadata=metadata)
-        except SafetensorError as error:
-            # safetensors reports an I/O error (a full disk) as SafetensorError("... (os error 28)").
-            found = re.search(r"\(os error (\d+)\)", str(error))
-            if found is None:
-                raise
-            code = int(found.group(1))
-            raise OSError(code, os.strerror(code), str(path)) from error
+        save_tensors(tensors, tmp, metadata, named=path)
         size, crc = checksum(tmp, sync=True)
         os.replace(tmp, path)
     except BaseException:
