@@ -54,6 +54,9 @@ class _Peer:
     handshakes: int = 0
     arrived: dict[int, Reply] = field(default_factory=dict)
     """Replies that came while waiting for another one, by sequence number."""
+    torn_send: bool = False
+    """A send stopped between the frames of a message: the socket holds part of it, which the next message would
+    complete. The socket is made anew before its next send."""
     receiver: Receiver = field(init=False)
 
     def __post_init__(self) -> None:
@@ -181,6 +184,9 @@ class Client:
         while True:
             try:
                 return self.recv(peer, seq, timeout_s)
+            except (KeyboardInterrupt, SystemExit):  # given up by its caller: no reply will be read
+                connection.pending.pop(seq, None)
+                raise
             except DeadlineExceeded:
                 if attempts > retries:
                     del connection.pending[seq]
@@ -264,11 +270,16 @@ class Client:
                 self._send_frames(connection, [msgpack.packb(header), *request.frames[1:]])
 
     def _send_frames(self, connection: _Peer, frames: list[Any]) -> None:
+        if connection.torn_send:
+            self._reopen(connection)
         for attempt in range(2):
             try:
+                connection.torn_send = True  # until the last frame went (a signal handler may raise in between)
                 send_frames(connection.socket, frames, NOBLOCK)
+                connection.torn_send = False
                 return
             except zmq.Again:
+                connection.torn_send = False  # refused whole: NOBLOCK sends of a message's frames fail at its first
                 if attempt == 1 or len(connection.pending) >= _SEND_QUEUE_LIMIT:
                     raise CommError(
                         f"{_SEND_QUEUE_LIMIT} requests queued for {connection.name} at "
@@ -278,9 +289,15 @@ class Client:
             # Nowhere to queue: libzmq gives a connection up for good when its handshake breaks the protocol, as with
             # whatever squatted the port while the peer was down (another mechanism). A new socket connects again.
             # Its first handshake counts as a new connection: what was queued on the old socket is sent again.
-            _close(connection.socket, connection.monitor)
-            connection.socket, connection.monitor = self._open(connection.name, connection.address)
-            connection.receiver = Receiver(connection.socket)
+            self._reopen(connection)
+
+    def _reopen(self, connection: _Peer) -> None:
+        """A new socket to the same peer; its first handshake counts as a new connection, on which every request in
+        flight is sent again (`_resend`). The server routes replies to it by the same routing id."""
+        _close(connection.socket, connection.monitor)
+        connection.socket, connection.monitor = self._open(connection.name, connection.address)
+        connection.receiver = Receiver(connection.socket)
+        connection.torn_send = False
 
 
 def _close(socket: zmq.Socket[bytes], monitor: zmq.Socket[bytes]) -> None:

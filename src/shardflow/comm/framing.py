@@ -223,6 +223,10 @@ class Receiver:
 
     It waits inside zmq_recv (the RCVTIMEO option) rather than polling first: on loopback that
     measured about 40 µs less per round trip. The option is only set when the timeout changes.
+
+    A receive cut off between the frames of a message (a signal handler that raised, such as the KeyboardInterrupt
+    the launcher sends the chief when a role fails) leaves the rest of that message on the socket; the next receive
+    drops it first, so that it never reads a message's tensor frame as the next message's header.
     """
 
     def __init__(self, socket: zmq.Socket[Any], limits: WireLimits | None = None, *, envelope: int = 0) -> None:
@@ -233,12 +237,16 @@ class Receiver:
         self.limits = limits
         self._envelope = envelope
         self._timeout_ms: int | None = None
+        self._torn = False
+        """Whether a receive stopped inside a message: its remaining frames are still on the socket."""
         if limits is not None:
             socket.maxmsgsize = limits.max_frame_bytes + CURVE_FRAME_OVERHEAD
 
     def recv(self, timeout_ms: int) -> list[zmq.Frame] | None:
         """The next message's frames, not copied, or None after `timeout_ms` (-1: no limit).
         A message over the limits comes as an OverLimit."""
+        if self._torn:
+            self._drop_rest()
         if timeout_ms != self._timeout_ms:
             self.socket.setsockopt(zmq.RCVTIMEO, timeout_ms)
             self._timeout_ms = timeout_ms
@@ -246,13 +254,22 @@ class Receiver:
             frame = self.socket.recv(copy=False)
         except zmq.Again:
             return None
+        self._torn = frame.more
         if self.limits is not None:
-            return self._limited(frame, self.limits)
-        frames = [frame]
-        while frame.more:
-            frame = self.socket.recv(copy=False)
-            frames.append(frame)
+            frames = self._limited(frame, self.limits)
+        else:
+            frames = [frame]
+            while frame.more:
+                frame = self.socket.recv(copy=False)
+                frames.append(frame)
+        self._torn = False
         return frames
+
+    def _drop_rest(self) -> None:
+        """Drop what is left of a message whose receive was cut off (ZeroMQ delivers whole messages: it is here)."""
+        while self.socket.getsockopt(zmq.RCVMORE):
+            self.socket.recv(NOBLOCK, copy=False)
+        self._torn = False
 
     def _limited(self, frame: zmq.Frame, limits: WireLimits) -> list[zmq.Frame]:
         frames = [frame]
