@@ -26,6 +26,8 @@ Set by users:
   (cluster/liveness.py): deploy/'s manifests set it for their liveness probe, the local launcher for its own watch.
 - `SHARDFLOW_SHARED_MEMORY`: `on` (the default) has a worker move its gradients and parameters to and from each PS
   it reaches over a UNIX socket through shared memory (ps/lanes.py); `off` through the socket.
+- `SHARDFLOW_PS_THREADS`: the intra-op torch threads of each PS. Default: the cores the PS may use (its affinity
+  mask, capped by its cgroup's CPU quota) divided among the PS on its machine, at least 1 (train/ps_role.py).
 
 Set by shardflow's own tools for the processes they start:
 
@@ -66,6 +68,7 @@ RUNTIME_DIR = "SHARDFLOW_RUNTIME_DIR"
 LOCAL_SOCKETS = "SHARDFLOW_LOCAL_SOCKETS"
 SHARED_MEMORY = "SHARDFLOW_SHARED_MEMORY"
 LIVENESS_FILE = "SHARDFLOW_LIVENESS_FILE"
+PS_THREADS = "SHARDFLOW_PS_THREADS"
 
 ALL = (
     CLUSTER,
@@ -89,6 +92,7 @@ ALL = (
     LOCAL_SOCKETS,
     SHARED_MEMORY,
     LIVENESS_FILE,
+    PS_THREADS,
 )
 
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -15,7 +17,7 @@ from shardflow import env
 from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlaneError
 from shardflow.cluster.runtime_dir import make_runtime_dir
-from shardflow.cluster.spec import DYNAMIC, TaskSpec
+from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
 from shardflow.comm.security import CURVE, NULL, PLAIN, is_loopback
 from shardflow.comm.server import Server, secure_server
 from shardflow.ps.clipping import StoreNormExchange
@@ -64,9 +66,62 @@ def local_endpoint(task: TaskSpec, advertised: str) -> Iterator[str | None]:
             shutil.rmtree(own, ignore_errors=True)
 
 
+def available_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
+    """The cores this process may run on: its affinity mask, capped by its cgroup's CPU quota (a container's CPU
+    limit, rounded up), at least 1."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    quota = cgroup_cpu_quota(cgroup_root)
+    return max(1, min(cores, math.ceil(quota)) if quota is not None else cores)
+
+
+def cgroup_cpu_quota(cgroup_root: Path) -> float | None:
+    """The CPUs a cgroup's quota allows (quota over period: 1.5 for 150 ms every 100 ms), or None where there is no
+    limit or no cgroup file to read: cgroup v2's cpu.max ("max 100000" or "150000 100000"), else v1's
+    cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us."""
+    try:
+        quota, _, period = (cgroup_root / "cpu.max").read_text().partition(" ")
+    except OSError:
+        try:
+            quota = (cgroup_root / "cpu" / "cpu.cfs_quota_us").read_text()
+            period = (cgroup_root / "cpu" / "cpu.cfs_period_us").read_text()
+        except OSError:
+            return None
+    quota, period = quota.strip(), period.strip()
+    if quota in ("max", "-1") or not period:
+        return None
+    return int(quota) / int(period)
+
+
+def threads_per_ps(cores: int, ps_on_machine: int) -> int:
+    """The intra-op threads of one PS: this machine's cores shared among its PS processes, at least 1. Workers are
+    not counted: a PS applies in bursts, between which a GPU worker (or a CPU worker's compute) has the cores."""
+    return max(1, cores // max(1, ps_on_machine))
+
+
+def ps_on_this_machine(spec: ClusterSpec, task: TaskSpec) -> int:
+    """The PS of `spec` that run on `task`'s machine: those at its host; every PS where the addresses are published
+    at run time (torchrun) and the chief is on loopback, a one-machine job; else only itself."""
+    host = spec.address(task).rpartition(":")[0]
+    if host:
+        return sum(1 for ps in spec.tasks() if ps.type == "ps" and spec.address(ps).rpartition(":")[0] == host)
+    chief = spec.address(TaskSpec("chief", 0))
+    return spec.num("ps") if chief != DYNAMIC and is_loopback(f"tcp://{chief}") else 1
+
+
+def ps_threads(spec: ClusterSpec, task: TaskSpec) -> int:
+    """This PS's intra-op threads: SHARDFLOW_PS_THREADS where set, else `threads_per_ps` of the cores it has."""
+    override = env.get_int(env.PS_THREADS)
+    if override is not None:
+        if override < 1:
+            raise ValueError(f"{env.PS_THREADS}={override}: give a thread count of at least 1, or unset it")
+        return override
+    return threads_per_ps(available_cores(), ps_on_this_machine(spec, task))
+
+
 def run_ps(role: RoleContext) -> None:
     """A parameter server: serve this PS's shards until the chief says the job is over."""
-    torch.set_num_threads(1)
+    # One PS applies a large shard with several threads, so that one beside a GPU worker keeps up.
+    torch.set_num_threads(ps_threads(role.spec, role.task))
     # Row numbers from the network are range-checked by the PS itself (ps/sparse.py) before torch.optim builds
     # sparse tensors from them; opting out of torch's own check explicitly also silences its warning.
     torch.sparse.check_sparse_tensor_invariants.disable()
@@ -83,7 +138,11 @@ def _serve(role: RoleContext, server: Server) -> None:
         address = server.local_address or server.address
         role.control.publish_endpoint(control_keys.ps_endpoint(role.task.index), address)
         also = f", and at {server.local_address} for this machine's roles" if server.local_address else ""
-        print(f"{role.task.name} serving at {server.address} ({_SECURITY[server.mechanism]}){also}", flush=True)
+        print(
+            f"{role.task.name} serving at {server.address} ({_SECURITY[server.mechanism]}){also}; "
+            f"{torch.get_num_threads()} intra-op threads",
+            flush=True,
+        )
         # After its address is published: a chief that sees a restarted PS beat finds where it serves.
         heartbeat = Heartbeat(role.task.name, role.control)
         ps = ParameterServer(
