@@ -27,7 +27,8 @@ Set by users:
 - `SHARDFLOW_SHARED_MEMORY`: `on` (the default) has a worker move its gradients and parameters to and from each PS
   it reaches over a UNIX socket through shared memory (ps/lanes.py); `off` through the socket.
 - `SHARDFLOW_PS_THREADS`: the intra-op torch threads of each PS. Default: the cores the PS may use (its affinity
-  mask, capped by its cgroup's CPU quota) divided among the PS on its machine, at least 1 (train/ps_role.py).
+  mask, capped by its cgroup's CPU quota) divided among the PS and workers on its machine, at least 1
+  (train/ps_role.py).
 
 Set by shardflow's own tools for the processes they start:
 

@@ -1,4 +1,4 @@
-"""How many intra-op threads a PS takes: the cores it has, shared among the PS of its machine."""
+"""How many intra-op threads a PS takes: the cores it has, shared among the PS and workers of its machine."""
 
 from __future__ import annotations
 
@@ -8,41 +8,41 @@ from pathlib import Path
 import pytest
 
 from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
-from shardflow.train.ps_role import available_cores, cgroup_cpu_quota, ps_on_this_machine, ps_threads, threads_per_ps
+from shardflow.train.ps_role import available_cores, cgroup_cpu_quota, ps_threads, roles_on_this_machine, threads_per_ps
 
 
-def test_one_ps_takes_every_core():
+def test_the_only_role_of_a_machine_takes_every_core():
     assert threads_per_ps(16, 1) == 16
 
 
-def test_four_ps_on_one_machine_share_its_cores():
-    assert threads_per_ps(16, 4) == 4
+def test_one_ps_beside_one_worker_takes_half_the_cores():
+    assert threads_per_ps(16, 2) == 8
 
 
-def test_more_ps_than_cores_still_take_one_thread_each():
+def test_more_roles_than_cores_still_give_a_ps_one_thread():
     assert threads_per_ps(2, 4) == 1
 
 
-def test_every_ps_of_a_local_cluster_is_on_this_machine():
+def test_every_ps_and_worker_of_a_local_cluster_is_on_this_machine():
     spec = ClusterSpec.local(num_workers=4, num_ps=3)
-    assert ps_on_this_machine(spec, TaskSpec("ps", 1)) == 3
+    assert roles_on_this_machine(spec, TaskSpec("ps", 1)) == 7
 
 
-def test_only_the_ps_at_this_host_count():
+def test_only_the_roles_at_this_host_count():
     spec = ClusterSpec(
         {
             "chief": ("10.0.0.1:2222",),
             "ps": ("10.0.0.2:2222", "10.0.0.2:2223", "10.0.0.3:2222"),
-            "worker": ("10.0.0.4:2222",),
+            "worker": ("10.0.0.2:2224", "10.0.0.4:2222"),
         }
     )
-    assert ps_on_this_machine(spec, TaskSpec("ps", 0)) == 2
-    assert ps_on_this_machine(spec, TaskSpec("ps", 2)) == 1
+    assert roles_on_this_machine(spec, TaskSpec("ps", 0)) == 3
+    assert roles_on_this_machine(spec, TaskSpec("ps", 2)) == 1
 
 
 def test_published_addresses_with_the_chief_on_loopback_mean_one_machine():
     spec = ClusterSpec({"chief": ("127.0.0.1:29500",), "ps": (DYNAMIC, DYNAMIC), "worker": (DYNAMIC,)})
-    assert ps_on_this_machine(spec, TaskSpec("ps", 0)) == 2
+    assert roles_on_this_machine(spec, TaskSpec("ps", 0)) == 3
 
 
 def test_a_cgroup_v2_quota_caps_the_cores(tmp_path: Path):

@@ -92,20 +92,23 @@ def cgroup_cpu_quota(cgroup_root: Path) -> float | None:
     return int(quota) / int(period)
 
 
-def threads_per_ps(cores: int, ps_on_machine: int) -> int:
-    """The intra-op threads of one PS: this machine's cores shared among its PS processes, at least 1. Workers are
-    not counted: a PS applies in bursts, between which a GPU worker (or a CPU worker's compute) has the cores."""
-    return max(1, cores // max(1, ps_on_machine))
+def threads_per_ps(cores: int, roles_on_machine: int) -> int:
+    """The intra-op threads of one PS: this machine's cores shared among the PS and workers on it, at least 1.
+    Workers count because a CPU worker computes while the PS applies (a PS with threads beyond its share stalls
+    at every op waiting for a descheduled one: 6x slower on 2 cores), and a GPU worker keeps a core busy too."""
+    return max(1, cores // max(1, roles_on_machine))
 
 
-def ps_on_this_machine(spec: ClusterSpec, task: TaskSpec) -> int:
-    """The PS of `spec` that run on `task`'s machine: those at its host; every PS where the addresses are published
-    at run time (torchrun) and the chief is on loopback, a one-machine job; else only itself."""
+def roles_on_this_machine(spec: ClusterSpec, task: TaskSpec) -> int:
+    """The PS and workers of `spec` that run on `task`'s machine, itself included: those at its host; all of them
+    where the addresses are published at run time (torchrun) and the chief is on loopback, a one-machine job;
+    else only itself."""
+    roles = [other for other in spec.tasks() if other.type in ("ps", "worker")]
     host = spec.address(task).rpartition(":")[0]
     if host:
-        return sum(1 for ps in spec.tasks() if ps.type == "ps" and spec.address(ps).rpartition(":")[0] == host)
+        return sum(1 for other in roles if spec.address(other).rpartition(":")[0] == host)
     chief = spec.address(TaskSpec("chief", 0))
-    return spec.num("ps") if chief != DYNAMIC and is_loopback(f"tcp://{chief}") else 1
+    return len(roles) if chief != DYNAMIC and is_loopback(f"tcp://{chief}") else 1
 
 
 def ps_threads(spec: ClusterSpec, task: TaskSpec) -> int:
@@ -115,7 +118,7 @@ def ps_threads(spec: ClusterSpec, task: TaskSpec) -> int:
         if override < 1:
             raise ValueError(f"{env.PS_THREADS}={override}: give a thread count of at least 1, or unset it")
         return override
-    return threads_per_ps(available_cores(), ps_on_this_machine(spec, task))
+    return threads_per_ps(available_cores(), roles_on_this_machine(spec, task))
 
 
 def run_ps(role: RoleContext) -> None:
