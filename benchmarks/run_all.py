@@ -62,6 +62,12 @@ BENCHMARKS = [
         script="embedding_tables.py",
         quick_flags=("--steps", "300", "--tf-steps", "100", "--local-steps", "100", "--repeats", "1"),
     ),
+    Benchmark(name="ps_apply", script="ps_apply.py", quick_flags=("--repeats", "20")),
+    Benchmark(
+        name="gpu_training",
+        script="gpu_training.py",
+        quick_flags=("--steps", "100", "--local-steps", "50", "--rec-rows", "100000", "--setups", "async-1w1ps"),
+    ),
     Benchmark(
         name="ps_sync",
         script="ps_training.py",
@@ -101,6 +107,15 @@ BENCHMARKS = [
         quick_flags=QUICK_TRAINING,
         in_make_bench=False,
         about="clip_grad_norm and bf16 autocast against neither, alternating.",
+    ),
+    Benchmark(
+        name="gpu_training_1w",
+        script="gpu_training.py",
+        flags=("--setups", "async-1w1ps", "--steps", "600", "--local-steps", "300", "--repeats", "2"),
+        quick_flags=("--steps", "100", "--local-steps", "50", "--rec-rows", "100000", "--repeats", "1"),
+        in_make_bench=False,
+        about="gpu_training's 1 worker + 1 PS only (rec and the PS-training MLP on the CPU, the issue's CPU "
+        "targets; rec and dense on a GPU): fits a small machine.",
     ),
     Benchmark(
         name="ps_against_commit",

@@ -1,0 +1,60 @@
+"""A PS's apply of one update to the dense GPU model's shard (MLP 1024-2048-2048-10, 6.3M parameters) with the
+threads a PS takes from its cores against one thread, as the PS applies it: torch.optim's step over the shard's
+variables with their gradients set.
+
+Usage: python benchmarks/ps_apply.py [--threads N] [--repeats R]   (default N: every core this process may use)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from result_line import print_result, row
+
+from shardflow.train.ps_role import available_cores
+
+SHAPES = [(2048, 1024), (2048,), (2048, 2048), (2048,), (10, 2048), (10,)]
+OPTIMIZERS = {
+    "SGD": lambda params: torch.optim.SGD(params, lr=0.01),
+    "Adam": lambda params: torch.optim.Adam(params, lr=1e-3),
+}
+
+
+def apply_ms(optimizer_name: str, threads: int, repeats: int) -> float:
+    """The median milliseconds of one optimizer step over the shard, on `threads` intra-op threads."""
+    torch.set_num_threads(threads)
+    params = [torch.zeros(shape, requires_grad=True) for shape in SHAPES]
+    for param in params:
+        param.grad = torch.randn(param.shape)
+    optimizer = OPTIMIZERS[optimizer_name](params)
+    for _ in range(5):
+        optimizer.step()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    return 1000 * sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=available_cores())
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    num_parameters = sum(torch.Size(shape).numel() for shape in SHAPES)
+    figures: dict[str, float] = {"parameters": num_parameters, "threads": args.threads}
+    rows = []
+    for name in OPTIMIZERS:
+        one, many = apply_ms(name, 1, args.repeats), apply_ms(name, args.threads, args.repeats)
+        figures[f"{name}_ms_1_thread"], figures[f"{name}_ms_{args.threads}_threads"] = one, many
+        print(f"{name} on {num_parameters:,} parameters: {one:.2f} ms on 1 thread, {many:.2f} ms on {args.threads}")
+        measure = f"PS apply, {name} on 6.3M parameters, {args.threads} threads, updates/s"
+        rows.append(row(measure, 1000 / many, "the same on 1 thread (a PS before issue 21)", 1000 / one))
+    print_result("ps_apply", figures, rows)
+
+
+if __name__ == "__main__":
+    main()
