@@ -1,6 +1,9 @@
-"""A PS's apply of one update to the dense GPU model's shard (MLP 1024-2048-2048-10, 6.3M parameters) with the
-threads a PS takes from its cores against one thread, as the PS applies it: torch.optim's step over the shard's
-variables with their gradients set.
+"""A PS's apply of one update to a 6.3M-parameter shard, with the threads it takes from its cores against 1 thread.
+
+The shard is the dense GPU model's (MLP 1024-2048-2048-10), applied as the PS applies it: torch.optim's step over
+the shard's variables with their gradients set, SGD and Adam. The default thread count is every core this process
+may use (a PS alone on its machine); on a machine shared with other work, threads beyond the free cores cost more
+than they give.
 
 Usage: python benchmarks/ps_apply.py [--threads N] [--repeats R]   (default N: every core this process may use)
 """

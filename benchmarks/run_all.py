@@ -111,7 +111,7 @@ BENCHMARKS = [
     Benchmark(
         name="gpu_training_1w",
         script="gpu_training.py",
-        flags=("--setups", "async-1w1ps", "--steps", "600", "--local-steps", "300", "--repeats", "2"),
+        flags=("--setups", "async-1w1ps", "--steps", "500", "--local-steps", "200", "--repeats", "2"),
         quick_flags=("--steps", "100", "--local-steps", "50", "--rec-rows", "100000", "--repeats", "1"),
         in_make_bench=False,
         about="gpu_training's 1 worker + 1 PS only (rec and the PS-training MLP on the CPU, the issue's CPU "
