@@ -1,6 +1,9 @@
 """Benchmark job: a model of gpu_models.py on a local shardflow cluster, its workers on DEVICE.
 
-Usage: python gpu_model.py RESULT_JSON MODEL WORKERS PS STEPS MODE DEVICE REC_ROWS REC_TABLES
+Usage: python gpu_model.py RESULT_JSON MODEL WORKERS PS STEPS MODE DEVICE REC_ROWS REC_TABLES [FIRST,LAST MODEL_DIR]
+
+With FIRST,LAST and MODEL_DIR, the job captures global steps FIRST to LAST with torch's ops (profile_ops) into
+MODEL_DIR/profile/, for `shardflow profile steps MODEL_DIR`.
 
 REC_TABLES: sfnn (sf.nn.Embedding, rows only on the PS) or sparse (nn.Embedding(sparse=True), row-sparse variables).
 Writes global steps/s once every worker is past its first WARMUP_STEPS steps and over the whole training time, the
@@ -24,6 +27,7 @@ import gpu_models as gm
 result_path, model_name = sys.argv[1], sys.argv[2]
 num_workers, num_ps, steps = int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 mode, device, rec_rows, rec_tables = sys.argv[6], sys.argv[7], int(sys.argv[8]), sys.argv[9]
+profile_steps = tuple(int(step) for step in sys.argv[10].split(",")) if len(sys.argv) > 11 else None
 WARMUP_STEPS = 20
 
 
@@ -62,13 +66,15 @@ class StepLog(sf.Hook):
 
 
 def steady_steps_per_s() -> float:
-    """Global steps/s from the moment every worker has made WARMUP_STEPS steps to the last step of any."""
+    """Global steps/s from the moment every worker has made its warm-up steps to the last step of any."""
     logs = []
     for path in glob.glob(f"{result_path}.steps.*"):
         with open(path) as f:
             logs.append(json.load(f))
         os.remove(path)
-    started = max(log[min(WARMUP_STEPS, len(log) - 1)][0] for log in logs)
+    # A short run (a smoke test, many workers) warms up for a quarter of its shortest worker's steps instead.
+    warmup = min(WARMUP_STEPS, min(len(log) for log in logs) // 4)
+    started = max(log[warmup][0] for log in logs)
     after = sorted(entry for log in logs for entry in log if entry[0] >= started)
     (t0, step0), (t1, step1) = after[0], max(after, key=lambda entry: entry[1])
     return (step1 - step0) / (t1 - t0)
@@ -79,8 +85,10 @@ if model_name == "rec":
 else:
     optimizer = sf.optim.SGD(lr=gm.LR[model_name])
 strategy = sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode, device=device)
-with tempfile.TemporaryDirectory() as model_dir:
-    est = sf.Estimator(model_fn, loss_fn, optimizer, strategy, model_dir)
+with tempfile.TemporaryDirectory() as scratch:
+    model_dir = sys.argv[11] if profile_steps else scratch
+    profiling = {"profile_steps": profile_steps, "profile_ops": True} if profile_steps else {}
+    est = sf.Estimator(model_fn, loss_fn, optimizer, strategy, model_dir, **profiling)
     result = sf.train_and_evaluate(est, sf.TrainSpec(input_fn, max_steps=steps, hooks=[StepLog()]))
 with open(result_path, "w") as f:
     json.dump(
