@@ -68,3 +68,8 @@ def test_a_thread_count_below_one_is_refused_naming_the_variable(monkeypatch: py
     monkeypatch.setenv("SHARDFLOW_PS_THREADS", "0")
     with pytest.raises(ValueError, match="SHARDFLOW_PS_THREADS=0"):
         ps_threads(ClusterSpec.local(num_workers=1, num_ps=1), TaskSpec("ps", 0))
+
+
+def test_a_cgroup_v2_without_a_limit_leaves_the_affinity_mask(tmp_path: Path):
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    assert cgroup_cpu_quota(tmp_path) is None

@@ -75,9 +75,10 @@ def available_cores(cgroup_root: Path = Path("/sys/fs/cgroup")) -> int:
 
 
 def cgroup_cpu_quota(cgroup_root: Path) -> float | None:
-    """The CPUs a cgroup's quota allows (quota over period: 1.5 for 150 ms every 100 ms), or None where there is no
-    limit or no cgroup file to read: cgroup v2's cpu.max ("max 100000" or "150000 100000"), else v1's
-    cpu.cfs_quota_us (-1: none) and cpu.cfs_period_us."""
+    """The CPUs the quota of the cgroup this process sees at `cgroup_root` allows (a container sees its own there):
+    quota over period, 1.5 for 150 ms every 100 ms; None where there is no limit or no file to read or parse.
+    cgroup v2's cpu.max ("max 100000" or "150000 100000"), else v1's cpu.cfs_quota_us (-1: none) and
+    cpu.cfs_period_us."""
     try:
         quota, _, period = (cgroup_root / "cpu.max").read_text().partition(" ")
     except OSError:
@@ -86,10 +87,11 @@ def cgroup_cpu_quota(cgroup_root: Path) -> float | None:
             period = (cgroup_root / "cpu" / "cpu.cfs_period_us").read_text()
         except OSError:
             return None
-    quota, period = quota.strip(), period.strip()
-    if quota in ("max", "-1") or not period:
+    try:
+        cpus = int(quota) / int(period)
+    except ValueError:  # "max", or a file this rule does not know: no limit it can use
         return None
-    return int(quota) / int(period)
+    return cpus if cpus > 0 else None
 
 
 def threads_per_ps(cores: int, roles_on_machine: int) -> int:
