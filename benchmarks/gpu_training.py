@@ -161,7 +161,7 @@ def device_name(device: str) -> str:
     for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
         if line.startswith("model name"):
             return f"{line.partition(':')[2].strip()} (CPU, {os.cpu_count()} cores)"
-    return f"the CPU ({os.cpu_count()} cores)"
+    return f"a CPU ({os.cpu_count()} cores)"
 
 
 def parse_args() -> argparse.Namespace:
