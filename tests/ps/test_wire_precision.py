@@ -185,3 +185,24 @@ def test_a_live_ps_refuses_pushes_whose_wire_dtype_is_unknown_or_does_not_match_
     worker = cluster.client(model, placement, wire_dtype="bf16")
     _push(worker, model, torch.ones(1, 2))
     assert worker.global_step() == 1
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: the cast before the host copy")
+def test_a_cuda_model_pushes_and_pulls_in_bf16_and_keeps_float32_parameters(start_cluster):
+    cluster = start_cluster(1)
+    model = _model()
+    placement = place(model.named_parameters(), 1)
+    admin = cluster.admin(model, placement)
+    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
+    before = {name: param.detach().clone() for name, param in model.named_parameters()}
+    on_gpu = _model().cuda()
+    worker = cluster.client(on_gpu, placement, wire_dtype="bf16")  # a GPU model uses no lane
+    worker.pull()
+    for name, param in on_gpu.named_parameters():
+        assert param.dtype == torch.float32 and param.is_cuda
+        assert torch.equal(param.detach().cpu(), _rounded(before[name])), name
+    grads = _push(worker, on_gpu, torch.randn(4, 5, device="cuda"))
+    for name, value in fetch_state(admin).params.items():
+        expected = before[name] - 0.5 * _rounded(grads[name].cpu())
+        torch.testing.assert_close(value, expected, rtol=0, atol=1e-6)
+        assert torch.equal(dict(on_gpu.named_parameters())[name].detach().cpu(), _rounded(value)), name
