@@ -126,8 +126,7 @@ class Shards:
         for count, param in zip(push.frame_counts, self.params, strict=True):
             if lane_slot is None:
                 pieces = list(frames[start : start + count])
-                fresh = torch.empty(param.numel(), dtype=param.dtype)
-                buffers.append(torch.cat(pieces, out=fresh) if pieces else torch.empty(0))
+                buffers.append(torch.cat(pieces, out=torch.empty_like(param)) if pieces else torch.empty(0))
             start += count
         row_grads: list[list[RowGrad]] = []
         for index, table in enumerate(self.tables):
