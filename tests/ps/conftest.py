@@ -40,7 +40,9 @@ class Cluster:
     def addresses(self) -> list[str]:
         return [s.local_address or s.address for s in self.servers]
 
-    def client(self, model: torch.nn.Module, placement: Placement, worker_index: int = 0) -> ParameterClient:
+    def client(
+        self, model: torch.nn.Module, placement: Placement, worker_index: int = 0, wire_dtype: str | None = None
+    ) -> ParameterClient:
         client = ParameterClient(
             Client(f"worker:{worker_index}"),
             list(self.addresses),
@@ -48,6 +50,7 @@ class Cluster:
             model,
             timeout_s=5,
             worker_index=worker_index,
+            wire_dtype=wire_dtype,
         )
         if self.lanes and all(ps.limits is not None for ps in self.ps):  # a PS maps a lane once initialised
             client.attach_lanes()

@@ -74,6 +74,11 @@ def _requests() -> list[tuple[protocol.PSRequest, list[torch.Tensor]]]:
             ROW_GRAD,
         ),
         (protocol.NonFinite(worker_index=1, local_step=6, base_step=5, found_in="loss", reply_slot=1), []),
+        (
+            protocol.Push(worker_index=0, local_step=2, base_step=1, frame_counts=(2,), wire_dtype="bfloat16"),
+            [frame.bfloat16() for frame in DENSE] + ROW_GRAD,
+        ),
+        (protocol.Pull(wire_dtype="bfloat16"), []),
     ]
 
 
@@ -308,21 +313,24 @@ def test_a_status_reply_with_non_numeric_stats_is_refused():
 
 # -- anything at all ---------------------------------------------------------------------------------------
 
-_FIELD_NAMES = sorted({key for header, _ in _VALID.values() for key in header} | {"w", "n", "it", "want_params"})
+_FIELD_NAMES = sorted(
+    {key for header, _ in _VALID.values() for key in header} | {"w", "n", "it", "want_params", "wire_dtype"}
+)
 _VALUES = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
     | st.floats(allow_nan=True)
     | st.text(max_size=5)
-    | st.binary(max_size=5),
+    | st.binary(max_size=5)
+    | st.just("bfloat16"),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=4) | st.integers(), children),
     max_leaves=8,
 )
 _FRAMES = st.lists(
     st.builds(
         lambda dtype, shape: torch.zeros(shape, dtype=dtype),
-        st.sampled_from([torch.float32, torch.float64, torch.int64, torch.int32]),
+        st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32]),
         st.lists(st.integers(0, 4), min_size=1, max_size=2),
     ),
     max_size=6,

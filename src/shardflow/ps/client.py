@@ -97,9 +97,21 @@ class ParameterClient(PSConnection):
         timeout_s: float = 60.0,
         worker_index: int = -1,
         interrupt: Callable[[], None] | None = None,
+        wire_dtype: str | None = None,
     ) -> None:
-        """`interrupt`: see PSConnection; the worker's raises once the chief restored the PS or ended the job."""
+        """`interrupt`: see PSConnection; the worker's raises once the chief restored the PS or ended the job.
+        `wire_dtype`: "bf16" sends the float dense gradients and receives the float parameters in bfloat16 over the
+        socket (ParameterServerStrategy.wire_dtype); None: as the PS keeps them."""
+        if wire_dtype is not None and wire_dtype not in protocol.WIRE_DTYPES:
+            raise ValueError(f"wire_dtype must be one of {sorted(protocol.WIRE_DTYPES)} or None, got {wire_dtype!r}")
         super().__init__(client, ps_endpoints, placement, model, timeout_s=timeout_s, interrupt=interrupt)
+        self.wire_dtype = protocol.WIRE_DTYPES[wire_dtype] if wire_dtype is not None else None
+        """What the requests name as their wire dtype; None: none."""
+        # Per PS, the dtype each of its dense buffers travels in as frames.
+        self._wire_dtypes = [
+            [protocol.on_the_wire(getattr(torch, dtype), self.wire_dtype) for dtype in dtypes]
+            for dtypes in self.layout.dtypes
+        ]
         self.worker_index = worker_index
         self._role = f"worker:{worker_index}"
         self._index_of = {peer: k for k, peer in enumerate(self.peers)}
@@ -141,7 +153,8 @@ class ParameterClient(PSConnection):
         in place, so read-only frames serve."""
         assembled: dict[str, torch.Tensor] = {}
         for ps, buffers in replies.items():
-            for dtype, flat in zip(self.layout.dtypes[ps], self.staging.to_device(buffers), strict=True):
+            for dtype, received in zip(self.layout.dtypes[ps], self.staging.to_device(buffers), strict=True):
+                flat = received.to(getattr(torch, dtype))  # from the wire dtype (on the device: after the copy)
                 for piece in self.layout.pieces[ps][dtype]:
                     values = flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
                     if piece.partitioned:
@@ -197,7 +210,9 @@ class ParameterClient(PSConnection):
         """Fetch every PS's shards in parallel and load them into the model."""
         reply_slots = self._take_reply_slots()
         seqs = {
-            peer: self.client.send(peer, protocol.Pull(min_step=min_step, reply_slot=reply_slots[ps]).header())
+            peer: self.client.send(
+                peer, protocol.Pull(min_step=min_step, reply_slot=reply_slots[ps], wire_dtype=self.wire_dtype).header()
+            )
             for ps, peer in enumerate(self.peers)
         }
         return self._wait(seqs, protocol.Pull.op, load_params=True, reply_slots=reply_slots)
@@ -282,8 +297,21 @@ class ParameterClient(PSConnection):
             rows = self.staging.to_host(self.rows.grad_frames(ps) + self._table_frames(ps))
             self._prepared[ps] = [*buffers, *rows], rows, [0] * len(counts)
             return
-        frames = self.staging.to_host(frames + self.rows.grad_frames(ps) + self._table_frames(ps))
+        frames = self.staging.to_host(
+            self._cast(ps, frames, counts) + self.rows.grad_frames(ps) + self._table_frames(ps)
+        )
         self._prepared[ps] = frames, frames, counts
+
+    def _cast(self, ps: int, frames: list[torch.Tensor], counts: list[int]) -> list[torch.Tensor]:
+        """`ps`'s dense frames in the dtypes they travel in (`wire_dtype`); on a GPU cast there, so the copy to the
+        host moves the narrower bytes. Row-sparse and table rows always travel as the model holds them."""
+        if self.wire_dtype is None:
+            return frames
+        cast, start = [], 0
+        for wire, count in zip(self._wire_dtypes[ps], counts, strict=True):
+            cast += [frame.to(wire) for frame in frames[start : start + count]]
+            start += count
+        return cast
 
     def _table_frames(self, ps: int) -> list[torch.Tensor]:
         return self.tables.grad_frames(ps) if self.tables is not None else []
@@ -322,6 +350,7 @@ class ParameterClient(PSConnection):
                     found_in=nonfinite,
                     input_state=input_state,
                     reply_slot=reply_slots[ps],
+                    wire_dtype=self.wire_dtype,
                 )
                 requests[peer] = self.client.send(peer, message.header())
                 continue
@@ -335,6 +364,7 @@ class ParameterClient(PSConnection):
                 lr=request.learning_rate,
                 slot=self._slots[ps],
                 reply_slot=reply_slots[ps],
+                wire_dtype=self.wire_dtype,
             )
             sending = time.perf_counter_ns()  # the arrow starts before send(): the PS may apply it before that returns
             seq = requests[peer] = self.client.send(peer, push.header(), frames)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Self, get_args
+from typing import Annotated, Any, ClassVar, Literal, Self, get_args
 
 import msgspec
 import torch
@@ -31,6 +31,19 @@ SlotIndex = Annotated[int, msgspec.Meta(ge=0, lt=MAX_SLOTS)]
 SlotCount = Annotated[int, msgspec.Meta(ge=1, le=MAX_SLOTS)]
 LearningRate = Annotated[float, msgspec.Meta(ge=0, le=1.7976931348623157e308)]
 """A finite float >= 0."""
+WireDtype = Literal["bfloat16"]
+"""A dtype the dense float buffers may travel in, narrower than the PS keeps them (see `on_the_wire`)."""
+WIRE_DTYPES: dict[str, WireDtype] = {"bf16": "bfloat16"}
+"""The wire precisions a worker may ask for (ParameterServerStrategy.wire_dtype), each with the dtype it sends."""
+
+
+def on_the_wire(dtype: torch.dtype, wire_dtype: str | None) -> torch.dtype:
+    """The dtype a dense buffer of `dtype` travels in as frames when a request names `wire_dtype`: float32 and float64
+    buffers in it, any other buffer as it is. Lane slots always hold the buffers as the PS keeps them."""
+    if wire_dtype is None or dtype not in (torch.float32, torch.float64):
+        return dtype
+    wire: torch.dtype = getattr(torch, wire_dtype)
+    return wire
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,6 +213,8 @@ class Pull(Request, tag="pull", frozen=True):
     min_step: Count = 0
     reply_slot: SlotIndex | None = None
     """Where the parameters go: this slot of the sender's lane (see `Attach`), or None: frames of the reply."""
+    wire_dtype: WireDtype | None = None
+    """The float buffers of the reply's frames go in this dtype (`on_the_wire`); None: as the PS keeps them."""
 
 
 class Rows(Request, tag="rows", frozen=True):
@@ -253,6 +268,10 @@ class _WorkerStep(_WorkerRequest, frozen=True):
     checkpoints keep."""
     reply_slot: SlotIndex | None = None
     """As for `Pull`."""
+    wire_dtype: WireDtype | None = None
+    """The float buffers of the push's dense frames (a `Push`) and of the reply's parameters travel in this dtype
+    (`on_the_wire`); the PS casts gradients up to its own dtype before it applies or sums them. None: as the PS
+    keeps them."""
 
 
 class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
@@ -278,7 +297,14 @@ class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
         _check_worker(self.worker_index, limits)
         counts = self.frame_counts
         trailing = 2 * limits.num_tables + 3 * limits.embedding_tables
-        _check_dense(frames, counts, limits.buffers, trailing, in_frames=self.slot is None)
+        if self.wire_dtype is None or self.slot is not None:
+            _check_dense(frames, counts, limits.buffers, trailing, in_frames=self.slot is None)
+        else:
+            wire = [(on_the_wire(dtype, self.wire_dtype), numel) for dtype, numel in limits.buffers]
+            try:
+                _check_dense(frames, counts, wire, trailing)
+            except Invalid as invalid:
+                raise Invalid(invalid.field, f"{invalid.problem} (wire_dtype {self.wire_dtype!r})") from None
         if self.slot is not None and any(counts):
             raise Invalid("frame_counts", f"must all be 0 when the gradients are in lane slot {self.slot}: {counts}")
 

@@ -238,7 +238,8 @@ class ParameterServer:
             duplicate=duplicate,
             lane=lane is not None,
         )
-        self.server.reply(request, reply.header(), () if lane is not None else self.shards.params_snapshot())
+        frames = () if lane is not None else self.shards.params_snapshot(message.wire_dtype)
+        self.server.reply(request, reply.header(), frames)
 
     def _answer(self, received: Received, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
         """The update rule's reply to a push or pull: the current parameters, or none for a dropped push; to a

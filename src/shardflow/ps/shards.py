@@ -11,7 +11,7 @@ import torch
 from shardflow.ps import clipping
 from shardflow.ps.embeddings.shards import EmbeddingShards
 from shardflow.ps.optimizers import OptimizerSpec
-from shardflow.ps.protocol import Init, Limits, Push
+from shardflow.ps.protocol import Init, Limits, Push, on_the_wire
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
 from shardflow.ps.state import Part, load_slots
 from shardflow.ps.update_rules import Gradients, all_finite
@@ -46,7 +46,8 @@ class Shards:
         """The optimizer's spec with its learning-rate schedule and clipping; None until initialised."""
         self.sync = False
         """Whether updates are sync steps, whose gradient norm all PS agree on (clip_grad_norm)."""
-        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshots: dict[str | None, list[torch.Tensor]] = {}
+        """The parameters of the current version for replies, by wire dtype (see `params_snapshot`)."""
 
     @classmethod
     def from_init(
@@ -90,12 +91,16 @@ class Shards:
         """Every tensor this PS holds with the optimizer that updates it: the dtype buffers, then the tables."""
         return [(p, self.optimizer) for p in self.params] + [(t, self.table_optimizer) for t in self.tables]
 
-    def params_snapshot(self) -> list[torch.Tensor]:
+    def params_snapshot(self, wire_dtype: str | None = None) -> list[torch.Tensor]:
+        """The parameters for a reply's frames, each buffer in the dtype `wire_dtype` makes of it (protocol's
+        `on_the_wire`)."""
         # Replies go out zero-copy while the next update changes the buffers in place, so they carry a copy,
-        # made once per version and shared by every reply of that version.
-        if self._snapshot is None:
-            self._snapshot = [p.detach().clone() for p in self.params]
-        return self._snapshot
+        # made once per version and wire dtype and shared by every reply of that version.
+        snapshot = self._snapshots.get(wire_dtype)
+        if snapshot is None:
+            snapshot = [p.detach().to(on_the_wire(p.dtype, wire_dtype), copy=True) for p in self.params]
+            self._snapshots[wire_dtype] = snapshot
+        return snapshot
 
     def copy_params_into(self, views: Sequence[torch.Tensor]) -> None:
         for view, param in zip(views, self.params, strict=True):
@@ -115,12 +120,13 @@ class Shards:
         self, push: Push, frames: Sequence[torch.Tensor], lane_slot: Sequence[torch.Tensor] | None, what: str
     ) -> Gradients:
         """A push's dense gradients, one tensor per dtype buffer (the views of its `lane_slot`, or fresh ones of
-        its frames), and its row-sparse ones, checked against the tables before anything is applied."""
+        its frames, cast up from the push's wire dtype to the buffer's), and its row-sparse ones, checked against
+        the tables before anything is applied."""
         buffers, start = list(lane_slot) if lane_slot is not None else [], 0
-        for count in push.frame_counts:
+        for count, param in zip(push.frame_counts, self.params, strict=True):
             if lane_slot is None:
-                pieces = frames[start : start + count]
-                buffers.append(torch.cat(list(pieces)) if pieces else torch.empty(0))
+                pieces = list(frames[start : start + count])
+                buffers.append(torch.cat(pieces, out=torch.empty_like(param)) if pieces else torch.empty(0))
             start += count
         row_grads: list[list[RowGrad]] = []
         for index, table in enumerate(self.tables):
@@ -157,7 +163,7 @@ class Shards:
                 optimizer.step()
                 for variable in variables:
                     variable.grad = None
-        self._snapshot = None
+        self._snapshots = {}
 
     def _lr_factor(self, step: int, lr: float | None) -> float:
         """What the schedule makes of the base learning rate at `step`, which the `sf.nn` tables' own learning

@@ -69,6 +69,10 @@ class ParameterServerStrategy(UpdateRule):
     mixed_precision: str | None = None
     """"bf16": the workers' forward runs under torch.autocast in bfloat16; parameters on the PS, gradients and
     pushes stay float32. None: float32 throughout."""
+    wire_dtype: str | None = None
+    """"bf16": the workers push their float dense gradients and pull the float parameters in bfloat16 over the
+    socket, half the bytes; the PS keep float32 master weights and optimizer state, and cast the gradients up before
+    they apply or sum them. Shared-memory lanes and row-sparse or `sf.nn` rows stay float32. None: float32."""
     device: str | torch.device | None = None
     """Where each worker's model computes: "cpu", "cuda", "cuda:N" or a torch.device; None: "cuda" where the
     worker's process sees one, else "cpu". The PS keep the variables in host memory, and the chief evaluates on
@@ -110,6 +114,8 @@ class ParameterServerStrategy(UpdateRule):
         if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
             raise ValueError(f"ParameterServerStrategy.gradient_accumulation_steps must be an int >= 1, got {steps!r}")
         check_mixed_precision(self.mixed_precision)
+        if self.wire_dtype not in (None, "bf16"):
+            raise ValueError(f"ParameterServerStrategy.wire_dtype must be 'bf16' or None, got {self.wire_dtype!r}")
         _parse_device(self.device)
         if self.termination_grace_s <= 0:
             raise ValueError(

@@ -64,6 +64,7 @@ strategy = sf.ParameterServerStrategy(
     request_timeout_s=config.get("request_timeout_s", 60.0),
     termination_grace_s=config.get("termination_grace_s", 30.0),
     max_restarts=config.get("max_restarts", 3),
+    wire_dtype=config.get("wire_dtype"),
 )
 profile_steps = config.get("profile_steps")
 est = sf.Estimator(
