@@ -53,6 +53,7 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
         timeout_s=strategy.request_timeout_s,
         worker_index=role.task.index if role.task.type == "worker" else -1,
         interrupt=lambda: _check_restored(role, generation),
+        wire_dtype=strategy.wire_dtype,
     )
     if role.task.type == "worker" and _shared_memory():
         try:
