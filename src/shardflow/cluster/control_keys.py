@@ -23,6 +23,8 @@ Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless
 - `chief/clock/address`: chief -> every role handing over a capture. The clock service.
 - `capture/<name>/part/<role>`: each role but the chief -> chief. Its gzipped trace of the capture (bytes).
 - `capture/<name>/done`: chief -> `shardflow profile capture`. The merged capture's directory.
+- `dist/<group>/<generation>/<key>`: each rank of an all-reduce group -> the others. torch.distributed's rendezvous
+  (gloo's addresses and counters) through cluster/dist_store.py, never an open TCPStore; bytes.
 - `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
 - `goodbye/<role>`: each role but the chief, when it saw the end -> chief. A chief in a process of its own
   serves the control plane until every role said it (or 10 s).
@@ -112,3 +114,9 @@ def capture_part(capture: str, role: str) -> str:
 
 def capture_done(capture: str) -> str:
     return f"capture/{capture}/done"
+
+
+def dist_store_prefix(group: str, generation: int) -> str:
+    """Where the torch.distributed store of all-reduce group `group`, formed for the `generation`-th time, keeps
+    its keys (cluster/dist_store.py); each rank of the group writes and reads them as gloo's rendezvous needs."""
+    return f"dist/{group}/{generation}/"
