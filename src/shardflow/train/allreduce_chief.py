@@ -1,0 +1,225 @@
+"""The chief of `sf.AllReduceStrategy`: it restores the latest checkpoint (a PS job's too) and hands it to the
+workers, watches them (failures, heartbeats, progress), saves the states worker:0 hands over in the PS strategy's
+checkpoint format, evaluates the final one and ends the job. It takes no part in the workers' group."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from shardflow.cluster import control_keys
+from shardflow.cluster.launcher import RoleExit
+from shardflow.train import allreduce_state, job_keys
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.manager import CheckpointSaveError
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.restore import restore_latest
+from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.job_keys import AllReduceStart, ProgressReport, RestoredPositions, Saved, StateNotice
+from shardflow.train.preemption import Preemption
+from shardflow.train.progress import ProgressDisplay
+from shardflow.train.role_context import RoleContext
+from shardflow.train.specs import TrainResult
+from shardflow.train.strategy import AllReduceStrategy
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.05
+
+
+def run_allreduce_chief(
+    job: JobConfig[AllReduceStrategy],
+    role: RoleContext,
+    *,
+    failures: Sequence[RoleExit] = (),
+    preemption: Preemption | None = None,
+) -> TrainResult:
+    """Run the job to its end and return what it did; a worker that failed (`failures`, from the local launcher, or
+    its own report on the control plane) or went silent fails it with RoleFailedError naming it."""
+    preemption = preemption or Preemption(job.strategy.termination_grace_s)
+    started = time.monotonic()
+    store.clean(job.model_dir)
+    model = job.build_model()
+    restored = restore_latest(job, model, role)
+    start_step = restored.step if restored is not None else 0
+    _hand_out(role, restored)
+    watch = _Watch(job, role, failures)
+    display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
+    manifest = {
+        "placement": None,
+        "mode": job.strategy.mode,
+        "num_workers": role.num_workers,
+        "num_ps": 0,
+        "optimizer": job.optimizer.to_json(),
+    }
+    try:
+        state, path, failed_saves = _train(job, role, watch, display, preemption, manifest)
+    finally:
+        display.close()
+    training_s = time.monotonic() - started
+    metrics: dict[str, float] = {}
+    if job.eval_spec is not None and not preemption.requested:
+        model.load_state_dict(state.params)
+        metrics = job.evaluate(model, job.eval_spec)
+    watch.read_progress()
+    return _result(watch.progress, state, path, metrics, start_step, started, training_s, preemption, failed_saves)
+
+
+def _train(
+    job: JobConfig[AllReduceStrategy],
+    role: RoleContext,
+    watch: _Watch,
+    display: ProgressDisplay,
+    preemption: Preemption,
+    manifest: dict[str, Any],
+) -> tuple[ModelState, Path, int]:
+    """While the workers train: checkpoint each state worker:0 hands over, until the final one; watch the workers
+    and pass a preemption on. The final state, where it was saved, and how many periodic saves failed."""
+    control = role.control
+    failed_saves = 0
+    n = 1
+    while True:
+        notice_key = job_keys.allreduce_checkpoint(n)
+        if not control.is_set(notice_key):
+            watch.check()
+            if preemption.requested:
+                control.set(control_keys.ALLREDUCE_STOP, "1")
+            display.update(_global_step(watch.progress, display.start_step), watch.progress)
+            time.sleep(_POLL_S)
+            continue
+        notice = control.read(notice_key, waiting_for="worker:0's state")
+        state = _collect(role, n, notice)
+        path = _save(job, state, manifest, final=notice.final)
+        control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
+        control.delete(notice_key)
+        if notice.final:
+            assert path is not None  # a final checkpoint that cannot be written raised
+            return state, path, failed_saves
+        failed_saves += path is None
+        n += 1
+
+
+def _hand_out(role: RoleContext, restored: ModelState | None) -> None:
+    """The state training starts from, for every worker: the restored checkpoint's, or none (the model's initial
+    values); and each worker's input position in it."""
+    chunks = allreduce_state.send(role.control, "start", restored) if restored is not None else 0
+    if restored is not None:
+        role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=restored.iterators))
+    step, scalars = (restored.step, restored.scalars) if restored is not None else (0, {})
+    role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=step, num_chunks=chunks, scalars=scalars))
+
+
+def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState:
+    """Checkpoint n's state from worker:0 and every worker's input position, removed from the control plane."""
+    control = role.control
+    state = allreduce_state.receive(
+        control,
+        f"checkpoint/{n}",
+        notice.num_chunks,
+        step=notice.step,
+        scalars=notice.scalars,
+        waiting_for="worker:0's state",
+        delete=True,
+    )
+    for index in range(role.num_workers):
+        name = f"worker:{index}"
+        key = job_keys.allreduce_position(n, name)
+        state.iterators[name] = control.read(key, waiting_for=f"{name}'s input position").position
+        control.delete(key)
+    return state
+
+
+def _save(
+    job: JobConfig[AllReduceStrategy], state: ModelState, manifest: dict[str, Any], *, final: bool
+) -> Path | None:
+    """Write `state` as the PS strategy writes its checkpoints. A periodic one that cannot be written is logged
+    (None), unless fail_on_save_error; a final one always fails the job."""
+    try:
+        return store.save_state(job.model_dir, state, manifest, job.keep_checkpoint_max)
+    except OSError as error:
+        where = f"checkpoint at global step {state.step} could not be saved in {store.directory(job.model_dir)}"
+        if final or job.strategy.fail_on_save_error:
+            raise CheckpointSaveError(f"{where}: {error}") from None
+        log.warning("%s: %s; training goes on", where, error)
+        return None
+
+
+class _Watch:
+    """The workers as the chief sees them: their progress, their failures and their heartbeats."""
+
+    def __init__(self, job: JobConfig[AllReduceStrategy], role: RoleContext, failures: Sequence[RoleExit]) -> None:
+        self.strategy = job.strategy
+        self.role = role
+        self.failures = failures
+        self.workers = [f"worker:{index}" for index in range(role.num_workers)]
+        self.progress: dict[str, ProgressReport] = {}
+        self.started = time.monotonic()
+        self.beats: dict[str, tuple[str, float]] = {}
+
+    def check(self) -> None:
+        """Raise RoleFailedError naming a worker that failed or whose heartbeat stopped."""
+        if self.failures:
+            raise RoleFailedError(f"{self.failures[0].describe()}; the all-reduce group cannot go on without it")
+        control = self.role.control
+        now = time.monotonic()
+        for name in self.workers:
+            failed = control.get_if_set(control_keys.failed(name))
+            if failed is not None:
+                raise RoleFailedError(f"{name} failed: {failed.decode(errors='replace')}")
+            beat = control.get_if_set(control_keys.heartbeat(name))
+            last = self.beats.get(name)
+            if beat is not None and (last is None or last[0] != beat.decode()):
+                self.beats[name] = (beat.decode(), now)
+                continue
+            since, limit = (last[1], self.strategy.heartbeat_timeout_s) if last else (self.started, None)
+            limit = limit or self.strategy.startup_timeout_s
+            if now - since > limit:
+                raise RoleFailedError(
+                    f"{name} gave no heartbeat for {now - since:.0f}s (limit {limit:g}s): lost; the all-reduce group "
+                    "cannot go on without it"
+                )
+        self.read_progress()
+
+    def read_progress(self) -> None:
+        for name in self.workers:
+            report = self.role.control.read_if_set(job_keys.progress(name))
+            if report is not None:
+                self.progress[name] = report
+
+
+def _global_step(progress: dict[str, ProgressReport], start_step: int) -> int:
+    """About the global step, for the display: every worker steps in lockstep."""
+    return start_step + max((report.local_step for report in progress.values()), default=0)
+
+
+def _result(
+    progress: dict[str, ProgressReport],
+    state: ModelState,
+    path: Path,
+    metrics: dict[str, float],
+    start_step: int,
+    started: float,
+    training_s: float,
+    preemption: Preemption,
+    failed_saves: int,
+) -> TrainResult:
+    first = [p.first_loss for p in progress.values() if p.first_loss is not None]
+    final = [p.loss for p in progress.values() if p.first_loss is not None]
+    return TrainResult(
+        global_step=state.step,
+        metrics=metrics,
+        checkpoint=str(path),
+        first_loss=sum(first) / len(first) if first else None,
+        final_loss=sum(final) / len(final) if final else None,
+        elapsed_s=time.monotonic() - started,
+        training_s=training_s,
+        start_step=start_step,
+        worker_steps={name: p.local_step for name, p in progress.items()},
+        ps_stats={},
+        eval_history=[{"global_step": state.step, "elapsed_s": training_s, "metrics": metrics}] if metrics else [],
+        preempted=preemption.requested,
+        failed_checkpoint_saves=failed_saves,
+    )

@@ -1,0 +1,66 @@
+"""The regression job of regression.py trained with sf.AllReduceStrategy, or with ParameterServerStrategy in sync
+mode (`"strategy": "ps"`), so that one model directory can go from one strategy to the other; configured by a JSON
+file given as argv[1].
+
+Worker w reads batches w, w + num_workers, ... of a fixed regression data set."""
+
+import json
+import sys
+import time
+
+import torch
+
+import shardflow as sf
+
+with open(sys.argv[1]) as f:
+    config = json.load(f)
+NUM_BATCHES = config.get("num_batches", 100)
+BATCH = config.get("batch", 8)
+generator = torch.Generator().manual_seed(123)
+X = torch.randn(NUM_BATCHES * BATCH, 4, generator=generator)
+Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(NUM_BATCHES * BATCH, 1, generator=generator)
+
+
+def input_fn(ctx: sf.InputContext):
+    for b in range(ctx.worker_index, NUM_BATCHES, ctx.num_workers):
+        yield X[b * BATCH : (b + 1) * BATCH], Y[b * BATCH : (b + 1) * BATCH]
+
+
+def model_fn() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    time.sleep(config.get("step_delay_s", 0))
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+num_workers = config.get("num_workers", 2)
+if config.get("strategy", "allreduce") == "ps":
+    strategy = sf.ParameterServerStrategy(num_ps=config.get("num_ps", 1), num_workers=num_workers, mode="sync")
+else:
+    strategy = sf.AllReduceStrategy(num_workers=num_workers, bucket_bytes=config.get("bucket_bytes", 25 * 2**20))
+optimizers = {"sgd": sf.optim.SGD(lr=config.get("lr", 0.05)), "adam": sf.optim.Adam(lr=config.get("lr", 0.05))}
+est = sf.Estimator(
+    model_fn,
+    loss_fn,
+    optimizers[config.get("optimizer", "sgd")],
+    strategy,
+    config["model_dir"],
+    save_checkpoints_steps=config.get("save_checkpoints_steps"),
+    keep_checkpoint_max=None,
+)
+trained = sf.train_and_evaluate(
+    est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
+)
+with open(config["result"], "w") as f:
+    json.dump(
+        {
+            "global_step": trained.global_step,
+            "start_step": trained.start_step,
+            "worker_steps": trained.worker_steps,
+            "checkpoint": trained.checkpoint,
+        },
+        f,
+    )
