@@ -81,3 +81,30 @@ def test_a_worker_that_dies_fails_the_job_naming_it(start_job, tmp_path):
     code, output = job.finish(90)
     assert code != 0
     assert "RoleFailedError: worker:1" in output and "SIGKILL" in output
+
+
+def test_the_chief_evaluates_at_every_n_steps_and_the_final_state(run_job, tmp_path):
+    proc, result = run_job("allreduce.py", num_workers=2, max_steps=7, eval_every=3, num_batches=100)
+    assert proc.returncode == 0, proc.stdout
+    assert result["eval_steps"] == [3, 6, 7]
+    assert result["metrics"]["loss"] > 0
+    assert (tmp_path / "model" / "tensorboard" / "eval").is_dir()
+
+
+def test_early_stopping_ends_training_after_the_step_it_was_decided_at(run_job):
+    # A loss that must fall by 1e9 to count as better: training stops after the second evaluation.
+    proc, result = run_job(
+        "allreduce.py", num_workers=2, max_steps=90, eval_every=2, early_stopping_min_delta=1e9, num_batches=200
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["stopped_early"] and result["eval_steps"][:2] == [2, 4]
+    assert result["global_step"] < 90
+
+
+def test_estimator_state_dict_is_the_final_checkpoints_parameters(run_job, tmp_path):
+    proc, result = run_job("allreduce.py", num_workers=2, max_steps=3, num_batches=100)
+    assert proc.returncode == 0, proc.stdout
+    trained = _trained(tmp_path / "model")
+    assert set(result["state_dict"]) == set(trained)
+    for name, value in trained.items():
+        assert torch.tensor(result["state_dict"][name]).equal(value)

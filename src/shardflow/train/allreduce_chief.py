@@ -10,6 +10,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.train import allreduce_state, job_keys
@@ -24,6 +26,7 @@ from shardflow.train.progress import ProgressDisplay
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
 from shardflow.train.strategy import AllReduceStrategy
+from shardflow.train.summaries import Summaries
 
 log = logging.getLogger(__name__)
 
@@ -46,60 +49,136 @@ def run_allreduce_chief(
     restored = restore_latest(job, model, role)
     start_step = restored.step if restored is not None else 0
     _hand_out(role, restored)
-    watch = _Watch(job, role, failures)
-    display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
-    manifest = {
-        "placement": None,
-        "mode": job.strategy.mode,
-        "num_workers": role.num_workers,
-        "num_ps": 0,
-        "optimizer": job.optimizer.to_json(),
-    }
+    chief = _Chief(job, role, model, _Watch(job, role, failures), start_step)
     try:
-        state, path, failed_saves = _train(job, role, watch, display, preemption, manifest)
+        state, path = chief.train(preemption)
+        training_s = time.monotonic() - started
+        metrics: dict[str, float] = {}
+        if job.eval_spec is not None and not preemption.requested:  # no time for it within the grace period
+            last = chief.eval_history[-1] if chief.eval_history else None
+            metrics = last["metrics"] if last and last["global_step"] == state.step else chief.evaluate(state)
     finally:
-        display.close()
-    training_s = time.monotonic() - started
-    metrics: dict[str, float] = {}
-    if job.eval_spec is not None and not preemption.requested:
-        model.load_state_dict(state.params)
-        metrics = job.evaluate(model, job.eval_spec)
-    watch.read_progress()
-    return _result(watch.progress, state, path, metrics, start_step, started, training_s, preemption, failed_saves)
+        chief.close()
+    chief.watch.read_progress()
+    first_loss, final_loss = _losses(chief.watch.progress)
+    return TrainResult(
+        global_step=state.step,
+        metrics=metrics,
+        checkpoint=str(path),
+        first_loss=first_loss,
+        final_loss=final_loss,
+        elapsed_s=time.monotonic() - started,
+        training_s=training_s,
+        start_step=start_step,
+        worker_steps={name: p.local_step for name, p in chief.watch.progress.items()},
+        ps_stats={},
+        eval_history=chief.eval_history,
+        stopped_early=chief.stopped_early,
+        preempted=preemption.requested,
+        failed_checkpoint_saves=chief.failed_saves,
+    )
 
 
-def _train(
-    job: JobConfig[AllReduceStrategy],
-    role: RoleContext,
-    watch: _Watch,
-    display: ProgressDisplay,
-    preemption: Preemption,
-    manifest: dict[str, Any],
-) -> tuple[ModelState, Path, int]:
-    """While the workers train: checkpoint each state worker:0 hands over, until the final one; watch the workers
-    and pass a preemption on. The final state, where it was saved, and how many periodic saves failed."""
-    control = role.control
-    failed_saves = 0
-    n = 1
-    while True:
-        notice_key = job_keys.allreduce_checkpoint(n)
-        if not control.is_set(notice_key):
-            watch.check()
-            if preemption.requested:
-                control.set(control_keys.ALLREDUCE_STOP, "1")
-            display.update(_global_step(watch.progress, display.start_step), watch.progress)
-            time.sleep(_POLL_S)
-            continue
-        notice = control.read(notice_key, waiting_for="worker:0's state")
-        state = _collect(role, n, notice)
-        path = _save(job, state, manifest, final=notice.final)
-        control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
-        control.delete(notice_key)
-        if notice.final:
-            assert path is not None  # a final checkpoint that cannot be written raised
-            return state, path, failed_saves
-        failed_saves += path is None
-        n += 1
+class _Chief:
+    """The chief while the workers train: it checkpoints and evaluates each state worker:0 hands over, writes the
+    summaries, shows the progress and passes a preemption or an early stop on to worker:0."""
+
+    def __init__(
+        self,
+        job: JobConfig[AllReduceStrategy],
+        role: RoleContext,
+        model: torch.nn.Module,
+        watch: _Watch,
+        start_step: int,
+    ) -> None:
+        self.job, self.role, self.model, self.watch = job, role, model, watch
+        self.started = time.monotonic()
+        self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
+        self.summaries = Summaries(
+            job.model_dir,
+            save_summary_steps=job.save_summary_steps,
+            workers=watch.workers,
+            learning_rate=job.optimizer.learning_rate,
+        )
+        self.manifest: dict[str, Any] = {
+            "placement": None,
+            "mode": job.strategy.mode,
+            "num_workers": role.num_workers,
+            "num_ps": 0,
+            "optimizer": job.optimizer.to_json(),
+        }
+        """What every checkpoint records besides the state, as the PS strategy's (checkpoints/manager.py)."""
+        self.step = start_step
+        self.eval_history: list[dict[str, Any]] = []
+        self.stopped_early = False
+        self.failed_saves = 0
+
+    def train(self, preemption: Preemption) -> tuple[ModelState, Path]:
+        """Until the final state: each state worker:0 hands over checkpointed or evaluated (or both), the workers
+        watched. The final state and where it was saved."""
+        control = self.role.control
+        n = 1
+        while True:
+            notice_key = job_keys.allreduce_checkpoint(n)
+            if not control.is_set(notice_key):
+                self.watch.check()
+                if preemption.requested or self.stopped_early:
+                    control.set(control_keys.ALLREDUCE_STOP, "1")
+                self.step = _global_step(self.watch.progress, self.display.start_step)
+                self.display.update(self.step, self.watch.progress)
+                self.summaries.training(self.step, self.watch.progress, [])
+                time.sleep(_POLL_S)
+                continue
+            notice = control.read(notice_key, waiting_for="worker:0's state")
+            state = _collect(self.role, n, notice)
+            path = self._save(state, final=notice.final) if notice.checkpoint or notice.final else None
+            control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
+            control.delete(notice_key)
+            if notice.final:
+                assert path is not None  # a final checkpoint that cannot be written raised
+                self.watch.read_progress()
+                self.summaries.training(state.step, self.watch.progress, [], final=True)
+                return state, path
+            every = self.job.eval_spec.every_n_steps if self.job.eval_spec is not None else None
+            if every and state.step % every == 0 and not self.stopped_early:
+                self._evaluate_and_maybe_stop(state)
+            n += 1
+
+    def _save(self, state: ModelState, *, final: bool) -> Path | None:
+        """Write `state` as the PS strategy writes its checkpoints. A periodic one that cannot be written is logged
+        and counted (None), unless fail_on_save_error; a final one always fails the job."""
+        job = self.job
+        try:
+            return store.save_state(job.model_dir, state, self.manifest, job.keep_checkpoint_max)
+        except OSError as error:
+            where = f"checkpoint at global step {state.step} could not be saved in {store.directory(job.model_dir)}"
+            if final or job.strategy.fail_on_save_error:
+                raise CheckpointSaveError(f"{where}: {error}") from None
+            self.failed_saves += 1
+            log.warning("%s: %s; training goes on", where, error)
+            return None
+
+    def _evaluate_and_maybe_stop(self, state: ModelState) -> None:
+        assert self.job.eval_spec is not None
+        self.evaluate(state)
+        stopping = self.job.eval_spec.early_stopping
+        if stopping is not None and stopping.should_stop([e["metrics"][stopping.metric] for e in self.eval_history]):
+            self.stopped_early = True  # worker:0 is told at the next poll; the state after its step is the last
+
+    def evaluate(self, state: ModelState) -> dict[str, float]:
+        """Evaluate `state` in the chief's model and record the result."""
+        assert self.job.eval_spec is not None
+        self.model.load_state_dict(state.params)
+        metrics = self.job.evaluate(self.model, self.job.eval_spec)
+        self.eval_history.append(
+            {"global_step": state.step, "elapsed_s": time.monotonic() - self.started, "metrics": metrics}
+        )
+        self.summaries.evaluation(state.step, metrics)
+        return metrics
+
+    def close(self) -> None:
+        self.display.close()
+        self.summaries.close()
 
 
 def _hand_out(role: RoleContext, restored: ModelState | None) -> None:
@@ -130,21 +209,6 @@ def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState:
         state.iterators[name] = control.read(key, waiting_for=f"{name}'s input position").position
         control.delete(key)
     return state
-
-
-def _save(
-    job: JobConfig[AllReduceStrategy], state: ModelState, manifest: dict[str, Any], *, final: bool
-) -> Path | None:
-    """Write `state` as the PS strategy writes its checkpoints. A periodic one that cannot be written is logged
-    (None), unless fail_on_save_error; a final one always fails the job."""
-    try:
-        return store.save_state(job.model_dir, state, manifest, job.keep_checkpoint_max)
-    except OSError as error:
-        where = f"checkpoint at global step {state.step} could not be saved in {store.directory(job.model_dir)}"
-        if final or job.strategy.fail_on_save_error:
-            raise CheckpointSaveError(f"{where}: {error}") from None
-        log.warning("%s: %s; training goes on", where, error)
-        return None
 
 
 class _Watch:
@@ -195,31 +259,8 @@ def _global_step(progress: dict[str, ProgressReport], start_step: int) -> int:
     return start_step + max((report.local_step for report in progress.values()), default=0)
 
 
-def _result(
-    progress: dict[str, ProgressReport],
-    state: ModelState,
-    path: Path,
-    metrics: dict[str, float],
-    start_step: int,
-    started: float,
-    training_s: float,
-    preemption: Preemption,
-    failed_saves: int,
-) -> TrainResult:
+def _losses(progress: dict[str, ProgressReport]) -> tuple[float | None, float | None]:
+    """The mean over the workers of their first and of their last losses."""
     first = [p.first_loss for p in progress.values() if p.first_loss is not None]
     final = [p.loss for p in progress.values() if p.first_loss is not None]
-    return TrainResult(
-        global_step=state.step,
-        metrics=metrics,
-        checkpoint=str(path),
-        first_loss=sum(first) / len(first) if first else None,
-        final_loss=sum(final) / len(final) if final else None,
-        elapsed_s=time.monotonic() - started,
-        training_s=training_s,
-        start_step=start_step,
-        worker_steps={name: p.local_step for name, p in progress.items()},
-        ps_stats={},
-        eval_history=[{"global_step": state.step, "elapsed_s": training_s, "metrics": metrics}] if metrics else [],
-        preempted=preemption.requested,
-        failed_checkpoint_saves=failed_saves,
-    )
+    return (sum(first) / len(first) if first else None, sum(final) / len(final) if final else None)

@@ -105,6 +105,9 @@ class _Trainer:
         self.stop = self.abort = 0.0
         """worker:0's view of the chief's requests: the last step (preempted), the end of the job (a failure)."""
         self.input_done = False
+        eval_spec = job.eval_spec
+        self.eval_every = eval_spec.every_n_steps if eval_spec is not None else None
+        """The chief evaluates the state at every multiple of this global step."""
 
     def train(self) -> None:
         self.report.send()
@@ -128,10 +131,12 @@ class _Trainer:
             if flags[STOP]:
                 break
             every = self.job.save_checkpoints_steps
-            if flags[SAVE] or (every and self.step % every == 0):
-                self._hand_over(final=False)
+            save = bool(flags[SAVE]) or bool(every and self.step % every == 0)
+            evaluate = bool(self.eval_every and self.step % self.eval_every == 0)
+            if save or evaluate:
+                self._hand_over(final=False, checkpoint=save)
         self.report.send(done=True)  # before the final state: the chief reads every report once it has that
-        self._hand_over(final=True)
+        self._hand_over(final=True, checkpoint=True)
 
     def _forward_backward(self, batch: Any) -> float:
         try:
@@ -177,9 +182,9 @@ class _Trainer:
             self.abort = float(self.role.control.is_set(control_keys.SHUTDOWN))
         return [save, self.stop, self.abort]
 
-    def _hand_over(self, *, final: bool) -> None:
-        """Checkpoint n of this run: every worker's input position, and worker:0's state once the chief handled the
-        one before (one state at a time on the control plane)."""
+    def _hand_over(self, *, final: bool, checkpoint: bool) -> None:
+        """State n of this run, to checkpoint (or only to evaluate): every worker's input position, and worker:0's
+        state once the chief handled the one before (one state at a time on the control plane)."""
         self.checkpoints += 1
         n, control = self.checkpoints, self.role.control
         self.last_checkpoint = time.monotonic()
@@ -190,7 +195,9 @@ class _Trainer:
             control.read(job_keys.allreduce_saved(n - 1), waiting_for="the chief to save the checkpoint before")
         state = allreduce_state.capture(self.model, self.optimizer, self.step)
         num_chunks = allreduce_state.send(control, f"checkpoint/{n}", state)
-        notice = StateNotice(step=self.step, num_chunks=num_chunks, scalars=state.scalars, final=final)
+        notice = StateNotice(
+            step=self.step, num_chunks=num_chunks, scalars=state.scalars, checkpoint=checkpoint, final=final
+        )
         control.put(job_keys.allreduce_checkpoint(n), notice)
         if final:
             control.read(job_keys.allreduce_saved(n), waiting_for="the chief to save the final checkpoint")

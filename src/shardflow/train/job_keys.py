@@ -21,8 +21,9 @@ Each entry reads `key`: writer -> readers. Meaning.
 
 - `allreduce/start`: chief -> workers. The global step training starts from, and how many chunks of the restored
   state (control_keys `state/start/<i>`) to load; 0 chunks: the model's initial values.
-- `allreduce/checkpoint/<n>`: worker:0 -> chief. The n-th state to checkpoint (from 1): its global step, its
-  chunks (`state/checkpoint/<n>/<i>`), whether it is the last of training; the chief saves it, then deletes them.
+- `allreduce/checkpoint/<n>`: worker:0 -> chief. The n-th state to checkpoint or evaluate (from 1): its global
+  step, its chunks (`state/checkpoint/<n>/<i>`), whether it is the last of training; the chief saves or evaluates
+  it, then deletes them.
 - `allreduce/checkpoint/<n>/position/<role>`: each worker -> chief. Its input position after that step's batch.
 - `allreduce/checkpoint/<n>/saved`: chief -> worker:0. Checkpoint n is handled; worker:0 sends checkpoint n+1 only
   after it (so at most one state is on the control plane at a time), and ends after the last one's.
@@ -117,6 +118,8 @@ class StateNotice(_Value, frozen=True, kw_only=True):
     num_chunks: int
     scalars: dict[str, float]
     """Its scalar optimizer state (train/checkpoints/model_state.py)."""
+    checkpoint: bool
+    """Saved as a checkpoint; else only evaluated (at a multiple of EvalSpec.every_n_steps)."""
     final: bool
     """The last state of training: the chief saves it, evaluates it and ends the job."""
 

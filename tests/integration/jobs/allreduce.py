@@ -51,8 +51,18 @@ est = sf.Estimator(
     save_checkpoints_steps=config.get("save_checkpoints_steps"),
     keep_checkpoint_max=None,
 )
+eval_spec = None
+if config.get("eval_every") is not None:
+    # Evaluated on worker:0's first 4 batches; early stopping once the loss stops falling by min_delta.
+    stopping = config.get("early_stopping_min_delta")
+    eval_spec = sf.EvalSpec(
+        lambda ctx: input_fn(sf.InputContext(2, 0)),
+        steps=4,
+        every_n_steps=config["eval_every"],
+        early_stopping=sf.EarlyStopping(patience=1, min_delta=stopping) if stopping is not None else None,
+    )
 trained = sf.train_and_evaluate(
-    est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
+    est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs")), eval_spec
 )
 with open(config["result"], "w") as f:
     json.dump(
@@ -61,6 +71,10 @@ with open(config["result"], "w") as f:
             "start_step": trained.start_step,
             "worker_steps": trained.worker_steps,
             "checkpoint": trained.checkpoint,
+            "metrics": trained.metrics,
+            "eval_steps": [entry["global_step"] for entry in trained.eval_history],
+            "stopped_early": trained.stopped_early,
+            "state_dict": {name: value.tolist() for name, value in est.state_dict().items()},
         },
         f,
     )
