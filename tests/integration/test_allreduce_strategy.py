@@ -3,6 +3,8 @@ parallelism equal to one process on the workers' batches together, with an exact
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 from pathlib import Path
 
@@ -71,13 +73,13 @@ def test_uneven_shards_the_mean_is_over_the_workers_that_had_a_batch(run_job, tm
 
 
 def test_a_worker_that_dies_fails_the_job_naming_it(start_job, tmp_path):
-    job = start_job("allreduce.py", num_workers=2, epochs=1, num_batches=400, step_delay_s=0.05)
+    steps = tmp_path / "steps.log"
+    job = start_job("allreduce.py", num_workers=2, epochs=1, num_batches=400, step_delay_s=0.05, step_log=str(steps))
     deadline = time.monotonic() + 60
-    while "worker:1" not in (roles := job.roles()) or not (tmp_path / "model" / "logs").exists():
-        assert time.monotonic() < deadline, job.finish(5)[1]
-        time.sleep(0.2)
-    time.sleep(2)  # past the group's formation, into training
-    roles["worker:1"].kill()
+    while not steps.exists() or len(steps.read_text().splitlines()) < 6:  # into training
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
+        time.sleep(0.1)
+    job.roles()["worker:1"].kill()
     code, output = job.finish(90)
     assert code != 0
     assert "RoleFailedError: worker:1" in output and "SIGKILL" in output
@@ -108,3 +110,26 @@ def test_estimator_state_dict_is_the_final_checkpoints_parameters(run_job, tmp_p
     assert set(result["state_dict"]) == set(trained)
     for name, value in trained.items():
         assert torch.tensor(result["state_dict"][name]).equal(value)
+
+
+def test_sigterm_checkpoints_at_the_next_step_and_a_rerun_trains_on_as_one_process(start_job, run_job, tmp_path):
+    config = {"num_workers": 2, "max_steps": 40, "num_batches": 100, "batch": 8, "lr": 0.1}
+    steps = tmp_path / "steps.log"
+    job = start_job("allreduce.py", **config, step_delay_s=0.1, step_log=str(steps))
+    deadline = time.monotonic() + 60
+    while not steps.exists() or len(steps.read_text().splitlines()) < 6:  # a few steps in
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
+        time.sleep(0.1)
+    job.proc.send_signal(signal.SIGTERM)
+    code, output = job.finish(60)
+    assert code == 143, output
+    first = json.loads((tmp_path / "result.json").read_text())
+    assert first["preempted"] and 0 < first["global_step"] < 40, output
+
+    proc, result = run_job("allreduce.py", **config)
+    assert proc.returncode == 0, proc.stdout
+    assert result["start_step"] == first["global_step"] and result["global_step"] == 40
+    expected = _one_process([slice(16 * s, 16 * s + 16) for s in range(40)], "sgd", 0.1, 100 * 8)
+    trained = _trained(tmp_path / "model")
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)

@@ -30,7 +30,7 @@ from shardflow.train.summaries import Summaries
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.05
+_POLL_S = 0.1
 
 
 def run_allreduce_chief(
@@ -122,6 +122,7 @@ class _Chief:
             notice_key = job_keys.allreduce_checkpoint(n)
             if not control.is_set(notice_key):
                 self.watch.check()
+                self.watch.pass_on_preemption(preemption)
                 if preemption.requested or self.stopped_early:
                     control.set(control_keys.ALLREDUCE_STOP, "1")
                 self.step = _global_step(self.watch.progress, self.display.start_step)
@@ -246,6 +247,19 @@ class _Watch:
                     "cannot go on without it"
                 )
         self.read_progress()
+
+    def pass_on_preemption(self, preemption: Preemption) -> None:
+        """A worker sent SIGTERM (a cluster manager's) asks the chief to end the job, checkpointed, as its own
+        SIGTERM does."""
+        if preemption.requested:
+            return
+        control = self.role.control
+        for name in self.workers:
+            key = control_keys.preempted(name)
+            if control.is_set(key):
+                preemption.request(f"{control.get(key, waiting_for=name)} to {name}")
+                log.warning("preempted by %s: checkpointing at the next global step", preemption.reason)
+                return
 
     def read_progress(self) -> None:
         for name in self.workers:

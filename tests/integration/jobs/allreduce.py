@@ -33,6 +33,9 @@ def model_fn() -> torch.nn.Module:
 def loss_fn(model, batch):
     x, y = batch
     time.sleep(config.get("step_delay_s", 0))
+    if config.get("step_log"):  # one line per batch: a test waits for training to be under way
+        with open(config["step_log"], "a") as log:
+            log.write("step\n")
     return torch.nn.functional.mse_loss(model(x), y)
 
 
@@ -61,9 +64,11 @@ if config.get("eval_every") is not None:
         every_n_steps=config["eval_every"],
         early_stopping=sf.EarlyStopping(patience=1, min_delta=stopping) if stopping is not None else None,
     )
-trained = sf.train_and_evaluate(
-    est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs")), eval_spec
-)
+train_spec = sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
+try:
+    trained = sf.train_and_evaluate(est, train_spec, eval_spec)
+except sf.Preempted as preempted:
+    trained = preempted.result
 with open(config["result"], "w") as f:
     json.dump(
         {
@@ -74,7 +79,10 @@ with open(config["result"], "w") as f:
             "metrics": trained.metrics,
             "eval_steps": [entry["global_step"] for entry in trained.eval_history],
             "stopped_early": trained.stopped_early,
+            "preempted": trained.preempted,
             "state_dict": {name: value.tolist() for name, value in est.state_dict().items()},
         },
         f,
     )
+if trained.preempted:
+    sys.exit(143)
