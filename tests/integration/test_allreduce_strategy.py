@@ -93,14 +93,20 @@ def test_the_chief_evaluates_at_every_n_steps_and_the_final_state(run_job, tmp_p
     assert (tmp_path / "model" / "tensorboard" / "eval").is_dir()
 
 
-def test_early_stopping_ends_training_after_the_step_it_was_decided_at(run_job):
+def test_early_stopping_ends_training_before_max_steps(run_job):
     # A loss that must fall by 1e9 to count as better: training stops after the second evaluation.
     proc, result = run_job(
-        "allreduce.py", num_workers=2, max_steps=90, eval_every=2, early_stopping_min_delta=1e9, num_batches=200
+        "allreduce.py",
+        num_workers=2,
+        max_steps=200,
+        eval_every=2,
+        early_stopping_min_delta=1e9,
+        num_batches=400,
+        step_delay_s=0.05,
     )
     assert proc.returncode == 0, proc.stdout
     assert result["stopped_early"] and result["eval_steps"][:2] == [2, 4]
-    assert result["global_step"] < 90
+    assert result["global_step"] < 200
 
 
 def test_estimator_state_dict_is_the_final_checkpoints_parameters(run_job, tmp_path):

@@ -30,7 +30,10 @@ from shardflow.train.summaries import Summaries
 
 log = logging.getLogger(__name__)
 
-_POLL_S = 0.1
+_WAIT_S = 0.2
+"""How long the chief's wait for worker:0's next state is held before it looks at the launcher's failures."""
+_WATCH_EVERY_S = 1.0
+"""How often the chief reads the workers' failures, heartbeats, preemptions and progress on the control plane."""
 
 
 def run_allreduce_chief(
@@ -118,17 +121,15 @@ class _Chief:
         watched. The final state and where it was saved."""
         control = self.role.control
         n = 1
+        watched = 0.0
         while True:
             notice_key = job_keys.allreduce_checkpoint(n)
-            if not control.is_set(notice_key):
-                self.watch.check()
-                self.watch.pass_on_preemption(preemption)
-                if preemption.requested or self.stopped_early:
-                    control.set(control_keys.ALLREDUCE_STOP, "1")
-                self.step = _global_step(self.watch.progress, self.display.start_step)
-                self.display.update(self.step, self.watch.progress)
-                self.summaries.training(self.step, self.watch.progress, [])
-                time.sleep(_POLL_S)
+            # Held by the control service: no polling while the workers train.
+            if not control.set_within(notice_key.name, _WAIT_S, waiting_for="worker:0's next state"):
+                self.watch.check_launcher()
+                if time.monotonic() - watched >= _WATCH_EVERY_S or preemption.requested:
+                    watched = time.monotonic()
+                    self._watch(preemption)
                 continue
             notice = control.read(notice_key, waiting_for="worker:0's state")
             state = _collect(self.role, n, notice)
@@ -144,6 +145,16 @@ class _Chief:
             if every and state.step % every == 0 and not self.stopped_early:
                 self._evaluate_and_maybe_stop(state)
             n += 1
+
+    def _watch(self, preemption: Preemption) -> None:
+        """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""
+        self.watch.check()
+        self.watch.pass_on_preemption(preemption)
+        if preemption.requested or self.stopped_early:
+            self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
+        self.step = _global_step(self.watch.progress, self.display.start_step)
+        self.display.update(self.step, self.watch.progress)
+        self.summaries.training(self.step, self.watch.progress, [])
 
     def _save(self, state: ModelState, *, final: bool) -> Path | None:
         """Write `state` as the PS strategy writes its checkpoints. A periodic one that cannot be written is logged
@@ -164,7 +175,8 @@ class _Chief:
         self.evaluate(state)
         stopping = self.job.eval_spec.early_stopping
         if stopping is not None and stopping.should_stop([e["metrics"][stopping.metric] for e in self.eval_history]):
-            self.stopped_early = True  # worker:0 is told at the next poll; the state after its step is the last
+            self.stopped_early = True  # worker:0 reads it within _POLL_EVERY_S; the state after its step is the last
+            self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
 
     def evaluate(self, state: ModelState) -> dict[str, float]:
         """Evaluate `state` in the chief's model and record the result."""
@@ -224,10 +236,14 @@ class _Watch:
         self.started = time.monotonic()
         self.beats: dict[str, tuple[str, float]] = {}
 
-    def check(self) -> None:
-        """Raise RoleFailedError naming a worker that failed or whose heartbeat stopped."""
+    def check_launcher(self) -> None:
+        """Raise RoleFailedError naming a worker that the local launcher saw fail."""
         if self.failures:
             raise RoleFailedError(f"{self.failures[0].describe()}; the all-reduce group cannot go on without it")
+
+    def check(self) -> None:
+        """Raise RoleFailedError naming a worker that failed or whose heartbeat stopped."""
+        self.check_launcher()
         control = self.role.control
         now = time.monotonic()
         for name in self.workers:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-HAD_BATCH, SAVE, STOP, ABORT = range(4)
+FLAGS = HAD_BATCH, SAVE, STOP, ABORT = range(4)
 """The flags every step all-reduces beside the gradients: how many workers had a batch, and worker:0's requests
 (a checkpoint at this step, the last step, the end of the job), so that every worker decides alike."""
 
@@ -37,14 +37,23 @@ class GradientReducer:
                 size += nbytes
             if bucket:
                 self.buckets.append(bucket)
-        self.flat = [torch.empty(sum(p.numel() for p in bucket), dtype=bucket[0].dtype) for bucket in self.buckets]
-        self.flags = torch.zeros(4, dtype=torch.float64)
+        sizes = [sum(p.numel() for p in bucket) for bucket in self.buckets]
+        # The flags ride at the end of the first bucket where its dtype counts workers exactly: no collective of
+        # their own, whose round trip would cost as much as a small model's gradients.
+        self.separate_flags = not self.buckets or self.buckets[0][0].dtype not in (torch.float32, torch.float64)
+        if not self.separate_flags:
+            sizes[0] += len(FLAGS)
+        self.flat = [torch.empty(size, dtype=bucket[0].dtype) for size, bucket in zip(sizes, self.buckets, strict=True)]
+        if self.separate_flags:
+            self.flags = torch.zeros(len(FLAGS), dtype=torch.float64)
+        else:
+            self.flags = self.flat[0][-len(FLAGS) :]
 
     def reduce(self, flags: Sequence[float]) -> list[float]:
         """Sum every worker's gradients (zeros where a worker has none, e.g. its input ended) and `flags` over the
         group; returns the summed flags. The sums stay in the flat buffers until `apply`."""
-        self.flags.copy_(torch.tensor(flags, dtype=torch.float64))
-        works = [self.group.allreduce([self.flags])]
+        self.flags.copy_(torch.tensor(flags, dtype=self.flags.dtype))
+        works = [self.group.allreduce([self.flags])] if self.separate_flags else []
         for bucket, flat in zip(self.buckets, self.flat, strict=True):
             offset = 0
             for param in bucket:
