@@ -32,6 +32,18 @@ _POLL_EVERY_S = 0.5
 """How often worker:0 asks the control plane whether the chief wants training to end."""
 
 
+class GroupBrokenError(RuntimeError):
+    """A collective of the workers' group failed: a worker died or stopped answering; names the silent ones."""
+
+
+def _silent_workers(role: RoleContext, wait_s: float = 2.5) -> list[str]:
+    """The other workers whose heartbeat (one a second) did not change in `wait_s`: the lost ones."""
+    others = [f"worker:{index}" for index in range(role.num_workers) if index != role.task.index]
+    before = {name: role.control.get_if_set(control_keys.heartbeat(name)) for name in others}
+    time.sleep(wait_s)
+    return [name for name in others if role.control.get_if_set(control_keys.heartbeat(name)) == before[name]]
+
+
 class JobAborted(RuntimeError):
     """The chief ended the job (another role failed) while this worker trained."""
 
@@ -118,7 +130,7 @@ class _Trainer:
             batch = None if self.input_done else self.position.next()
             self.input_done = batch is None
             loss = self._forward_backward(batch) if batch is not None else None
-            flags = self.reducer.reduce([float(batch is not None), *self._requests()])
+            flags = self._reduce([float(batch is not None), *self._requests()])
             if flags[ABORT]:
                 raise JobAborted(f"{self.name}: the chief ended the job at global step {self.step}")
             if not flags[HAD_BATCH]:
@@ -137,6 +149,17 @@ class _Trainer:
                 self._hand_over(final=False, checkpoint=save)
         self.report.send(done=True)  # before the final state: the chief reads every report once it has that
         self._hand_over(final=True, checkpoint=True)
+
+    def _reduce(self, flags: list[float]) -> list[float]:
+        try:
+            return self.reducer.reduce(flags)
+        except RuntimeError as error:  # gloo's: a peer closed its connection, or the collective's deadline passed
+            lost = _silent_workers(self.role)
+            who = f"{', '.join(lost)} stopped its heartbeat" if lost else "no other worker stopped its heartbeat"
+            raise GroupBrokenError(
+                f"{self.name}: the all-reduce of global step {self.step} failed ({who}): {error}; the group is not "
+                "re-formed in this version"
+            ) from None
 
     def _forward_backward(self, batch: Any) -> float:
         try:
