@@ -33,7 +33,8 @@ def test_a_worker_killed_without_a_launcher_fails_the_job_naming_it(tmp_path):
     try:
         deadline = time.monotonic() + 90
         while not (tmp_path / "s").exists() or len((tmp_path / "s").read_text().splitlines()) < 6:  # training
-            assert roles.procs["chief", 0].poll() is None and time.monotonic() < deadline, roles.describe(roles.finish(5))
+            running = roles.procs["chief", 0].poll() is None and time.monotonic() < deadline
+            assert running, roles.describe(roles.finish(5))
             time.sleep(0.1)
         roles.procs["worker", 1].send_signal(signal.SIGKILL)
         chief = roles.procs["chief", 0].communicate(timeout=120)[0]
