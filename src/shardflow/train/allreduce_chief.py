@@ -14,6 +14,8 @@ import torch
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
+from shardflow.nn.modules import table_specs
+from shardflow.ps.sparse import sparse_variables
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointSaveError
@@ -49,6 +51,7 @@ def run_allreduce_chief(
     started = time.monotonic()
     store.clean(job.model_dir)
     model = job.build_model()
+    _check_model(model)
     restored = restore_latest(job, model, role)
     start_step = restored.step if restored is not None else 0
     _hand_out(role, restored)
@@ -192,6 +195,22 @@ class _Chief:
     def close(self) -> None:
         self.display.close()
         self.summaries.close()
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    """Raise ValueError for what the all-reduce strategy cannot train yet, naming it and the strategy that can."""
+    tables = [spec.name for spec in table_specs(model)]
+    if tables:
+        raise ValueError(
+            f"the model's sf.nn tables {tables} live on parameter servers: train it with sf.ParameterServerStrategy "
+            "(AllReduceStrategy all-reduces dense gradients only)"
+        )
+    sparse = sparse_variables(model)
+    if sparse:
+        raise ValueError(
+            f"{sparse} are sparse embeddings (sparse=True), whose row-sparse gradients AllReduceStrategy does not "
+            "all-reduce: make them dense (sparse=False), or train with sf.ParameterServerStrategy"
+        )
 
 
 def _hand_out(role: RoleContext, restored: ModelState | None) -> None:

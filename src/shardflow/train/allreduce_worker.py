@@ -4,7 +4,6 @@ Every worker steps in lockstep, so each knows the global step; worker:0 hands th
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
@@ -24,8 +23,6 @@ from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 from shardflow.train.strategy import AllReduceStrategy
 from shardflow.train.worker_report import Report
-
-log = logging.getLogger(__name__)
 
 GROUP = "workers"
 _POLL_EVERY_S = 0.5
@@ -76,13 +73,13 @@ def run_allreduce_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -
             InputContext(role.num_workers, role.task.index),
             restored.positions.get(role.task.name) if restored is not None else None,
         )
-        trainer = _Trainer(job, role, model, optimizer, position, start.step)
-        trainer.train()
+        _Trainer(job, role, model, optimizer, position, start.step).train()
+        # The chief saves and evaluates the final state, then ends the job: wait for it without a deadline, as PS
+        # workers do, still beating (the chief fails the job if the wait ends in its error).
+        while not control.set_within(control_keys.SHUTDOWN, 1.0, waiting_for="the end of the job"):
+            pass
     finally:
         heartbeat.stop()
-    # The chief evaluates the final state before it ends the job: wait for it without a deadline, as PS workers do.
-    while not control.set_within(control_keys.SHUTDOWN, 1.0, waiting_for="the end of the job"):
-        pass
 
 
 def _form_group(job: JobConfig[AllReduceStrategy], role: RoleContext) -> ProcessGroupGloo:
@@ -210,7 +207,8 @@ class _Trainer:
         state once the chief handled the one before (one state at a time on the control plane)."""
         self.checkpoints += 1
         n, control = self.checkpoints, self.role.control
-        self.last_checkpoint = time.monotonic()
+        if checkpoint:
+            self.last_checkpoint = time.monotonic()
         control.put(job_keys.allreduce_position(n, self.name), InputState(position=self.position.get_state()))
         if not self.leader:
             return

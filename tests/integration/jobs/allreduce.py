@@ -40,6 +40,7 @@ def loss_fn(model, batch):
 
 
 num_workers = config.get("num_workers", 2)
+strategy: sf.ParameterServerStrategy | sf.AllReduceStrategy
 if config.get("strategy", "allreduce") == "ps":
     strategy = sf.ParameterServerStrategy(num_ps=config.get("num_ps", 1), num_workers=num_workers, mode="sync")
 else:
