@@ -54,8 +54,8 @@ def run_allreduce_chief(
     _check_model(model)
     restored = restore_latest(job, model, role)
     start_step = restored.step if restored is not None else 0
-    _hand_out(role, restored)
-    chief = _Chief(job, role, model, _Watch(job, role, failures), start_step)
+    start_chunks = _hand_out(role, restored)
+    chief = _Chief(job, role, model, _Watch(job, role, failures), start_step, start_chunks)
     try:
         state, path = chief.train(preemption)
         training_s = time.monotonic() - started
@@ -96,7 +96,9 @@ class _Chief:
         model: torch.nn.Module,
         watch: _Watch,
         start_step: int,
+        start_chunks: int,
     ) -> None:
+        """`start_chunks`: those of the state handed out (`_hand_out`), removed once every worker has read them."""
         self.job, self.role, self.model, self.watch = job, role, model, watch
         self.started = time.monotonic()
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
@@ -115,6 +117,7 @@ class _Chief:
         }
         """What every checkpoint records besides the state, as the PS strategy's (checkpoints/manager.py)."""
         self.step = start_step
+        self.start_chunks = start_chunks
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
         self.failed_saves = 0
@@ -152,6 +155,11 @@ class _Chief:
     def _watch(self, preemption: Preemption) -> None:
         """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""
         self.watch.check()
+        if self.start_chunks and len(self.watch.progress) == len(self.watch.workers):
+            # Each worker reports only after it loaded the state: the control service's memory is the checkpoints'.
+            for index in range(self.start_chunks):
+                self.role.control.delete(control_keys.state_chunk("start", index))
+            self.start_chunks = 0
         self.watch.pass_on_preemption(preemption)
         if preemption.requested or self.stopped_early:
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
@@ -213,14 +221,15 @@ def _check_model(model: torch.nn.Module) -> None:
         )
 
 
-def _hand_out(role: RoleContext, restored: ModelState | None) -> None:
+def _hand_out(role: RoleContext, restored: ModelState | None) -> int:
     """The state training starts from, for every worker: the restored checkpoint's, or none (the model's initial
-    values); and each worker's input position in it."""
+    values); and each worker's input position in it. How many chunks it takes on the control plane."""
     chunks = allreduce_state.send(role.control, "start", restored) if restored is not None else 0
     if restored is not None:
         role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=restored.iterators))
     step, scalars = (restored.step, restored.scalars) if restored is not None else (0, {})
     role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=step, num_chunks=chunks, scalars=scalars))
+    return chunks
 
 
 def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState:
