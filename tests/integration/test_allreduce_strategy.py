@@ -139,3 +139,10 @@ def test_sigterm_checkpoints_at_the_next_step_and_a_rerun_trains_on_as_one_proce
     trained = _trained(tmp_path / "model")
     for name, value in expected.state_dict().items():
         torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
+
+
+def test_a_hooks_stop_ends_one_workers_input_and_the_others_train_on(run_job):
+    proc, result = run_job("allreduce.py", num_workers=2, epochs=1, num_batches=20, stop_worker_1_after=3)
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == 10
+    assert result["worker_steps"] == {"worker:0": 10, "worker:1": 3}

@@ -51,7 +51,7 @@ def run_allreduce_chief(
     started = time.monotonic()
     store.clean(job.model_dir)
     model = job.build_model()
-    _check_model(model)
+    _check_supported(job, model)
     restored = restore_latest(job, model, role)
     start_step = restored.step if restored is not None else 0
     start_chunks = _hand_out(role, restored)
@@ -205,8 +205,18 @@ class _Chief:
         self.summaries.close()
 
 
-def _check_model(model: torch.nn.Module) -> None:
-    """Raise ValueError for what the all-reduce strategy cannot train yet, naming it and the strategy that can."""
+def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) -> None:
+    """Raise ValueError for what the all-reduce strategy cannot do yet, naming it and what can."""
+    if job.eval_spec is not None and job.eval_spec.every_n_secs is not None:
+        raise ValueError(
+            "EvalSpec.every_n_secs is not offered with AllReduceStrategy yet: use every_n_steps, which the chief "
+            "evaluates exactly"
+        )
+    if job.profile_steps is not None:
+        raise ValueError(
+            "Estimator.profile_steps is not offered with AllReduceStrategy yet (its all-reduce buckets are not "
+            "recorded): profile with sf.ParameterServerStrategy, or leave profile_steps out"
+        )
     tables = [spec.name for spec in table_specs(model)]
     if tables:
         raise ValueError(

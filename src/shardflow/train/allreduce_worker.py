@@ -16,6 +16,7 @@ from shardflow.data.torch_edge import to_torch
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_gradients import ABORT, HAD_BATCH, SAVE, STOP, GradientReducer
 from shardflow.train.heartbeat import Heartbeat
+from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
 from shardflow.train.job import JobConfig, UserCodeError
 from shardflow.train.job_keys import InputState, StateNotice
@@ -109,6 +110,7 @@ class _Trainer:
         self.parameters = [p for p in model.parameters() if p.requires_grad]
         self.reducer = GradientReducer(_form_group(job, role), self.parameters, job.strategy.bucket_bytes)
         self.report = Report(role, 0, job.save_summary_steps)
+        self.hooks = StepHooks(job.train_spec.hooks, self.name, role.task.index)
         self.checkpoints = 0
         self.last_checkpoint = self.last_poll = time.monotonic()
         self.stop = self.abort = 0.0
@@ -135,6 +137,9 @@ class _Trainer:
             self._apply(flags[HAD_BATCH])
             if loss is not None:
                 self.report.step(loss, self.position.epoch, self.step - 1)
+                # A hook's stop ends this worker's input: it goes on taking part with nothing, as one whose shard
+                # is done, and the others train on (a hook stops one worker, as in the PS strategy).
+                self.input_done = self.hooks.after_step(self.report.local_step, self.step, loss) or self.input_done
             if self.report.due():
                 self.report.send()
             if flags[STOP]:
@@ -144,6 +149,7 @@ class _Trainer:
             evaluate = bool(self.eval_every and self.step % self.eval_every == 0)
             if save or evaluate:
                 self._hand_over(final=False, checkpoint=save)
+        self.hooks.end(self.report.local_step, self.step)
         self.report.send(done=True)  # before the final state: the chief reads every report once it has that
         self._hand_over(final=True, checkpoint=True)
 

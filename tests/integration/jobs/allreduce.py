@@ -65,7 +65,18 @@ if config.get("eval_every") is not None:
         every_n_steps=config["eval_every"],
         early_stopping=sf.EarlyStopping(patience=1, min_delta=stopping) if stopping is not None else None,
     )
-train_spec = sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"))
+
+
+class StopWorker1(sf.Hook):
+    """Asks worker:1 to stop after `stop_worker_1_after` of its steps."""
+
+    def after_step(self, info: sf.StepInfo) -> None:
+        if info.worker_index == 1 and info.local_step >= config["stop_worker_1_after"]:
+            info.request_stop()
+
+
+hooks = [StopWorker1()] if config.get("stop_worker_1_after") else []
+train_spec = sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs"), hooks=hooks)
 try:
     trained = sf.train_and_evaluate(est, train_spec, eval_spec)
 except sf.Preempted as preempted:
