@@ -8,10 +8,11 @@ import socket
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from shardflow.cluster.control_plane import ControlPlane
-from shardflow.cluster.dist_store import ControlPlaneStore, DistStoreError
+from shardflow.cluster.dist_store import ControlPlaneStore, DistStoreError, gloo_group
 
 MEMBER = """
 import sys
@@ -89,3 +90,14 @@ def test_keys_of_a_group_generation_live_under_its_prefix(chief):
     assert chief.get_if_set("dist/workers/2/a") == b"1"
     assert store.get("a") == b"1" and store.check(["a", "n"]) and not store.check(["b"])
     assert store.delete_key("a") and not store.check(["a"])
+
+
+def test_gloos_connections_listen_on_the_given_host_only(chief):
+    def listening() -> set[tuple[str, int]]:
+        return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp") if c.status == "LISTEN"}
+
+    before = listening()
+    group = gloo_group(ControlPlaneStore(chief, "bound", 0, ["worker:0"], timeout_s=5), 0, 1, "127.0.0.1", timeout_s=5)
+    new = listening() - before
+    del group
+    assert new and all(ip == "127.0.0.1" for ip, _ in new)
