@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from shardflow.train.hooks import Hook, StepInfo
     from shardflow.train.job import RoleFailedError
     from shardflow.train.specs import EarlyStopping, EvalSpec, InputContext, Preempted, TrainResult, TrainSpec
-    from shardflow.train.strategy import ParameterServerStrategy
+    from shardflow.train.strategy import AllReduceStrategy, ParameterServerStrategy
 
 # Imported on first use, so that the command-line tool and `shardflow.data` start without torch's import cost.
 _LAZY = {
@@ -40,9 +40,11 @@ _LAZY = {
     "TrainResult": "shardflow.train.specs",
     "TrainSpec": "shardflow.train.specs",
     "ParameterServerStrategy": "shardflow.train.strategy",
+    "AllReduceStrategy": "shardflow.train.strategy",
 }
 
 __all__ = [
+    "AllReduceStrategy",
     "EarlyStopping",
     "Estimator",
     "EvalSpec",

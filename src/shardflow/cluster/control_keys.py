@@ -23,6 +23,13 @@ Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless
 - `chief/clock/address`: chief -> every role handing over a capture. The clock service.
 - `capture/<name>/part/<role>`: each role but the chief -> chief. Its gzipped trace of the capture (bytes).
 - `capture/<name>/done`: chief -> `shardflow profile capture`. The merged capture's directory.
+- `dist/<group>/<generation>/<key>`: each rank of an all-reduce group -> the others. torch.distributed's rendezvous
+  (gloo's addresses and counters) through cluster/dist_store.py, never an open TCPStore; bytes.
+- `state/<name>/<i>`: the chief (`start`: the restored state) -> every worker, and worker:0 (`checkpoint/<n>`) ->
+  chief, in `sf.AllReduceStrategy`. Chunk i of a whole model state as safetensors bytes (train/allreduce_state.py);
+  its reader deletes it.
+- `allreduce/stop`: chief -> worker:0, in `sf.AllReduceStrategy`. End training at the next global step (preempted),
+  with a final checkpoint.
 - `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
 - `goodbye/<role>`: each role but the chief, when it saw the end -> chief. A chief in a process of its own
   serves the control plane until every role said it (or 10 s).
@@ -72,6 +79,7 @@ def key_name(key: str | Key[Any]) -> str:
 
 
 READY = "ready"
+ALLREDUCE_STOP = "allreduce/stop"
 SHUTDOWN = "shutdown"
 CHIEF_CLOCK = "chief/clock"
 """An endpoint name: see `endpoint_address`."""
@@ -112,3 +120,13 @@ def capture_part(capture: str, role: str) -> str:
 
 def capture_done(capture: str) -> str:
     return f"capture/{capture}/done"
+
+
+def dist_store_prefix(group: str, generation: int) -> str:
+    """Where the torch.distributed store of all-reduce group `group`, formed for the `generation`-th time, keeps
+    its keys (cluster/dist_store.py); each rank of the group writes and reads them as gloo's rendezvous needs."""
+    return f"dist/{group}/{generation}/"
+
+
+def state_chunk(name: str, index: int) -> str:
+    return f"state/{name}/{index}"

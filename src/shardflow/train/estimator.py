@@ -20,7 +20,7 @@ from shardflow.train.evaluation import evaluate_model
 from shardflow.train.job import JobConfig, LossFn, ModelFn, RoleFailedError, build_model
 from shardflow.train.launch import run_process
 from shardflow.train.specs import EvalSpec, Preempted, TrainResult, TrainSpec
-from shardflow.train.strategy import ParameterServerStrategy
+from shardflow.train.strategy import ParameterServerStrategy, Strategy
 
 __all__ = ["Estimator", "Preempted", "RoleFailedError", "train_and_evaluate"]
 
@@ -38,7 +38,7 @@ class Estimator:
         model_fn: ModelFn,
         loss_fn: LossFn,
         optimizer: OptimizerLike | None = None,
-        strategy: ParameterServerStrategy | None = None,
+        strategy: Strategy | None = None,
         model_dir: str | os.PathLike[str] = "runs/model",
         *,
         seed: int = 0,
@@ -76,7 +76,7 @@ class Estimator:
         """The optimizer the PS apply, with its learning-rate schedule and gradient clipping."""
         self.save_summary_steps = save_summary_steps
         """TensorBoard training scalars at every multiple of this global step, and at the last."""
-        self.strategy = strategy or ParameterServerStrategy()
+        self.strategy: Strategy = strategy or ParameterServerStrategy()
         # Tools (shardflow scale) point each run at its own directory and capture window.
         self.model_dir = Path(env.get(env.MODEL_DIR) or model_dir)
         self.seed = seed
@@ -97,7 +97,7 @@ class Estimator:
         """The model as model_fn builds it, with the same initial values in every process."""
         return build_model(self.model_fn, self.seed)
 
-    def job(self, train_spec: TrainSpec, eval_spec: EvalSpec | None = None) -> JobConfig:
+    def job(self, train_spec: TrainSpec, eval_spec: EvalSpec | None = None) -> JobConfig[Strategy]:
         """The job every role of a run receives."""
         return JobConfig(
             model_fn=self.model_fn,

@@ -7,18 +7,20 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic
 
 import torch
+from typing_extensions import TypeIs, TypeVar
 
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.train.evaluation import evaluate_model
 from shardflow.train.specs import EvalSpec, TrainSpec
-from shardflow.train.strategy import ParameterServerStrategy
+from shardflow.train.strategy import AllReduceStrategy, ParameterServerStrategy, Strategy
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 ModelFn = Callable[[], torch.nn.Module] | torch.nn.Module
 """A function building the model, or the model itself."""
+StrategyT = TypeVar("StrategyT", bound=Strategy, default=ParameterServerStrategy, covariant=True)
 
 
 class UserCodeError(RuntimeError):
@@ -31,8 +33,9 @@ class RoleFailedError(RuntimeError):
 
 
 @dataclass(frozen=True, kw_only=True)
-class JobConfig:
-    """What the chief, the workers, the PS and the evaluator are given; built once per job by `train_and_evaluate`."""
+class JobConfig(Generic[StrategyT]):
+    """What the chief, the workers, the PS and the evaluator are given; built once per job by `train_and_evaluate`.
+    A bare `JobConfig` is a parameter-server job's."""
 
     model_fn: ModelFn
     """Builds the model, the same in every process (see `build_model`)."""
@@ -40,7 +43,7 @@ class JobConfig:
     """(model, batch) -> scalar loss tensor."""
     optimizer: OptimizerSpec
     """The optimizer the PS apply."""
-    strategy: ParameterServerStrategy
+    strategy: StrategyT
     """How training is distributed."""
     model_dir: Path
     """Checkpoints, logs, summaries and captures."""
@@ -70,6 +73,16 @@ class JobConfig:
 
     def evaluate(self, model: torch.nn.Module, eval_spec: EvalSpec) -> dict[str, float]:
         return evaluate_model(model, self.loss_fn, eval_spec)
+
+
+def is_all_reduce(job: JobConfig[Strategy]) -> TypeIs[JobConfig[AllReduceStrategy]]:
+    """Whether `job` trains with `AllReduceStrategy` (else with the parameter servers)."""
+    return isinstance(job.strategy, AllReduceStrategy)
+
+
+def is_parameter_server(job: JobConfig[Strategy]) -> TypeIs[JobConfig[ParameterServerStrategy]]:
+    """Whether `job` trains with `ParameterServerStrategy`."""
+    return isinstance(job.strategy, ParameterServerStrategy)
 
 
 def build_model(model_fn: ModelFn, seed: int) -> torch.nn.Module:

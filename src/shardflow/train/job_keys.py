@@ -16,6 +16,17 @@ Each entry reads `key`: writer -> readers. Meaning.
 - `capture/current`: chief -> every role. The capture being recorded.
 - `capture/request`: `shardflow profile capture` -> chief. A capture asked for from outside the job.
 - `eval/final`: evaluator -> chief. The side-car evaluator's last checkpoint and metrics.
+
+`sf.AllReduceStrategy` (train/allreduce_chief.py, allreduce_worker.py):
+
+- `allreduce/start`: chief -> workers. The global step training starts from, and how many chunks of the restored
+  state (control_keys `state/start/<i>`) to load; 0 chunks: the model's initial values.
+- `allreduce/checkpoint/<n>`: worker:0 -> chief. The n-th state to checkpoint or evaluate (from 1): its global
+  step, its chunks (`state/checkpoint/<n>/<i>`), whether it is the last of training; the chief saves or evaluates
+  it, then deletes them.
+- `allreduce/checkpoint/<n>/position/<role>`: each worker -> chief. Its input position after that step's batch.
+- `allreduce/checkpoint/<n>/saved`: chief -> worker:0. Checkpoint n is handled; worker:0 sends checkpoint n+1 only
+  after it (so at most one state is on the control plane at a time), and ends after the last one's.
 """
 
 from __future__ import annotations
@@ -92,6 +103,37 @@ class EvaluationResult(_Value, frozen=True, kw_only=True):
     metrics: dict[str, float]
 
 
+class AllReduceStart(_Value, frozen=True, kw_only=True):
+    step: int
+    """The global step training starts from."""
+    num_chunks: int
+    """The restored state's chunks; 0: start from the model's initial values."""
+    scalars: dict[str, float]
+    """Its scalar optimizer state (train/checkpoints/model_state.py)."""
+
+
+class StateNotice(_Value, frozen=True, kw_only=True):
+    step: int
+    """The global step of the state."""
+    num_chunks: int
+    scalars: dict[str, float]
+    """Its scalar optimizer state (train/checkpoints/model_state.py)."""
+    checkpoint: bool
+    """Saved as a checkpoint; else only evaluated (at a multiple of EvalSpec.every_n_steps)."""
+    final: bool
+    """The last state of training: the chief saves it, evaluates it and ends the job."""
+
+
+class InputState(_Value, frozen=True, kw_only=True):
+    position: dict[str, Any]
+    """A worker's input position (train/input.py InputPosition.get_state())."""
+
+
+class Saved(_Value, frozen=True, kw_only=True):
+    path: str | None
+    """The checkpoint written; None where it could not be (a periodic one, training goes on)."""
+
+
 PLACEMENT = Key("placement", Placement, "the chief")
 RESTORE_ITERATORS = Key("restore/iterators", RestoredPositions, "the chief")
 RECOVERY = Key("recovery", RecoveryNotice, "the chief")
@@ -106,3 +148,18 @@ def progress(role: str) -> Key[ProgressReport]:
 
 def handover(role: str) -> Key[Handover]:
     return Key(f"handover/{role}", Handover, "the chief")
+
+
+ALLREDUCE_START = Key("allreduce/start", AllReduceStart, "the chief")
+
+
+def allreduce_checkpoint(n: int) -> Key[StateNotice]:
+    return Key(f"allreduce/checkpoint/{n}", StateNotice, "worker:0")
+
+
+def allreduce_position(n: int, role: str) -> Key[InputState]:
+    return Key(f"allreduce/checkpoint/{n}/position/{role}", InputState, role)
+
+
+def allreduce_saved(n: int) -> Key[Saved]:
+    return Key(f"allreduce/checkpoint/{n}/saved", Saved, "the chief")

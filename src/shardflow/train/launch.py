@@ -27,15 +27,18 @@ from shardflow.comm.errors import CommError
 from shardflow.comm.security import new_secret
 from shardflow.ps.connection import PSConnection
 from shardflow.train import job_keys
+from shardflow.train.allreduce_chief import run_allreduce_chief
+from shardflow.train.allreduce_worker import run_allreduce_worker
 from shardflow.train.checkpoints import store
 from shardflow.train.chief import run_chief
 from shardflow.train.evaluator import run_evaluator
-from shardflow.train.job import JobConfig, RoleFailedError, UserCodeError
+from shardflow.train.job import JobConfig, RoleFailedError, UserCodeError, is_all_reduce, is_parameter_server
 from shardflow.train.preemption import Preemption, tell_chief
 from shardflow.train.progress import chief_prefix
 from shardflow.train.ps_role import run_ps
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import Preempted, TrainResult
+from shardflow.train.strategy import Strategy
 from shardflow.train.worker import run_worker_role
 
 log = logging.getLogger(__name__)
@@ -44,7 +47,7 @@ OnConnect = Callable[[PSConnection | None], None]
 """Told the role's client to the PS while it exists, then None."""
 
 
-def run_process(job: JobConfig, on_connect: OnConnect) -> TrainResult:
+def run_process(job: JobConfig[Strategy], on_connect: OnConnect) -> TrainResult:
     """Run this process's role of `job`. Returns the result in the chief; other roles exit the process when the job
     is done. `on_connect` is told the role's client to the PS while it exists (Estimator.global_step reads it)."""
     # For this process's supervisor, from its start: the chief's too (a launcher or cluster manager restarts it).
@@ -83,7 +86,7 @@ def check_writable(model_dir: Path) -> None:
         ) from None
 
 
-def _already_finished(job: JobConfig) -> TrainResult | None:
+def _already_finished(job: JobConfig[Strategy]) -> TrainResult | None:
     """What the latest checkpoint holds when it is already at max_steps: a re-run then trains nothing and starts
     no cluster."""
     max_steps = job.train_spec.max_steps
@@ -122,7 +125,7 @@ def _already_finished(job: JobConfig) -> TrainResult | None:
     )
 
 
-def _say_cluster_size(job: JobConfig, spec: ClusterSpec) -> None:
+def _say_cluster_size(job: JobConfig[Strategy], spec: ClusterSpec) -> None:
     """The cluster the environment describes is the one whose processes were started: where the strategy asks for
     other numbers, one line says which won and why."""
     strategy = job.strategy
@@ -149,8 +152,8 @@ def _say_cluster_size(job: JobConfig, spec: ClusterSpec) -> None:
     )
 
 
-def _connect(job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
-    if spec.num("ps") < 1:
+def _connect(job: JobConfig[Strategy], spec: ClusterSpec, task: TaskSpec) -> RoleContext:
+    if spec.num("ps") < 1 and not is_all_reduce(job):
         raise ValueError("the cluster has no 'ps' tasks; parameter-server training needs at least one")
     if spec.num("worker") < 1:
         raise ValueError("the cluster has no 'worker' tasks; training needs at least one")
@@ -161,7 +164,7 @@ def _connect(job: JobConfig, spec: ClusterSpec, task: TaskSpec) -> RoleContext:
 
 
 def _run_chief(
-    job: JobConfig,
+    job: JobConfig[Strategy],
     spec: ClusterSpec,
     task: TaskSpec,
     on_connect: OnConnect,
@@ -178,7 +181,11 @@ def _run_chief(
     role = _connect(job, spec, task) if control is None else RoleContext(spec, task, control)
     log_handlers = _log_to(job.model_dir / "logs" / "chief.log")
     try:
-        result = run_chief(job, role, failures=failures, on_connect=on_connect, preemption=preemption)
+        if is_parameter_server(job):
+            result = run_chief(job, role, failures=failures, on_connect=on_connect, preemption=preemption)
+        else:
+            assert is_all_reduce(job)
+            result = run_allreduce_chief(job, role, failures=failures, preemption=preemption)
         _write_result(job, role, result)
         if result.preempted:
             raise Preempted(result)
@@ -216,7 +223,7 @@ def _await_goodbyes(role: RoleContext, timeout_s: float = 10.0) -> None:
         log.info("the chief ends without goodbyes from %s (gone already, or still finishing)", ", ".join(missing))
 
 
-def _run_other_role(job: JobConfig, spec: ClusterSpec, task: TaskSpec, on_connect: OnConnect) -> NoReturn:
+def _run_other_role(job: JobConfig[Strategy], spec: ClusterSpec, task: TaskSpec, on_connect: OnConnect) -> NoReturn:
     threads = env.get_int(env.LOCAL_THREADS)
     if threads:
         torch.set_num_threads(threads)
@@ -225,11 +232,14 @@ def _run_other_role(job: JobConfig, spec: ClusterSpec, task: TaskSpec, on_connec
     # the process then exits 0 as at any end, or 143 at the deadline if the job never ends.
     Preemption(job.strategy.termination_grace_s).install(tell_chief(role))
     try:
-        if task.type == "ps":
+        if is_all_reduce(job):
+            if task.type == "worker":  # the only other role of an all-reduce job
+                run_allreduce_worker(job, role)
+        elif task.type == "ps":
             run_ps(role)
-        elif task.type == "worker":
+        elif task.type == "worker" and is_parameter_server(job):
             run_worker_role(job, role, on_connect)
-        elif task.type == "evaluator":
+        elif task.type == "evaluator" and is_parameter_server(job):
             run_evaluator(job, role)
     except Exception as error:
         if task.type != "worker" or isinstance(error, ControlPlaneError):  # the chief cannot hear the latter
@@ -311,7 +321,7 @@ class _LogFile(logging.FileHandler):
             super().close()
 
 
-def _write_result(job: JobConfig, role: RoleContext, result: TrainResult) -> None:
+def _write_result(job: JobConfig[Strategy], role: RoleContext, result: TrainResult) -> None:
     """SHARDFLOW_RESULT_JSON: where tools such as `shardflow scale` read what the run did."""
     path = env.get(env.RESULT_JSON)
     if not path:
@@ -342,7 +352,7 @@ def _embedded_command() -> list[str]:
     return [sys.executable, *argv]
 
 
-def _run_embedded(job: JobConfig, on_connect: OnConnect) -> TrainResult:
+def _run_embedded(job: JobConfig[Strategy], on_connect: OnConnect) -> TrainResult:
     """No cluster in the environment: this process becomes the chief and starts the other roles itself."""
     strategy = job.strategy
     spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps, evaluator=strategy.evaluator)

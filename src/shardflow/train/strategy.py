@@ -1,8 +1,9 @@
-"""How training is distributed: the parameter-server strategy's configuration."""
+"""How training is distributed: the parameter-server strategy's configuration, and the all-reduce strategy's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -141,6 +142,70 @@ class ParameterServerStrategy(UpdateRule):
                     f"{torch.cuda.device_count()} CUDA device(s), numbered from 0"
                 )
         return device
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceStrategy:
+    """Synchronous data parallelism without PS: every worker holds the whole model and its optimizer, and each step
+    all-reduces the mean gradient among the workers (torch.distributed, gloo on the CPU) before every worker applies
+    it alike. One global step is one all-reduced update. The group forms through the chief's authenticated control
+    plane (cluster/dist_store.py); the chief keeps the job's control plane, progress and checkpoints.
+
+    In this version a worker that dies or stops answering fails the job, naming it: the group is not re-formed."""
+
+    num_ps: ClassVar[int] = 0
+    """No parameter servers."""
+    mode: ClassVar[str] = "allreduce"
+    max_restarts: ClassVar[int] = 0
+    """A worker is not restarted: the group would have to be re-formed, which this version does not do."""
+    restart_backoff_s: ClassVar[float] = 0.0
+    evaluator: ClassVar[bool] = False
+
+    num_workers: int = 2
+    """Workers started by the embedded local cluster; a cluster spec in the environment overrides it."""
+    bucket_bytes: int = 25 * 2**20
+    """Gradients are all-reduced in buckets of at most this many bytes each (one collective per bucket, all in
+    flight at once), as DDP's bucket_cap_mb; a larger gradient is a bucket of its own."""
+    request_timeout_s: float = 60.0
+    """Deadline of every collective and every wait among the roles: a worker that dies or hangs fails the job
+    after at most this long, named by the workers that waited for it."""
+    startup_timeout_s: float = 120.0
+    """Deadline for every role to come up and the workers' group to form through the chief."""
+    heartbeat_timeout_s: float = 30.0
+    """The chief fails the job, naming the worker, whose heartbeat (one a second) stops for this long."""
+    hung_timeout_s: float = HUNG_TIMEOUT_S
+    """A role that leaves its liveness file (cluster/liveness.py) untouched for this long is hung: the local
+    launcher kills it, which fails the job."""
+    termination_grace_s: float = 30.0
+    """SIGTERM: checkpoint at the next global step and exit within this many seconds."""
+    fail_on_save_error: bool = False
+    """A periodic checkpoint that cannot be written: False logs it and trains on; True fails the job."""
+
+    def __post_init__(self) -> None:
+        workers = self.num_workers
+        if not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
+            raise ValueError(f"AllReduceStrategy.num_workers must be an int >= 1, got {workers!r}")
+        size = self.bucket_bytes
+        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
+            raise ValueError(f"AllReduceStrategy.bucket_bytes must be an int >= 1, got {size!r}")
+        for name in (
+            "request_timeout_s",
+            "startup_timeout_s",
+            "heartbeat_timeout_s",
+            "hung_timeout_s",
+            "termination_grace_s",
+        ):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):
+                raise ValueError(f"AllReduceStrategy.{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.fail_on_save_error, bool):
+            raise ValueError(
+                f"AllReduceStrategy.fail_on_save_error must be True or False, got {self.fail_on_save_error!r}"
+            )
+
+
+Strategy = ParameterServerStrategy | AllReduceStrategy
+"""How a job is distributed."""
 
 
 def _parse_device(device: str | torch.device | None) -> torch.device | None:

@@ -27,11 +27,12 @@ from shardflow.train.input import carry_over
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import RecoveryNotice, RestoredPositions
 from shardflow.train.role_context import RoleContext
+from shardflow.train.strategy import Strategy
 
 log = logging.getLogger(__name__)
 
 
-def restore_latest(job: JobConfig, model: torch.nn.Module, role: RoleContext) -> ModelState | None:
+def restore_latest(job: JobConfig[Strategy], model: torch.nn.Module, role: RoleContext) -> ModelState | None:
     """Load the latest checkpoint in model_dir into `model`; tell the workers where their input stood."""
     path = store.latest(job.model_dir)
     if path is None:

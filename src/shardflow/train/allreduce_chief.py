@@ -1,0 +1,334 @@
+"""The chief of `sf.AllReduceStrategy`: it restores the latest checkpoint (a PS job's too) and hands it to the
+workers, watches them (failures, heartbeats, progress), saves the states worker:0 hands over in the PS strategy's
+checkpoint format, evaluates the final one and ends the job. It takes no part in the workers' group."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardflow.cluster import control_keys
+from shardflow.cluster.launcher import RoleExit
+from shardflow.nn.modules import table_specs
+from shardflow.ps.sparse import sparse_variables
+from shardflow.train import allreduce_state, job_keys
+from shardflow.train.checkpoints import store
+from shardflow.train.checkpoints.manager import CheckpointSaveError
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.restore import restore_latest
+from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.job_keys import AllReduceStart, ProgressReport, RestoredPositions, Saved, StateNotice
+from shardflow.train.preemption import Preemption
+from shardflow.train.progress import ProgressDisplay
+from shardflow.train.role_context import RoleContext
+from shardflow.train.specs import TrainResult
+from shardflow.train.strategy import AllReduceStrategy
+from shardflow.train.summaries import Summaries
+
+log = logging.getLogger(__name__)
+
+_WAIT_S = 0.2
+"""How long the chief's wait for worker:0's next state is held before it looks at the launcher's failures."""
+_WATCH_EVERY_S = 1.0
+"""How often the chief reads the workers' failures, heartbeats, preemptions and progress on the control plane."""
+
+
+def run_allreduce_chief(
+    job: JobConfig[AllReduceStrategy],
+    role: RoleContext,
+    *,
+    failures: Sequence[RoleExit] = (),
+    preemption: Preemption | None = None,
+) -> TrainResult:
+    """Run the job to its end and return what it did; a worker that failed (`failures`, from the local launcher, or
+    its own report on the control plane) or went silent fails it with RoleFailedError naming it."""
+    preemption = preemption or Preemption(job.strategy.termination_grace_s)
+    started = time.monotonic()
+    store.clean(job.model_dir)
+    model = job.build_model()
+    _check_supported(job, model)
+    restored = restore_latest(job, model, role)
+    start_step = restored.step if restored is not None else 0
+    start_chunks = _hand_out(role, restored)
+    chief = _Chief(job, role, model, _Watch(job, role, failures), start_step, start_chunks)
+    try:
+        state, path = chief.train(preemption)
+        training_s = time.monotonic() - started
+        metrics: dict[str, float] = {}
+        if job.eval_spec is not None and not preemption.requested:  # no time for it within the grace period
+            last = chief.eval_history[-1] if chief.eval_history else None
+            metrics = last["metrics"] if last and last["global_step"] == state.step else chief.evaluate(state)
+    finally:
+        chief.close()
+    chief.watch.read_progress()
+    first_loss, final_loss = _losses(chief.watch.progress)
+    return TrainResult(
+        global_step=state.step,
+        metrics=metrics,
+        checkpoint=str(path),
+        first_loss=first_loss,
+        final_loss=final_loss,
+        elapsed_s=time.monotonic() - started,
+        training_s=training_s,
+        start_step=start_step,
+        worker_steps={name: p.local_step for name, p in chief.watch.progress.items()},
+        ps_stats={},
+        eval_history=chief.eval_history,
+        stopped_early=chief.stopped_early,
+        preempted=preemption.requested,
+        failed_checkpoint_saves=chief.failed_saves,
+    )
+
+
+class _Chief:
+    """The chief while the workers train: it checkpoints and evaluates each state worker:0 hands over, writes the
+    summaries, shows the progress and passes a preemption or an early stop on to worker:0."""
+
+    def __init__(
+        self,
+        job: JobConfig[AllReduceStrategy],
+        role: RoleContext,
+        model: torch.nn.Module,
+        watch: _Watch,
+        start_step: int,
+        start_chunks: int,
+    ) -> None:
+        """`start_chunks`: those of the state handed out (`_hand_out`), removed once every worker has read them."""
+        self.job, self.role, self.model, self.watch = job, role, model, watch
+        self.started = time.monotonic()
+        self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
+        self.summaries = Summaries(
+            job.model_dir,
+            save_summary_steps=job.save_summary_steps,
+            workers=watch.workers,
+            learning_rate=job.optimizer.learning_rate,
+        )
+        self.manifest: dict[str, Any] = {
+            "placement": None,
+            "mode": job.strategy.mode,
+            "num_workers": role.num_workers,
+            "num_ps": 0,
+            "optimizer": job.optimizer.to_json(),
+        }
+        """What every checkpoint records besides the state, as the PS strategy's (checkpoints/manager.py)."""
+        self.step = start_step
+        self.start_chunks = start_chunks
+        self.eval_history: list[dict[str, Any]] = []
+        self.stopped_early = False
+        self.failed_saves = 0
+
+    def train(self, preemption: Preemption) -> tuple[ModelState, Path]:
+        """Until the final state: each state worker:0 hands over checkpointed or evaluated (or both), the workers
+        watched. The final state and where it was saved."""
+        control = self.role.control
+        n = 1
+        watched = 0.0
+        while True:
+            notice_key = job_keys.allreduce_checkpoint(n)
+            # Held by the control service: no polling while the workers train.
+            if not control.set_within(notice_key.name, _WAIT_S, waiting_for="worker:0's next state"):
+                self.watch.check_launcher()
+                if time.monotonic() - watched >= _WATCH_EVERY_S or preemption.requested:
+                    watched = time.monotonic()
+                    self._watch(preemption)
+                continue
+            notice = control.read(notice_key, waiting_for="worker:0's state")
+            state = _collect(self.role, n, notice)
+            path = self._save(state, final=notice.final) if notice.checkpoint or notice.final else None
+            control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
+            control.delete(notice_key)
+            if notice.final:
+                assert path is not None  # a final checkpoint that cannot be written raised
+                self.watch.read_progress()
+                self.summaries.training(state.step, self.watch.progress, [], final=True)
+                return state, path
+            every = self.job.eval_spec.every_n_steps if self.job.eval_spec is not None else None
+            if every and state.step % every == 0 and not self.stopped_early:
+                self._evaluate_and_maybe_stop(state)
+            n += 1
+
+    def _watch(self, preemption: Preemption) -> None:
+        """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""
+        self.watch.check()
+        if self.start_chunks and len(self.watch.progress) == len(self.watch.workers):
+            # Each worker reports only after it loaded the state: the control service's memory is the checkpoints'.
+            for index in range(self.start_chunks):
+                self.role.control.delete(control_keys.state_chunk("start", index))
+            self.start_chunks = 0
+        self.watch.pass_on_preemption(preemption)
+        if preemption.requested or self.stopped_early:
+            self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
+        self.step = _global_step(self.watch.progress, self.display.start_step)
+        self.display.update(self.step, self.watch.progress)
+        self.summaries.training(self.step, self.watch.progress, [])
+
+    def _save(self, state: ModelState, *, final: bool) -> Path | None:
+        """Write `state` as the PS strategy writes its checkpoints. A periodic one that cannot be written is logged
+        and counted (None), unless fail_on_save_error; a final one always fails the job."""
+        job = self.job
+        try:
+            return store.save_state(job.model_dir, state, self.manifest, job.keep_checkpoint_max)
+        except OSError as error:
+            where = f"checkpoint at global step {state.step} could not be saved in {store.directory(job.model_dir)}"
+            if final or job.strategy.fail_on_save_error:
+                raise CheckpointSaveError(f"{where}: {error}") from None
+            self.failed_saves += 1
+            log.warning("%s: %s; training goes on", where, error)
+            return None
+
+    def _evaluate_and_maybe_stop(self, state: ModelState) -> None:
+        assert self.job.eval_spec is not None
+        self.evaluate(state)
+        stopping = self.job.eval_spec.early_stopping
+        if stopping is not None and stopping.should_stop([e["metrics"][stopping.metric] for e in self.eval_history]):
+            self.stopped_early = True  # worker:0 reads it within _POLL_EVERY_S; the state after its step is the last
+            self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
+
+    def evaluate(self, state: ModelState) -> dict[str, float]:
+        """Evaluate `state` in the chief's model and record the result."""
+        assert self.job.eval_spec is not None
+        self.model.load_state_dict(state.params)
+        metrics = self.job.evaluate(self.model, self.job.eval_spec)
+        self.eval_history.append(
+            {"global_step": state.step, "elapsed_s": time.monotonic() - self.started, "metrics": metrics}
+        )
+        self.summaries.evaluation(state.step, metrics)
+        return metrics
+
+    def close(self) -> None:
+        self.display.close()
+        self.summaries.close()
+
+
+def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) -> None:
+    """Raise ValueError for what the all-reduce strategy cannot do yet, naming it and what can."""
+    if job.eval_spec is not None and job.eval_spec.every_n_secs is not None:
+        raise ValueError(
+            "EvalSpec.every_n_secs is not offered with AllReduceStrategy yet: use every_n_steps, which the chief "
+            "evaluates exactly"
+        )
+    if job.profile_steps is not None:
+        raise ValueError(
+            "Estimator.profile_steps is not offered with AllReduceStrategy yet (its all-reduce buckets are not "
+            "recorded): profile with sf.ParameterServerStrategy, or leave profile_steps out"
+        )
+    tables = [spec.name for spec in table_specs(model)]
+    if tables:
+        raise ValueError(
+            f"the model's sf.nn tables {tables} live on parameter servers: train it with sf.ParameterServerStrategy "
+            "(AllReduceStrategy all-reduces dense gradients only)"
+        )
+    sparse = sparse_variables(model)
+    if sparse:
+        raise ValueError(
+            f"{sparse} are sparse embeddings (sparse=True), whose row-sparse gradients AllReduceStrategy does not "
+            "all-reduce: make them dense (sparse=False), or train with sf.ParameterServerStrategy"
+        )
+
+
+def _hand_out(role: RoleContext, restored: ModelState | None) -> int:
+    """The state training starts from, for every worker: the restored checkpoint's, or none (the model's initial
+    values); and each worker's input position in it. How many chunks it takes on the control plane."""
+    chunks = allreduce_state.send(role.control, "start", restored) if restored is not None else 0
+    if restored is not None:
+        role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=restored.iterators))
+    step, scalars = (restored.step, restored.scalars) if restored is not None else (0, {})
+    role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=step, num_chunks=chunks, scalars=scalars))
+    return chunks
+
+
+def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState:
+    """Checkpoint n's state from worker:0 and every worker's input position, removed from the control plane."""
+    control = role.control
+    state = allreduce_state.receive(
+        control,
+        f"checkpoint/{n}",
+        notice.num_chunks,
+        step=notice.step,
+        scalars=notice.scalars,
+        waiting_for="worker:0's state",
+        delete=True,
+    )
+    for index in range(role.num_workers):
+        name = f"worker:{index}"
+        key = job_keys.allreduce_position(n, name)
+        state.iterators[name] = control.read(key, waiting_for=f"{name}'s input position").position
+        control.delete(key)
+    return state
+
+
+class _Watch:
+    """The workers as the chief sees them: their progress, their failures and their heartbeats."""
+
+    def __init__(self, job: JobConfig[AllReduceStrategy], role: RoleContext, failures: Sequence[RoleExit]) -> None:
+        self.strategy = job.strategy
+        self.role = role
+        self.failures = failures
+        self.workers = [f"worker:{index}" for index in range(role.num_workers)]
+        self.progress: dict[str, ProgressReport] = {}
+        self.started = time.monotonic()
+        self.beats: dict[str, tuple[str, float]] = {}
+
+    def check_launcher(self) -> None:
+        """Raise RoleFailedError naming a worker that the local launcher saw fail."""
+        if self.failures:
+            raise RoleFailedError(f"{self.failures[0].describe()}; the all-reduce group cannot go on without it")
+
+    def check(self) -> None:
+        """Raise RoleFailedError naming a worker that failed or whose heartbeat stopped."""
+        self.check_launcher()
+        control = self.role.control
+        now = time.monotonic()
+        for name in self.workers:
+            failed = control.get_if_set(control_keys.failed(name))
+            if failed is not None:
+                raise RoleFailedError(f"{name} failed: {failed.decode(errors='replace')}")
+            beat = control.get_if_set(control_keys.heartbeat(name))
+            last = self.beats.get(name)
+            if beat is not None and (last is None or last[0] != beat.decode()):
+                self.beats[name] = (beat.decode(), now)
+                continue
+            since, limit = (last[1], self.strategy.heartbeat_timeout_s) if last else (self.started, None)
+            limit = limit or self.strategy.startup_timeout_s
+            if now - since > limit:
+                raise RoleFailedError(
+                    f"{name} gave no heartbeat for {now - since:.0f}s (limit {limit:g}s): lost; the all-reduce group "
+                    "cannot go on without it"
+                )
+        self.read_progress()
+
+    def pass_on_preemption(self, preemption: Preemption) -> None:
+        """A worker sent SIGTERM (a cluster manager's) asks the chief to end the job, checkpointed, as its own
+        SIGTERM does."""
+        if preemption.requested:
+            return
+        control = self.role.control
+        for name in self.workers:
+            key = control_keys.preempted(name)
+            if control.is_set(key):
+                preemption.request(f"{control.get(key, waiting_for=name)} to {name}")
+                log.warning("preempted by %s: checkpointing at the next global step", preemption.reason)
+                return
+
+    def read_progress(self) -> None:
+        for name in self.workers:
+            report = self.role.control.read_if_set(job_keys.progress(name))
+            if report is not None:
+                self.progress[name] = report
+
+
+def _global_step(progress: dict[str, ProgressReport], start_step: int) -> int:
+    """About the global step, for the display: every worker steps in lockstep."""
+    return start_step + max((report.local_step for report in progress.values()), default=0)
+
+
+def _losses(progress: dict[str, ProgressReport]) -> tuple[float | None, float | None]:
+    """The mean over the workers of their first and of their last losses."""
+    first = [p.first_loss for p in progress.values() if p.first_loss is not None]
+    final = [p.loss for p in progress.values() if p.first_loss is not None]
+    return (sum(first) / len(first) if first else None, sum(final) / len(final) if final else None)

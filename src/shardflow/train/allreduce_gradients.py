@@ -1,0 +1,79 @@
+"""The mean gradient of one all-reduce step: each worker's gradients summed over the group in buckets, with a few
+flags beside them, and divided by the number of workers that had a batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+FLAGS = HAD_BATCH, SAVE, STOP, ABORT = range(4)
+"""The flags every step all-reduces beside the gradients: how many workers had a batch, and worker:0's requests
+(a checkpoint at this step, the last step, the end of the job), so that every worker decides alike."""
+
+
+class GradientReducer:
+    """The parameters' gradients in buckets of at most `bucket_bytes` (one dtype each, in the order of
+    `parameters`), each copied into a flat buffer of its own, reused every step, and all-reduced at once."""
+
+    def __init__(self, group: Any, parameters: Sequence[torch.nn.Parameter], bucket_bytes: int) -> None:
+        self.group = group
+        """A gloo process group (cluster/dist_store.py gloo_group; torch's stubs lack its collectives)."""
+        self.buckets: list[list[torch.nn.Parameter]] = []
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for param in parameters:
+            if param.requires_grad:
+                by_dtype.setdefault(param.dtype, []).append(param)
+        for params in by_dtype.values():
+            bucket: list[torch.nn.Parameter] = []
+            size = 0
+            for param in params:
+                nbytes = param.numel() * param.element_size()
+                if bucket and size + nbytes > bucket_bytes:
+                    self.buckets.append(bucket)
+                    bucket, size = [], 0
+                bucket.append(param)
+                size += nbytes
+            if bucket:
+                self.buckets.append(bucket)
+        sizes = [sum(p.numel() for p in bucket) for bucket in self.buckets]
+        # The flags ride at the end of the first bucket where its dtype counts workers exactly: no collective of
+        # their own, whose round trip would cost as much as a small model's gradients.
+        self.separate_flags = not self.buckets or self.buckets[0][0].dtype not in (torch.float32, torch.float64)
+        if not self.separate_flags:
+            sizes[0] += len(FLAGS)
+        self.flat = [torch.empty(size, dtype=bucket[0].dtype) for size, bucket in zip(sizes, self.buckets, strict=True)]
+        if self.separate_flags:
+            self.flags = torch.zeros(len(FLAGS), dtype=torch.float64)
+        else:
+            self.flags = self.flat[0][-len(FLAGS) :]
+
+    def reduce(self, flags: Sequence[float]) -> list[float]:
+        """Sum every worker's gradients (zeros where a worker has none, e.g. its input ended) and `flags` over the
+        group; returns the summed flags. The sums stay in the flat buffers until `apply`."""
+        self.flags.copy_(torch.tensor(flags, dtype=self.flags.dtype))
+        works = [self.group.allreduce([self.flags])] if self.separate_flags else []
+        for bucket, flat in zip(self.buckets, self.flat, strict=True):
+            offset = 0
+            for param in bucket:
+                part = flat[offset : offset + param.numel()]
+                if param.grad is None:
+                    part.zero_()
+                else:
+                    part.copy_(param.grad.reshape(-1))
+                offset += param.numel()
+            works.append(self.group.allreduce([flat]))
+        for work in works:
+            work.wait()
+        return self.flags.tolist()
+
+    def apply(self, contributors: float) -> None:
+        """Each parameter's gradient becomes the summed one divided by `contributors`: the mean over the workers
+        that had a batch, as one process would compute on their batches together (of equal sizes)."""
+        for bucket, flat in zip(self.buckets, self.flat, strict=True):
+            flat.div_(contributors)
+            offset = 0
+            for param in bucket:
+                param.grad = flat[offset : offset + param.numel()].view_as(param)
+                offset += param.numel()
