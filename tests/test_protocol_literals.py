@@ -57,6 +57,9 @@ KEY_PREFIXES = (
     "eval/",
     "chief/clock",
     "ps/",
+    "dist/",
+    "allreduce/",
+    "state/",
 )
 RECORDER_METHODS = {"end", "span", "flow"}
 CONTROL_METHODS = {
