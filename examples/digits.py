@@ -5,6 +5,7 @@ needs to reach a target:
 
     python examples/digits.py                         # a local cluster: chief, 1 PS, 2 workers
     python examples/digits.py --workers 4 --mode sync
+    python examples/digits.py --strategy allreduce    # no PS: the workers all-reduce their gradients (gloo)
     shardflow scale examples/digits.py --workers 1,2,4 --target 'accuracy>=0.95'
 
 The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief. It needs
@@ -23,7 +24,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-every", type=int, default=25, help="evaluate every this many global steps (25)")
     parser.add_argument("--workers", type=int, default=2, help="workers of the local cluster (2)")
     parser.add_argument("--ps", type=int, default=1, help="parameter servers of the local cluster (1)")
-    parser.add_argument("--mode", choices=["async", "sync", "ssp"], default="async", help="(async)")
+    parser.add_argument("--mode", choices=["async", "sync", "ssp"], default="async", help="the PS strategy's (async)")
+    parser.add_argument(
+        "--strategy", choices=["ps", "allreduce"], default="ps", help="parameter servers, or all-reduce (ps)"
+    )
     parser.add_argument("--model-dir", default="runs/digits", help="checkpoints, logs, TensorBoard")
     return parser.parse_args()
 
@@ -80,6 +84,12 @@ def accuracy(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -
     return (model(images).argmax(dim=1) == labels).float().mean()
 
 
+def strategy(args: argparse.Namespace) -> sf.ParameterServerStrategy | sf.AllReduceStrategy:
+    if args.strategy == "allreduce":
+        return sf.AllReduceStrategy(num_workers=args.workers)
+    return sf.ParameterServerStrategy(num_ps=args.ps, num_workers=args.workers, mode=args.mode)
+
+
 def main(args: argparse.Namespace) -> None:
     train_images, test_images, train_labels, test_labels = digits()
 
@@ -96,7 +106,7 @@ def main(args: argparse.Namespace) -> None:
         model_fn=model_fn,
         loss_fn=loss_fn,
         optimizer=sf.optim.Adam(lr=2e-3),
-        strategy=sf.ParameterServerStrategy(num_ps=args.ps, num_workers=args.workers, mode=args.mode),
+        strategy=strategy(args),
         model_dir=args.model_dir,
     )
     result = sf.train_and_evaluate(
@@ -113,7 +123,7 @@ def main(args: argparse.Namespace) -> None:
     )
     print_summary(
         f"digits: an MLP on scikit-learn's 8x8 digits ({len(train_labels)} train, {len(test_labels)} test images); "
-        f"{args.mode} PS training",
+        + (f"{args.mode} PS training" if args.strategy == "ps" else "all-reduce training"),
         est,
         result,
         [
