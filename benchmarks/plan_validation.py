@@ -103,9 +103,9 @@ def main() -> int:
 
 def validate(sizes: list[int], strategies: list[str], steps: int, args: argparse.Namespace, out: Path) -> int:
     """Run the PS at every size, calibrate on the first, then every other strategy that exists; one table."""
-    runs = {
-        n: fastest([measure(n, steps, "ps", args, out / f"repeat-{r}") for r in range(args.repeats)]) for n in sizes
-    }
+    # Repeats go round all the sizes in turn, so that a spell of load from other programs hits each size alike.
+    tries = [{n: measure(n, steps, "ps", args, out / f"repeat-{r}") for n in sizes} for r in range(args.repeats)]
+    runs = {n: fastest([sizes_run[n] for sizes_run in tries]) for n in sizes}
     base = runs[sizes[0]]["calibration"]
     plan = plan_config(base, args.cores)
     print(f"calibrated on {sizes[0]} worker(s): compute {base.step_compute_s * 1e3:.3f} ms/step, bandwidth ", end="")
@@ -165,6 +165,7 @@ def ps_row(plan: Any, n: int, run: dict[str, Any], cores: int) -> dict[str, Any]
         "whole_run": run["whole"],
         "bound": prediction.bound,
         "others_cores": run["others_cores"],
+        "load_average": run["load_average"],
     }
 
 
@@ -194,6 +195,7 @@ def other_strategy_rows(
                 "whole_run": run["whole"],
                 "bound": prediction.bound,
                 "others_cores": run["others_cores"],
+                "load_average": run["load_average"],
             }
         )
     return rows
@@ -202,7 +204,7 @@ def other_strategy_rows(
 def print_rows(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'strategy':<9}  {'workers':>7}  {'predicted':>9}  {'measured':>8}  {'error':>6}  {'all cores':>9}  "
-        f"{'whole run':>9}  {'others':>6}  {'bound':<11}"
+        f"{'whole run':>9}  {'others':>6}  {'load':>5}  {'bound':<11}"
     )
     print(header + "\n" + "-" * len(header))
     for row in rows:
@@ -214,10 +216,12 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         print(
             f"{row['strategy']:<9}  {row['workers']:>7}  {row['predicted']:>9.1f}  {row['measured']:>8.1f}  "
             f"{row['error']:>+6.1%}  {all_cores}  {row['whole_run']:>9.1f}  {row['others_cores']:>6.2f}  "
+            f"{row['load_average']:>5.1f}  "
             f"{row['bound']:<11}{note}"
         )
     print("global steps/s; measured: the capture's steady rate (PS), the whole run's (others); all cores: the model")
-    print("given every core of the machine; others: cores other programs used during the run")
+    print("given every core of the machine; others: cores other programs used during the run; load: the machine's")
+    print("1-minute load average at its end")
 
 
 def result_rows(rows: list[dict[str, Any]], calibrated_on: int) -> list[dict[str, Any]]:
@@ -260,6 +264,9 @@ def measure(num_workers: int, steps: int, strategy: str, args: argparse.Namespac
         "calibration": calibrate(result["profile_dir"]) if strategy == "ps" else None,
         "whole": result["global_step"] / result["training_s"],
         "others_cores": max(0.0, others / wall),
+        # Fair scheduling shares the cores by runnable threads, not by the cores others use: a job of one worker
+        # (one runnable thread at a time) is starved by many threads of others that a job of four is not.
+        "load_average": psutil.getloadavg()[0],
     }
 
 
