@@ -104,12 +104,13 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
 
 
 def _worker_cpu_s(config: PlanConfig, ring: float, table_bytes: float, dense_apply: float) -> float:
-    """A worker's CPU per step: compute, its own overhead outside compute as measured under the PS (Python, input,
-    hooks), two copies of every byte it sends or receives, and its share of the apply."""
+    """A worker's CPU per step: what it used under the PS less the copies of the model (compute and its own overhead:
+    Python, input, hooks), two copies of every byte it now sends or receives, and the apply."""
     copies = 4 * config.model_bytes / config.bandwidth
     measured = config.worker_cpu_s if config.worker_cpu_s is not None else config.step_compute_s + copies
-    overhead = max(0.0, measured - config.step_compute_s - copies)
-    return config.step_compute_s + overhead + 2 * (2 * ring + 2 * table_bytes) / config.bandwidth + dense_apply
+    # Not compute plus the rest: on shared cores the compute spans' median also holds preemption, CPU time does not.
+    own = max(0.0, measured - copies)
+    return own + 2 * (2 * ring + 2 * table_bytes) / config.bandwidth + dense_apply
 
 
 def _ps_cpu_s(config: PlanConfig, table_bytes: float) -> float:
