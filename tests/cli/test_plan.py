@@ -87,3 +87,41 @@ def test_plan_calibrate_without_a_capture_says_how_to_make_one(tmp_path, capsys)
 def test_calibrate_also_reads_a_capture_directory_itself(profiled_run):
     (capture,) = (profiled_run / "profile").iterdir()
     assert calibrate(capture).step_compute_s == calibrate(profiled_run).step_compute_s
+
+
+def test_plan_names_hybrid_the_winner_for_a_model_of_large_tables(capsys):
+    args = ["--params", "10M", "--sparse-params", "9M", "--table-params", "1B", "--workers", "4", "--ps", "4"]
+    args += ["--bandwidth", "10Gbit", "--step-compute", "50ms", "--batch-size", "256"]
+    assert main(["plan", *args, "--strategy", "all"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^hybrid +16 +64\.1 +16,410 ", out, re.MULTILINE), out
+    assert "winner: hybrid, 64.1 batches/s against 62.5 for PS (1.03x)" in out
+
+
+def test_plan_strategy_allreduce_prints_only_its_row_and_no_winner(capsys):
+    args = ["--params", "1M", "--workers", "4", "--ps", "1", "--bandwidth", "8Gbit", "--step-compute", "10ms"]
+    assert main(["plan", *args, "--strategy", "allreduce"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^all-reduce +100 +400 +moves 6 MB each way per worker", out, re.MULTILINE), out
+    assert "bottleneck:" not in out and "winner:" not in out
+
+
+def test_plan_calibrated_names_allreduce_the_winner_for_a_large_dense_model(profiled_run, capsys):
+    args = ["--calibrate", str(profiled_run), "--workers", "8", "--params", "100M", "--bandwidth", "10Gbit"]
+    assert main(["plan", *args]) == 0
+    winner_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("winner:"))
+    assert winner_line.startswith("winner: all-reduce, ")
+    assert "PS moves 3.2 GB each way through ps:0, the busiest link, per round" in winner_line
+
+
+def test_plan_cores_measured_uses_the_cores_the_calibrated_run_kept_busy(profiled_run, capsys):
+    busy = calibrate(profiled_run).busy_cores
+    assert busy is not None and 0 < busy <= 2
+    assert main(["plan", "--calibrate", str(profiled_run), "--workers", "2", "--cores", "measured"]) == 0
+    assert f"{busy:g} shared CPU cores" in capsys.readouterr().out
+
+
+def test_plan_cores_measured_without_a_calibration_is_named(capsys):
+    args = ["--params", "1M", "--workers", "4", "--ps", "1", "--bandwidth", "8Gbit", "--step-compute", "10ms"]
+    assert main(["plan", *args, "--cores", "measured"]) == 2
+    assert "--cores measured needs --calibrate MODEL_DIR" in capsys.readouterr().err

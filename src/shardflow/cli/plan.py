@@ -1,4 +1,5 @@
-"""Predict step time and the bottleneck of a PS cluster from the model size, links and compute; compare all-reduce."""
+"""Predict step time and the bottleneck of a PS cluster from the model size, links and compute; compare all-reduce
+and hybrid, and name the fastest."""
 
 from __future__ import annotations
 
@@ -17,14 +18,19 @@ EPILOG = """\
 examples:
   shardflow plan --params 100M --workers 64 --ps 8 --bandwidth 25Gbit --step-compute 120ms
   shardflow plan --calibrate runs/mlp --workers 4 --cores 2       from a profiled run, for a local cluster
+  shardflow plan --calibrate runs/mlp --workers 4 --cores measured as many cores as the profiled run got
+  shardflow plan --params 100M --sparse-params 90M ... --strategy all    PS, all-reduce and hybrid, and the winner
 
 The model, per worker step (M model bytes, B link bandwidth, n workers, k PS):
   PS communication per direction   max(M/B, n·M/(k·B))   a worker moves M, the busiest PS n·M/k
-  all-reduce communication         2(n-1)/n · M/B
+  all-reduce communication         2(n-1)/n · M/B each way per worker, then every worker applies the update
+  hybrid                           sf.nn rows (--sparse-params) through the PS, the rest all-reduced
   step time                        compute + push + pull (+ apply); with overlap, the slowest part
 --cores models a local run: moving bytes is then CPU work on both ends, and all roles share the cores.
   With --calibrate it uses the CPU every role measured per step (all threads). That cost rises once the
-  roles outnumber the cores, so calibrate on a run that already keeps the cores busy.
+  roles outnumber the cores, so calibrate on a run that already keeps the cores busy. --cores measured
+  uses the cores that run's roles got: on a machine other programs share, as much as they left it.
+The winner has the most batches per second (a round is one batch on every worker).
 Units: 100M, 1.5B params; 25Gbit, 25Gbps, 10GB/s; 120ms, 0.3s, 50us.
 """
 
@@ -39,8 +45,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=["async", "sync"], default="async", help="(async)")
     parser.add_argument("--bytes-per-param", type=float, default=4.0, metavar="B", help="bytes on the wire (4)")
     parser.add_argument("--ps-apply", metavar="TIME", help="time to apply one update of the whole model on one PS")
-    parser.add_argument("--cores", type=float, metavar="C", help="a local run: all roles share C CPU cores")
+    parser.add_argument(
+        "--cores",
+        metavar="C",
+        help="a local run: all roles share C CPU cores ('measured': those the calibrated run got)",
+    )
     parser.add_argument("--allreduce", action="store_true", help="show the all-reduce prediction in full")
+    parser.add_argument(
+        "--strategy",
+        choices=["ps", "allreduce", "hybrid", "all"],
+        default="all",
+        help="the strategies to compare side by side (all)",
+    )
+    parser.add_argument("--sparse-params", metavar="COUNT", help="of --params, sf.nn table rows a step touches (0)")
+    parser.add_argument(
+        "--table-params", metavar="COUNT", help="the sf.nn tables in full, which all-reduce sums (--sparse-params)"
+    )
+    parser.add_argument("--batch-size", type=int, metavar="N", help="examples per batch, to print examples/s")
     parser.add_argument("--calibrate", metavar="MODEL_DIR", help="measure the inputs from a profiled run's capture")
     parser.add_argument("--capture", metavar="NAME", help="with --calibrate: the capture to use (latest)")
 
@@ -56,7 +77,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if calibration is not None:
         _print_calibration(calibration)
-    _print_prediction(config, args.allreduce)
+    if args.strategy in ("ps", "all"):
+        _print_prediction(config, args.allreduce)
+        print()
+    _print_strategies(config, args.strategy, args.batch_size)
     return 0
 
 
@@ -91,8 +115,9 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
     for flag, value in (("--workers", args.workers), ("--ps", args.ps)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be at least 1, e.g. {flag} 4; got {value}")
-    if args.cores is not None and not args.cores > 0:
-        raise ValueError(f"--cores must be positive, e.g. --cores 2; got {args.cores}")
+    cores = _cores(args.cores, calibration)
+    if args.batch_size is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, e.g. --batch-size 32; got {args.batch_size}")
     if args.bytes_per_param <= 0:
         raise ValueError(f"--bytes-per-param must be positive, e.g. --bytes-per-param 2; got {args.bytes_per_param}")
 
@@ -109,12 +134,30 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         step_compute_s=parse_duration(args.step_compute) if args.step_compute else measured("step_compute_s"),
         mode=args.mode,
         ps_apply_s=parse_duration(args.ps_apply, "--ps-apply") if args.ps_apply else _apply_s(calibration),
-        cores=args.cores,
+        cores=cores,
         # Measured CPU per step only describes the cores it was measured on: a local run.
-        worker_cpu_s=calibration.worker_cpu_s if calibration is not None and args.cores else None,
-        ps_cpu_s=calibration.ps_cpu_s if calibration is not None and args.cores else None,
-        other_cores=min(calibration.other_cores, args.cores / 2) if calibration is not None and args.cores else 0.0,
+        worker_cpu_s=calibration.worker_cpu_s if calibration is not None and cores else None,
+        ps_cpu_s=calibration.ps_cpu_s if calibration is not None and cores else None,
+        other_cores=min(calibration.other_cores, cores / 2) if calibration is not None and cores else 0.0,
+        sparse_params=parse_count(args.sparse_params, "--sparse-params") if args.sparse_params else 0.0,
+        table_params=parse_count(args.table_params, "--table-params") if args.table_params else 0.0,
     )
+
+
+def _cores(text: str | None, calibration: Calibration | None) -> float | None:
+    if text is None:
+        return None
+    if text == "measured":
+        if calibration is None or calibration.busy_cores is None:
+            raise ValueError("--cores measured needs --calibrate MODEL_DIR with a capture that sampled cpu.cores")
+        return calibration.busy_cores
+    try:
+        cores = float(text)
+    except ValueError:
+        raise ValueError(f"--cores must be a number or 'measured', e.g. --cores 2; got {text!r}") from None
+    if not cores > 0:
+        raise ValueError(f"--cores must be positive, e.g. --cores 2; got {text}")
+    return cores
 
 
 def _apply_s(calibration: Calibration | None) -> float:
@@ -140,6 +183,8 @@ def _print_calibration(c: Calibration) -> None:
                 f"other roles {c.other_cores:.2f} cores",
             ]
         )
+    if c.busy_cores is not None:
+        rows.append(["cores busy", f"{c.busy_cores:.2f}", "all roles together (--cores measured uses this)"])
     rows.append(
         ["achieved", format_duration(c.worker_step_s), f"per worker step, {c.global_steps_per_s:.1f} global steps/s"]
     )
@@ -248,6 +293,37 @@ def _print_allreduce(config: PlanConfig, p: Prediction, allreduce: bool) -> None
         print(f"  global steps/s {1 / ring.step_s:.4g} ({1 / ring.overlap_step_s:.4g} with overlap); ", end="")
         print(f"per worker step with overlap, {faster} is faster ({format_duration(ring.overlap_step_s)} vs ", end="")
         print(f"{format_duration(p.overlap_step_s)})")
+
+
+def _print_strategies(config: PlanConfig, which: str, batch_size: int | None) -> None:
+    """The chosen strategies side by side and, of two or more, the winner with its reason."""
+    from shardflow.planning.strategies import NAMES, STRATEGIES, describe, predict_all, winner
+
+    chosen = STRATEGIES if which == "all" else tuple(s for s in STRATEGIES if s == which)
+    predictions = predict_all(config, chosen)
+    header = ["strategy", "global steps/s", "batches/s", *(["examples/s"] if batch_size else []), "busiest link, bound"]
+    rows = [
+        [
+            NAMES[p.strategy],
+            _rate(p.global_steps_per_s),
+            _rate(p.batches_per_s),
+            *([_rate(p.batches_per_s * batch_size)] if batch_size else []),
+            describe(p),
+        ]
+        for p in predictions
+    ]
+    print_table(None, header, rows, right={"global steps/s", "batches/s", "examples/s"})
+    # Without tables hybrid is all-reduce under another name; a tie between the two would name no real choice.
+    contenders = [p for p in predictions if p.strategy != "hybrid" or config.sparse_params > 0]
+    if config.sparse_params == 0 and "hybrid" in chosen:
+        print("  (no --sparse-params: hybrid has no sf.nn rows for the PS and is all-reduce)")
+    if len(contenders) > 1:
+        _, reason = winner(contenders)
+        print(f"winner: {reason}")
+
+
+def _rate(per_s: float) -> str:
+    return f"{per_s:,.0f}" if per_s >= 100 else f"{per_s:.3g}"
 
 
 def _plural(count: int, noun: str) -> str:

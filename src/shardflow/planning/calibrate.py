@@ -46,6 +46,9 @@ class Calibration:
     """CPU seconds the PS use together per worker step (per push they receive), every thread included."""
     other_cores: float = 0.0
     """Cores the roles that do not scale with the workers (the chief, an evaluator) kept busy."""
+    busy_cores: float | None = None
+    """Cores all the roles together kept busy: on a machine shared with other programs, what the job got of it.
+    None if the capture has no `cpu.cores` counters."""
 
 
 def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
@@ -92,6 +95,7 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         worker_cpu_s=_cpu_per_worker_step(cores, "worker", num_workers, worker_steps_per_s),
         ps_cpu_s=_cpu_per_worker_step(cores, "ps", len(applies_by_ps), worker_steps_per_s),
         other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
+        busy_cores=sum(cores.values()) if cores else None,
     )
 
 

@@ -42,6 +42,11 @@ class PlanConfig:
     as the apply plus the copies."""
     other_cores: float = 0.0
     """With cores: cores kept busy by roles whose work does not grow with the workers (the chief)."""
+    sparse_params: float = 0.0
+    """Of num_params, the sf.nn table rows a worker step touches: through the PS under hybrid (planning/strategies)."""
+    table_params: float = 0.0
+    """The sf.nn tables in full, which all-reduce has to sum in every step (a dense table in every worker); below
+    sparse_params it counts as sparse_params."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "bytes_per_param", "bandwidth", "step_compute_s"):
@@ -59,6 +64,10 @@ class PlanConfig:
         for name in ("worker_cpu_s", "ps_cpu_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"PlanConfig.{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.sparse_params <= self.num_params:
+            raise ValueError(f"PlanConfig.sparse_params must be in [0, num_params], got {self.sparse_params}")
+        if self.table_params < 0:
+            raise ValueError(f"PlanConfig.table_params must be >= 0, got {self.table_params}")
         if self.cores is not None and not 0 <= self.other_cores < self.cores:
             raise ValueError(f"PlanConfig.other_cores must be in [0, cores), got {self.other_cores}")
 

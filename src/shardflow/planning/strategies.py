@@ -1,0 +1,154 @@
+"""The same calibrated step under the three strategies (PS, ring all-reduce, hybrid) and which one is fastest.
+
+A round is one batch on every worker. The PS strategy is planning/plan_model.py's step; all-reduce sums the dense
+gradients in a ring among the workers and every worker applies them itself; hybrid sends the sf.nn table rows through
+the PS as the PS strategy does and all-reduces the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from shardflow.planning.plan_model import PlanConfig, predict
+from shardflow.planning.units import format_bytes
+
+Strategy = Literal["ps", "allreduce", "hybrid"]
+STRATEGIES: tuple[Strategy, ...] = ("ps", "allreduce", "hybrid")
+NAMES: dict[Strategy, str] = {"ps": "PS", "allreduce": "all-reduce", "hybrid": "hybrid"}
+
+
+@dataclass(frozen=True)
+class StrategyPrediction:
+    """One strategy's round: how long it takes, what bounds it and the bytes each link moves."""
+
+    strategy: Strategy
+    num_workers: int
+    round_s: float
+    """Seconds per round with communication overlapped where the strategy can: the slowest resource."""
+    bound: str
+    """The resource that sets round_s: compute, worker link, PS link, PS apply or CPU cores."""
+    link_bytes: dict[str, float]
+    """Bytes each way per round on each link that carries any: "worker" (every worker's) and "ps:0" (the busiest PS)."""
+    global_steps_per_round: int
+    """The async PS makes every worker's update a global step; all-reduce and hybrid make one per round."""
+
+    @property
+    def batches_per_s(self) -> float:
+        return self.num_workers / self.round_s
+
+    @property
+    def global_steps_per_s(self) -> float:
+        return self.global_steps_per_round / self.round_s
+
+    @property
+    def busiest_link(self) -> str:
+        return max(self.link_bytes, key=lambda link: self.link_bytes[link]) if self.link_bytes else "worker"
+
+
+def ring_bytes(num_workers: int, dense_bytes: float) -> float:
+    """Bytes each worker sends (and receives) per ring all-reduce: 2(n-1)/n of the gradients."""
+    return 2 * (num_workers - 1) / num_workers * dense_bytes
+
+
+def ps_link_bytes(config: PlanConfig, table_bytes: float) -> dict[str, float]:
+    """Bytes each way per round through the PS: a worker's push (or pull), and the busiest PS's n/k share of them."""
+    if table_bytes <= 0:
+        return {}
+    return {"worker": table_bytes, "ps:0": config.num_workers * table_bytes / config.num_ps}
+
+
+def predict_strategy(config: PlanConfig, strategy: Strategy) -> StrategyPrediction:
+    """The round of `strategy` from the PS calibration in `config` (compute, bandwidth, apply, CPU per step)."""
+    if strategy == "ps":
+        ps = predict(config)
+        steps = config.num_workers if config.mode == "async" else 1
+        bytes_each_way = ps_link_bytes(config, config.model_bytes)
+        return StrategyPrediction("ps", config.num_workers, ps.overlap_step_s, ps.bottleneck, bytes_each_way, steps)
+    if strategy == "hybrid":
+        table_bytes = config.sparse_params * config.bytes_per_param
+        return _synchronous(config, strategy, config.model_bytes - table_bytes, table_bytes)
+    return _synchronous(config, strategy, allreduce_bytes(config), 0.0)
+
+
+def allreduce_bytes(config: PlanConfig) -> float:
+    """The gradients all-reduce sums each step: the dense parameters and every sf.nn table in full."""
+    tables = max(config.table_params, config.sparse_params)
+    return (config.num_params - config.sparse_params + tables) * config.bytes_per_param
+
+
+def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, table_bytes: float) -> StrategyPrediction:
+    """All-reduce (no table bytes) or hybrid: the dense part all-reduced and applied by every worker, rows by the PS."""
+    n, k, bandwidth = config.num_workers, config.num_ps, config.bandwidth
+    ring = ring_bytes(n, dense_bytes)
+    links = ps_link_bytes(config, table_bytes)
+    # The ring sends and receives at once; a PS push and its pull follow each other (as in plan_model).
+    worker_link = (ring + 2 * links.get("worker", 0.0)) / bandwidth
+    dense_apply = config.ps_apply_s * dense_bytes / config.model_bytes
+    times = {
+        "compute": config.step_compute_s + dense_apply,
+        "worker link": worker_link + dense_apply,
+        "PS link": 2 * links.get("ps:0", 0.0) / bandwidth,
+        "PS apply": n * config.ps_apply_s * table_bytes / config.model_bytes / k,
+    }
+    if config.cores is not None:
+        cpu = n * (_worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply) + _ps_cpu_s(config, table_bytes))
+        times["CPU cores"] = cpu / (config.cores - config.other_cores)
+        # On loopback the bytes move by the CPU: a worker's own copies come after its compute.
+        times["compute"] += worker_link
+    bound = max(times, key=lambda name: times[name])
+    all_links = {"worker": ring + links.get("worker", 0.0)} | ({"ps:0": links["ps:0"]} if "ps:0" in links else {})
+    if all_links["worker"] <= 0:
+        all_links = {}
+    return StrategyPrediction(strategy, n, times[bound], bound, all_links, 1)
+
+
+def _worker_cpu_s(config: PlanConfig, ring: float, table_bytes: float, dense_apply: float) -> float:
+    """A worker's CPU per step: what it used under the PS less the copies of the model (compute and its own overhead:
+    Python, input, hooks), two copies of every byte it now sends or receives, and the apply."""
+    copies = 4 * config.model_bytes / config.bandwidth
+    measured = config.worker_cpu_s if config.worker_cpu_s is not None else config.step_compute_s + copies
+    # Not compute plus the rest: on shared cores the compute spans' median also holds preemption, CPU time does not.
+    own = max(0.0, measured - copies)
+    return own + 2 * (2 * ring + 2 * table_bytes) / config.bandwidth + dense_apply
+
+
+def _ps_cpu_s(config: PlanConfig, table_bytes: float) -> float:
+    """The PS's CPU per worker step for `table_bytes` of rows: its per-request overhead (the serve loop), the apply
+    of those rows and the copies; nothing without rows."""
+    if table_bytes <= 0:
+        return 0.0
+    copies = 4 * config.model_bytes / config.bandwidth
+    measured = config.ps_cpu_s if config.ps_cpu_s is not None else config.ps_apply_s + copies
+    overhead = max(0.0, measured - config.ps_apply_s - copies)
+    share = table_bytes / config.model_bytes
+    return overhead + share * (config.ps_apply_s + copies)
+
+
+def predict_all(config: PlanConfig, strategies: tuple[Strategy, ...] = STRATEGIES) -> list[StrategyPrediction]:
+    return [predict_strategy(config, strategy) for strategy in strategies]
+
+
+def winner(predictions: list[StrategyPrediction]) -> tuple[StrategyPrediction, str]:
+    """The strategy with the most batches per second (the first of equals), and why, in words."""
+    best = max(predictions, key=lambda p: p.batches_per_s)
+    others = [p for p in predictions if p is not best]
+    if not others:
+        return best, f"{NAMES[best.strategy]} {describe(best)}"
+    runner_up = max(others, key=lambda p: p.batches_per_s)
+    ratio = best.batches_per_s / runner_up.batches_per_s
+    reason = (
+        f"{NAMES[best.strategy]}, {best.batches_per_s:.4g} batches/s against {runner_up.batches_per_s:.4g} for "
+        f"{NAMES[runner_up.strategy]} ({ratio:.2f}x): {NAMES[best.strategy]} {describe(best)}; "
+        f"{NAMES[runner_up.strategy]} {describe(runner_up)}"
+    )
+    return best, reason
+
+
+def describe(p: StrategyPrediction) -> str:
+    """The busiest link's bytes and the bound, e.g. 'moves 2.4 MB each way per worker per round (bound: compute)'."""
+    if not p.link_bytes:
+        return f"moves nothing (bound: {p.bound})"
+    link = p.busiest_link
+    where = "per worker" if link == "worker" else f"through {link}, the busiest link,"
+    return f"moves {format_bytes(p.link_bytes[link])} each way {where} per round (bound: {p.bound})"
