@@ -20,7 +20,7 @@ from shardflow.ps import protocol
 from shardflow.ps.client import PushRequest
 from shardflow.ps.lanes import LaneError, WorkerLane, lane_bytes, open_lane
 from shardflow.ps.optimizers import SGD
-from shardflow.ps.placement import place
+from shardflow.ps.placement import Partitioner, place
 from shardflow.ps.server import ParameterServer
 from shardflow.ps.update_rules import ApplyConfig
 from shardflow.train.checkpoints.servers import fetch_state, init_servers
@@ -232,6 +232,25 @@ def test_overlapped_steps_through_lanes_leave_every_slot_free_but_the_one_in_use
     # The model computes on what the PS hold: the parameters of the last reply are the PS's own.
     state = fetch_state(chief)
     assert state.step == 6
+    for name, value in model.state_dict().items():
+        assert torch.equal(state.params[name], value), name
+
+
+def test_a_variable_cut_across_ps_loads_through_reused_reply_slots_as_the_ps_hold_it(start_lane_cluster) -> None:
+    cluster = start_lane_cluster(2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    placement = place(model.named_parameters(), 2, Partitioner(min_slice_bytes=4, fixed_shards=2))
+    assert any(piece.partitioned for piece in placement.pieces)
+    chief = cluster.client(model, placement)
+    init_servers(chief, SGD(lr=0.1), ApplyConfig(num_workers=1))
+    worker = cluster.client(model, placement)
+    worker.pull()
+    for step in range(5):  # more steps than reply slots: each slot is loaded from again
+        worker.begin_push(step)
+        model(torch.full((2, 4), float(step))).sum().backward()
+        worker.wait_push(worker.push(PushRequest()))
+    state = fetch_state(chief)
     for name, value in model.state_dict().items():
         assert torch.equal(state.params[name], value), name
 

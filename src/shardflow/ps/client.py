@@ -125,6 +125,8 @@ class ParameterClient(PSConnection):
         self.lanes: list[WorkerLane | None] = [None] * placement.num_ps
         """Per PS: the shared-memory lane to it (see `attach_lanes`), or None: everything goes over the socket."""
         self._slots: list[int | None] = [None] * placement.num_ps
+        self._slot_views: dict[tuple[int, int], list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+        """Per (PS, lane reply slot): each parameter's view of that slot, made on its first load."""
         self._pushed: Pushed | None = None
         self._hooks: list[Any] = []
         self._remaining: list[int] = []
@@ -147,24 +149,45 @@ class ParameterClient(PSConnection):
         if self.staging.device.type == "cpu" and self.worker_index >= 0:
             self.lanes = offer_lanes(self, self.worker_index)
 
-    def _load(self, replies: dict[int, Sequence[torch.Tensor]]) -> None:
+    def _load(self, replies: dict[int, Sequence[torch.Tensor]], slots: dict[int, int | None]) -> None:
         """Point each parameter at its slice of the received buffers, without a copy on the CPU (on a GPU, of
         their copies on it); a partitioned one is assembled from its pieces. The worker never writes parameters
-        in place, so read-only frames serve."""
+        in place, so read-only frames serve. `slots`: per PS, the lane reply slot its buffers are (None: frames),
+        whose views are made once and kept, since a slot's memory stays where it is."""
         assembled: dict[str, torch.Tensor] = {}
         for ps, buffers in replies.items():
-            for dtype, received in zip(self.layout.dtypes[ps], self.staging.to_device(buffers), strict=True):
-                flat = received.to(getattr(torch, dtype))  # from the wire dtype (on the device: after the copy)
-                for piece in self.layout.pieces[ps][dtype]:
-                    values = flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
-                    if piece.partitioned:
-                        if piece.name not in assembled:
-                            assembled[piece.name] = torch.empty(piece.shape, dtype=flat.dtype, device=flat.device)
-                        assembled[piece.name][piece.row_start : piece.row_end] = values
-                    else:
-                        self.named[piece.name].data = values
+            slot = slots.get(ps)
+            views = self._slot_views.get((ps, slot)) if slot is not None else None
+            if views is None:
+                views, reusable = self._views(ps, self.staging.to_device(buffers), assembled)
+                if slot is not None and reusable:
+                    self._slot_views[ps, slot] = views
+            for param, values in views:
+                param.data = values
         for name, tensor in assembled.items():
             self.named[name].data = tensor
+
+    def _views(
+        self, ps: int, buffers: Sequence[torch.Tensor], assembled: dict[str, torch.Tensor]
+    ) -> tuple[list[tuple[torch.nn.Parameter, torch.Tensor]], bool]:
+        """Each whole parameter of `ps` with its view of `buffers`, the received dense buffers on the device; a
+        partitioned piece is copied into its slice of `assembled`. And whether the views serve again for the same
+        buffers: not when a piece was copied, or a buffer was cast from its wire dtype."""
+        views: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+        reusable = True
+        for dtype, received in zip(self.layout.dtypes[ps], buffers, strict=True):
+            flat = received.to(getattr(torch, dtype))  # from the wire dtype (on the device: after the copy)
+            reusable = reusable and flat is received
+            for piece in self.layout.pieces[ps][dtype]:
+                values = flat[piece.offset : piece.offset + piece.numel].view(piece.piece_shape)
+                if piece.partitioned:
+                    reusable = False
+                    if piece.name not in assembled:
+                        assembled[piece.name] = torch.empty(piece.shape, dtype=flat.dtype, device=flat.device)
+                    assembled[piece.name][piece.row_start : piece.row_end] = values
+                else:
+                    views.append((self.named[piece.name], values))
+        return views, reusable
 
     def _wait(
         self, peer_seqs: dict[str, int], op: str, load_params: bool, reply_slots: dict[int, int | None]
@@ -196,7 +219,7 @@ class ParameterClient(PSConnection):
             stop = stop or reply.stop
             nonfinite = max(nonfinite, reply.nonfinite)
         if replies:
-            self._load(replies)
+            self._load(replies, loaded_slots)
             for ps, slot in loaded_slots.items():
                 if (lane := self.lanes[ps]) is not None:
                     lane.loaded_from(slot)
