@@ -99,9 +99,9 @@ def failure_note(failure: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mlp-steps", type=int, default=1500)
-    parser.add_argument("--click-steps", type=int, default=1500)
-    parser.add_argument("--allreduce-click-steps", type=int, default=10)
+    parser.add_argument("--mlp-steps", type=int, default=1000)
+    parser.add_argument("--click-steps", type=int, default=1000)
+    parser.add_argument("--allreduce-click-steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()
     mlp: dict[str, list[float]] = {name: [] for name in SETUPS}
