@@ -1,5 +1,6 @@
-"""AllReduceStrategy, 2 workers, against raw PyTorch DistributedDataParallel with gloo, 2 processes, on the benchmark
-MLP (64-512-512-10, batch 32 per worker, SGD): global steps/s side by side, alternating (target >= 0.95x).
+"""AllReduceStrategy with 2 workers against raw DDP with gloo on the benchmark MLP, alternating (target >= 0.95x).
+
+The MLP 64-512-512-10, batch 32 per worker, SGD; DistributedDataParallel with gloo in 2 processes (peers/ddp_sync.py).
 
 Both are timed after 50 untimed steps: DDP between two barriers, shardflow from its workers' step logs (the job's
 own rate would count its start and its final checkpoint). One step is one batch on every worker in both; both give

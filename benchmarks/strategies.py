@@ -1,6 +1,7 @@
-"""PS (async and sync, 2 workers + 1 PS) against all-reduce (2 workers) on the benchmark MLP and on the click-through
-model: examples/s side by side in one run, and which wins. Hybrid (issue 22's HybridStrategy) is not available in
-this tree: its column says so.
+"""PS (async, sync) against all-reduce on the benchmark MLP and the click-through model: examples/s, and the winner.
+
+PS: 2 workers + 1 PS; all-reduce: 2 workers; side by side in one run. Hybrid (issue 22's HybridStrategy) is not
+available in this tree: the rows say so.
 
 Each rate is the steady state, from the workers' step logs after a warm-up. Examples per global step come from the
 job's own count (a global step is one worker's batch in async mode, one batch on every worker in sync and all-reduce).
