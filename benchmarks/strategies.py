@@ -48,7 +48,7 @@ def mlp_examples_per_s(mode: str, num_ps: int, steps: int) -> float:
 
 
 def click_examples_per_s(mode: str, num_ps: int, steps: int) -> tuple[float, str]:
-    """Examples/s, and the last error line of a job that failed after training every step ("" if it did not)."""
+    """Examples/s, and the failing role's error line of a job that failed after training every step ("" if none)."""
     with tempfile.TemporaryDirectory() as directory:
         out = f"{directory}/result.json"
         command = [sys.executable, str(HERE / "jobs" / "click_through.py"), out, str(WORKERS), str(num_ps), str(steps)]
@@ -70,7 +70,7 @@ def click_examples_per_s(mode: str, num_ps: int, steps: int) -> tuple[float, str
     reason = errors[0] if errors else "\n".join(finished.stdout.strip().splitlines()[-1:])
     if len(logs) != WORKERS or any(log[-1][1] < steps for log in logs):
         raise RuntimeError(f"the click-through {mode} job failed before its last step: {reason}")
-    # It trained every step: one batch on every worker per global step (sync or all-reduce).
+    # It trained every step: one batch on every worker per global step (sync or all-reduce); warm-up as the job's.
     return steady_steps_per_s(logs, min(30, steps // 3)) * cm.BATCH * WORKERS, reason
 
 
