@@ -52,6 +52,7 @@ BENCHMARKS = [
     Benchmark(name="cli_startup", script="cli_startup.py"),
     Benchmark(name="comm_roundtrip", script="comm_roundtrip.py"),
     Benchmark(name="ps_training", script="ps_training.py", quick_flags=QUICK_TRAINING),
+    Benchmark(name="allreduce_vs_ddp", script="allreduce_vs_ddp.py", quick_flags=("--steps", "500", "--repeats", "1")),
     Benchmark(name="profiler_overhead", script="profiler_overhead.py", quick_flags=QUICK_TRAINING),
     Benchmark(name="profiler", script="profiler.py"),
     Benchmark(name="input_formats", script="input_formats.py"),
@@ -61,6 +62,11 @@ BENCHMARKS = [
         name="embedding_tables",
         script="embedding_tables.py",
         quick_flags=("--steps", "300", "--tf-steps", "100", "--local-steps", "100", "--repeats", "1"),
+    ),
+    Benchmark(
+        name="strategies",
+        script="strategies.py",
+        quick_flags=("--mlp-steps", "300", "--click-steps", "300", "--allreduce-click-steps", "6", "--repeats", "1"),
     ),
     Benchmark(name="ps_apply", script="ps_apply.py", quick_flags=("--repeats", "20")),
     Benchmark(

@@ -1,14 +1,17 @@
 """Benchmark job: the click-through model of click_model.py with `sf.nn` tables (the 10M-row item table lives only on
 the PS), Adagrad, batch 512 per worker, on a local shardflow cluster.
 
-Usage: python click_through.py RESULT_JSON WORKERS PS STEPS
+Usage: python click_through.py RESULT_JSON WORKERS PS STEPS [MODE]
+
+MODE: async (the default) or sync, ParameterServerStrategy with sf.nn tables; or allreduce, AllReduceStrategy with
+PS 0, which refuses sf.nn tables and sparse embeddings: the same tables as dense torch.nn.Embedding and EmbeddingBag
+(sparse=False), every worker holding all of them and all-reducing their whole gradient each step.
 
 Writes global steps/s once every worker is past its first WARMUP_STEPS steps (as the peers time theirs after a
 warm-up) and over the whole training time, the global step, each worker's steps, the PS's stats (with each table's
 rows and bytes) and, from the click log each worker read, what a step looks up: unique ids per table, per PS.
 """
 
-import glob
 import json
 import os
 import sys
@@ -21,24 +24,42 @@ import shardflow as sf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import click_model as cm
+from step_log import read_step_logs, steady_steps_per_s
 
 result_path, num_workers, num_ps, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-WARMUP_STEPS = 30
+mode = sys.argv[5] if len(sys.argv) > 5 else "async"
+WARMUP_STEPS = min(30, steps // 3)
 
 
 class ClickModel(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        uniform = sf.nn.Initializer(kind="uniform", low=cm.INIT_LOW, high=cm.INIT_HIGH)
-        self.item = sf.nn.Embedding(cm.NUM_ITEMS, cm.ITEM_DIM, initializer=uniform)
-        self.category = sf.nn.Embedding(cm.NUM_CATEGORIES, cm.CATEGORY_DIM, initializer=uniform)
-        self.tags = sf.nn.EmbeddingBag(cm.NUM_TAGS, cm.TAG_DIM, mode="mean", initializer=uniform)
+        if mode == "allreduce":
+            self.item, self.category, self.tags = dense_tables()
+        else:
+            uniform = sf.nn.Initializer(kind="uniform", low=cm.INIT_LOW, high=cm.INIT_HIGH)
+            self.item = sf.nn.Embedding(cm.NUM_ITEMS, cm.ITEM_DIM, initializer=uniform)
+            self.category = sf.nn.Embedding(cm.NUM_CATEGORIES, cm.CATEGORY_DIM, initializer=uniform)
+            self.tags = sf.nn.EmbeddingBag(cm.NUM_TAGS, cm.TAG_DIM, mode="mean", initializer=uniform)
         self.head = cm.torch_head()
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         # Each table reads a tensor of the batch itself: the worker looks its rows up ahead, for the next batch.
         features = [self.item(batch["item"]), self.category(batch["category"]), self.tags(batch["tags"])]
         return self.head(torch.cat([*features, batch["dense"]], dim=1)).squeeze(1)
+
+
+def dense_tables() -> tuple[torch.nn.Module, torch.nn.Module, torch.nn.Module]:
+    """The three tables as dense torch modules, rows uniform as the sf.nn tables' initializer."""
+    tables = (
+        torch.nn.Embedding(cm.NUM_ITEMS, cm.ITEM_DIM),
+        torch.nn.Embedding(cm.NUM_CATEGORIES, cm.CATEGORY_DIM),
+        torch.nn.EmbeddingBag(cm.NUM_TAGS, cm.TAG_DIM, mode="mean"),
+    )
+    with torch.no_grad():
+        for table in tables:
+            table.weight.uniform_(cm.INIT_LOW, cm.INIT_HIGH)
+    return tables
 
 
 def model_fn() -> torch.nn.Module:
@@ -57,30 +78,21 @@ def loss_fn(model, batch):
 
 
 class StepLog(sf.Hook):
-    """Each worker writes RESULT_JSON.steps.<index>: [perf_counter, global step] after every step."""
+    """Each worker writes RESULT_JSON.steps.<index>: [perf_counter, global step] after every step, at the last
+    step as well as at the end: a job that then fails (all-reduce, when its final checkpoint does not fit the
+    control store) still leaves the timing of the steps it trained."""
 
     def __init__(self) -> None:
         self.steps: list[tuple[float, int]] = []
 
     def after_step(self, info: sf.StepInfo) -> None:
         self.steps.append((time.perf_counter(), info.global_step))
+        if info.global_step >= steps:
+            self.end(info)
 
     def end(self, info: sf.StepInfo) -> None:
         with open(f"{result_path}.steps.{info.worker_index}", "w") as f:
             json.dump(self.steps, f)
-
-
-def steady_steps_per_s() -> float:
-    """Global steps/s from the moment every worker has made WARMUP_STEPS steps to the last step of any."""
-    logs = []
-    for path in glob.glob(f"{result_path}.steps.*"):
-        with open(path) as f:
-            logs.append(json.load(f))
-        os.remove(path)
-    started = max(log[min(WARMUP_STEPS, len(log) - 1)][0] for log in logs)
-    after = sorted(entry for log in logs for entry in log if entry[0] >= started)
-    (t0, step0), (t1, step1) = after[0], max(after, key=lambda entry: entry[1])
-    return (step1 - step0) / (t1 - t0)
 
 
 def unique_ids_per_step() -> dict[str, list[float]]:
@@ -96,7 +108,11 @@ def unique_ids_per_step() -> dict[str, list[float]]:
     return found
 
 
-strategy = sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode="async")
+strategy = (
+    sf.AllReduceStrategy(num_workers=num_workers)
+    if mode == "allreduce"
+    else sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode)
+)
 optimizer = sf.optim.Adagrad(lr=cm.LR, initial_accumulator_value=cm.INITIAL_ACCUMULATOR, eps=cm.EPS)
 with tempfile.TemporaryDirectory() as model_dir:
     est = sf.Estimator(model_fn, loss_fn, optimizer, strategy, model_dir)
@@ -105,14 +121,14 @@ with open(result_path, "w") as f:
     json.dump(
         {
             "global_step": result.global_step,
-            "steps_per_s": steady_steps_per_s(),
+            "steps_per_s": steady_steps_per_s(read_step_logs(f"{result_path}.steps"), WARMUP_STEPS),
             "training_steps_per_s": result.global_steps_per_s,
             "training_s": result.training_s,
             "worker_steps": result.worker_steps,
             "first_loss": result.first_loss,
             "final_loss": result.final_loss,
             "ps_stats": result.ps_stats,
-            "unique_ids_per_step": unique_ids_per_step(),
+            "unique_ids_per_step": unique_ids_per_step() if num_ps else {},
         },
         f,
     )

@@ -2,6 +2,8 @@
 
 Usage: python mlp_async.py RESULT_JSON WORKERS PS STEPS [MODE] [OVERLAP] [SAVE_CHECKPOINTS_STEPS] [FEATURES]
 
+MODE: async or sync (ParameterServerStrategy), or allreduce (AllReduceStrategy: PS must be 0, OVERLAP is ignored).
+
 FEATURES: comma-separated training-loop features to turn on: clip (clip_grad_norm=1.0), bf16 (mixed precision).
 """
 
@@ -64,12 +66,16 @@ class StepLog(sf.Hook):
 
 step_log = os.environ.get("SHARDFLOW_BENCH_STEP_LOG")
 hooks = [StepLog(step_log)] if step_log else []
-strategy = sf.ParameterServerStrategy(
-    num_ps=num_ps,
-    num_workers=num_workers,
-    mode=mode,
-    overlap=overlap,
-    mixed_precision="bf16" if "bf16" in features else None,
+strategy = (
+    sf.AllReduceStrategy(num_workers=num_workers)
+    if mode == "allreduce"
+    else sf.ParameterServerStrategy(
+        num_ps=num_ps,
+        num_workers=num_workers,
+        mode=mode,
+        overlap=overlap,
+        mixed_precision="bf16" if "bf16" in features else None,
+    )
 )
 with tempfile.TemporaryDirectory() as model_dir:
     est = sf.Estimator(
