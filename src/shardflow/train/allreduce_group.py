@@ -30,6 +30,10 @@ class GroupLostError(RuntimeError):
     """The workers' group cannot be formed again: a worker did not come back in time, or the survivors disagree."""
 
 
+class JobOverError(Exception):
+    """The chief ended the job while this worker waited for the others to form the group."""
+
+
 class PeerLostError(RuntimeError):
     """Another worker of the group was restarted or went silent while this one waited for it in a collective."""
 
@@ -95,6 +99,8 @@ def form(strategy: AllReduceStrategy, role: RoleContext, generation: int, deadli
         ]
         if not missing:
             break
+        if control.is_set(control_keys.SHUTDOWN):
+            raise JobOverError(f"{name}: the job ended while {', '.join(missing)} had not joined the group")
         if time.monotonic() > deadline:
             limit = (
                 f"startup_timeout_s={strategy.startup_timeout_s:g}s"

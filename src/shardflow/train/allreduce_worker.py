@@ -6,6 +6,7 @@ and retried, at the same global step, with every worker's batch of it."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -62,7 +63,9 @@ def run_allreduce_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -
             allreduce_state.restore(model, optimizer, state)
         restored = control.read_if_set(job_keys.RESTORE_ITERATORS)
         position = restored.positions.get(role.task.name) if restored is not None else None
-        _Trainer(job, role, model, optimizer, position, start.step, generation).train()
+        # Restarted after the others were done, this worker finds the job over while it waits for them to join.
+        with contextlib.suppress(allreduce_group.JobOverError):
+            _Trainer(job, role, model, optimizer, position, start.step, generation).train()
         # The chief saves and evaluates the final state, then ends the job: wait for it without a deadline, as PS
         # workers do, still beating (the chief fails the job if the wait ends in its error).
         while not control.set_within(control_keys.SHUTDOWN, 1.0, waiting_for="the end of the job"):
@@ -104,6 +107,8 @@ class _Trainer:
         self.report = Report(role, 0, job.save_summary_steps)
         self.hooks = StepHooks(job.train_spec.hooks, self.name, role.task.index)
         self.checkpoints = 0
+        self.hand_over_step, self.hand_over_saves = -1, False
+        """The global step of the last hand-over, and whether it was a checkpoint."""
         self.last_checkpoint = self.last_poll = time.monotonic()
         self.stop = self.abort = 0.0
         """worker:0's view of the chief's requests: the last step (preempted), the end of the job (a failure)."""
@@ -207,6 +212,12 @@ class _Trainer:
         self.generation = generation
         if restarted:
             self._resume(agreed)
+            # Lost inside the hand-over at the step the group goes on from: this worker's part of it may be missing,
+            # and the chief waits for it.
+            saved = self.checkpoints and self.role.control.is_set(job_keys.allreduce_saved(self.checkpoints).name)
+            if agreed.hand_over_step == self.step and not saved:
+                log.warning("%s does its part of hand-over %d again", self.name, self.checkpoints)
+                self._hand_over(final=False, checkpoint=agreed.hand_over_saves, again=True)
         num_flags = len(FLAGS) + self.role.num_workers
         peers = allreduce_group.Peers(self.role, strategy.heartbeat_timeout_s)
         return GradientReducer(group, self.parameters, strategy.bucket_bytes, num_flags, peers.wait)
@@ -218,6 +229,8 @@ class _Trainer:
             num_chunks=0,
             scalars={},
             hand_overs=self.checkpoints,
+            hand_over_step=self.hand_over_step,
+            hand_over_saves=self.hand_over_saves,
             batches_applied=list(self.batches_applied),
             had_batch=list(self.had_batch),
         )
@@ -227,6 +240,7 @@ class _Trainer:
         batches applied since (read again otherwise: exactly once)."""
         self.step, self.checkpoints = run.step, run.hand_overs
         self.batches_applied, self.had_batch = list(run.batches_applied), list(run.had_batch)
+        self.hand_over_step, self.hand_over_saves = run.hand_over_step, run.hand_over_saves
         self.input_done = not run.had_batch[self.index]
         resume = self.role.control.read_if_set(job_keys.allreduce_resume(self.name))
         position, applied = (resume.position, resume.batches_applied) if resume else (self.start_position, 0)
@@ -284,18 +298,22 @@ class _Trainer:
             self.abort = float(self.role.control.is_set(control_keys.SHUTDOWN))
         return [save, self.stop, self.abort]
 
-    def _hand_over(self, *, final: bool, checkpoint: bool) -> None:
+    def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False) -> None:
         """State n of this run, to checkpoint (or only to evaluate): every worker's input position, and worker:0's
-        state once the chief handled the one before (one state at a time on the control plane)."""
-        self.checkpoints += 1
-        n, control = self.checkpoints, self.role.control
+        state once the chief handled the one before (one state at a time on the control plane). `again`: the last
+        one once more, where this worker was lost inside it (what the chief has already is not sent again)."""
+        control = self.role.control
+        self.checkpoints += 0 if again else 1
+        n = self.checkpoints
+        self.hand_over_step, self.hand_over_saves = self.step, checkpoint
         if checkpoint:
             self.last_checkpoint = time.monotonic()
         position = self.position.get_state()
         control.put(job_keys.allreduce_position(n, self.name), InputState(position=position))
         resume = ResumePoint(position=position, batches_applied=self.batches_applied[self.index])
         control.put(job_keys.allreduce_resume(self.name), resume)
-        if not self.leader:
+        # The chief deletes the notice only once it put `saved`: neither set, the notice was never put.
+        if not self.leader or (again and control.is_set(job_keys.allreduce_checkpoint(n).name)):
             return
         if n > 1:
             control.read(job_keys.allreduce_saved(n - 1), waiting_for="the chief to save the checkpoint before")

@@ -149,6 +149,10 @@ class RejoinState(_Value, frozen=True, kw_only=True):
     """Its scalar optimizer state (train/checkpoints/model_state.py)."""
     hand_overs: int
     """How many states worker:0 handed the chief so far."""
+    hand_over_step: int
+    """The global step of the last of them (-1: none)."""
+    hand_over_saves: bool
+    """Whether the last of them is a checkpoint (else only evaluated)."""
     batches_applied: list[int]
     """Per worker index: how many of its batches the global steps so far applied."""
     had_batch: list[bool]
