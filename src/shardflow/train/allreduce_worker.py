@@ -92,7 +92,9 @@ class _Trainer:
         self.job, self.role, self.model, self.optimizer = job, role, model, optimizer
         self.name, self.index = role.task.name, role.task.index
         self.start_position = start_position
-        self.position = InputPosition(job.train_spec, InputContext(role.num_workers, self.index), start_position)
+        self.position: InputPosition  # a restarted worker's is where it was (`_resume`)
+        if generation == 0:
+            self.position = InputPosition(job.train_spec, InputContext(role.num_workers, self.index), start_position)
         self.step = step
         self.leader = self.index == 0
         self.parameters = [p for p in model.parameters() if p.requires_grad]
