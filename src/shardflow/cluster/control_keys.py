@@ -28,6 +28,8 @@ Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless
 - `state/<name>/<i>`: the chief (`start`: the restored state) -> every worker, and worker:0 (`checkpoint/<n>`) ->
   chief, in `sf.AllReduceStrategy`. Chunk i of a whole model state as safetensors bytes (train/allreduce_state.py);
   its reader deletes it.
+- `allreduce/joined/<role>`: that worker -> the other workers, in `sf.AllReduceStrategy`. The last generation of the
+  workers' group it joined; a restarted worker joins the next one (train/allreduce_group.py).
 - `allreduce/stop`: chief -> worker:0, in `sf.AllReduceStrategy`. End training at the next global step (preempted),
   with a final checkpoint.
 - `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
@@ -126,6 +128,10 @@ def dist_store_prefix(group: str, generation: int) -> str:
     """Where the torch.distributed store of all-reduce group `group`, formed for the `generation`-th time, keeps
     its keys (cluster/dist_store.py); each rank of the group writes and reads them as gloo's rendezvous needs."""
     return f"dist/{group}/{generation}/"
+
+
+def allreduce_joined(role: str) -> str:
+    return f"allreduce/joined/{role}"
 
 
 def state_chunk(name: str, index: int) -> str:

@@ -293,8 +293,9 @@ class _Watch:
             if beat is not None and (last is None or last[0] != beat.decode()):
                 self.beats[name] = (beat.decode(), now)
                 continue
-            since, limit = (last[1], self.strategy.heartbeat_timeout_s) if last else (self.started, None)
-            limit = limit or self.strategy.startup_timeout_s
+            # A lost worker is restarted and the others wait worker_rejoin_timeout_s for it: they name it first.
+            rejoin_s = self.strategy.heartbeat_timeout_s + self.strategy.worker_rejoin_timeout_s
+            since, limit = (last[1], rejoin_s) if last else (self.started, self.strategy.startup_timeout_s)
             if now - since > limit:
                 raise RoleFailedError(
                     f"{name} gave no heartbeat for {now - since:.0f}s (limit {limit:g}s): lost; the all-reduce group "

@@ -3,23 +3,33 @@ flags beside them, and divided by the number of workers that had a batch."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
 FLAGS = HAD_BATCH, SAVE, STOP, ABORT = range(4)
 """The flags every step all-reduces beside the gradients: how many workers had a batch, and worker:0's requests
-(a checkpoint at this step, the last step, the end of the job), so that every worker decides alike."""
+(a checkpoint at this step, the last step, the end of the job), so that every worker decides alike. Then one per
+worker: whether that worker had a batch, so that every worker counts the batches of each one that were applied."""
 
 
 class GradientReducer:
     """The parameters' gradients in buckets of at most `bucket_bytes` (one dtype each, in the order of
     `parameters`), each copied into a flat buffer of its own, reused every step, and all-reduced at once."""
 
-    def __init__(self, group: Any, parameters: Sequence[torch.nn.Parameter], bucket_bytes: int) -> None:
+    def __init__(
+        self,
+        group: Any,
+        parameters: Sequence[torch.nn.Parameter],
+        bucket_bytes: int,
+        num_flags: int = len(FLAGS),
+        wait: Callable[[Any], None] = lambda work: work.wait(),
+    ) -> None:
         self.group = group
         """A gloo process group (cluster/dist_store.py gloo_group; torch's stubs lack its collectives)."""
+        self.wait = wait
+        """Waits for one of its collectives (allreduce_group.py Peers.wait gives up on a lost worker)."""
         self.buckets: list[list[torch.nn.Parameter]] = []
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in parameters:
@@ -42,12 +52,12 @@ class GradientReducer:
         # their own, whose round trip would cost as much as a small model's gradients.
         self.separate_flags = not self.buckets or self.buckets[0][0].dtype not in (torch.float32, torch.float64)
         if not self.separate_flags:
-            sizes[0] += len(FLAGS)
+            sizes[0] += num_flags
         self.flat = [torch.empty(size, dtype=bucket[0].dtype) for size, bucket in zip(sizes, self.buckets, strict=True)]
         if self.separate_flags:
-            self.flags = torch.zeros(len(FLAGS), dtype=torch.float64)
+            self.flags = torch.zeros(num_flags, dtype=torch.float64)
         else:
-            self.flags = self.flat[0][-len(FLAGS) :]
+            self.flags = self.flat[0][-num_flags:]
 
     def reduce(self, flags: Sequence[float]) -> list[float]:
         """Sum every worker's gradients (zeros where a worker has none, e.g. its input ended) and `flags` over the
@@ -65,7 +75,7 @@ class GradientReducer:
                 offset += param.numel()
             works.append(self.group.allreduce([flat]))
         for work in works:
-            work.wait()
+            self.wait(work)
         return self.flags.tolist()
 
     def apply(self, contributors: float) -> None:

@@ -1,45 +1,37 @@
 """A worker of `sf.AllReduceStrategy`: the whole model and its optimizer, a gloo group with the other workers formed
 through the chief's control plane, and every step's mean gradient all-reduced and applied alike by every worker.
-Every worker steps in lockstep, so each knows the global step; worker:0 hands the chief the states to checkpoint."""
+Every worker steps in lockstep, so each knows the global step; worker:0 hands the chief the states to checkpoint.
+A lost worker is restarted and the group formed again with it (allreduce_group.py): the step in progress is dropped
+and retried, at the same global step, with every worker's batch of it."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 from typing import Any
 
 import torch
-from torch._C._distributed_c10d import ProcessGroupGloo
 
 from shardflow.cluster import control_keys
-from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
 from shardflow.data.torch_edge import to_torch
-from shardflow.train import allreduce_state, job_keys
-from shardflow.train.allreduce_gradients import ABORT, HAD_BATCH, SAVE, STOP, GradientReducer
+from shardflow.train import allreduce_group, allreduce_state, job_keys
+from shardflow.train.allreduce_gradients import ABORT, FLAGS, HAD_BATCH, SAVE, STOP, GradientReducer
+from shardflow.train.allreduce_group import GroupLostError
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
 from shardflow.train.job import JobConfig, UserCodeError
-from shardflow.train.job_keys import InputState, StateNotice
+from shardflow.train.job_keys import InputState, RejoinState, ResumePoint, StateNotice
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 from shardflow.train.strategy import AllReduceStrategy
 from shardflow.train.worker_report import Report
 
-GROUP = "workers"
+log = logging.getLogger(__name__)
+
 _POLL_EVERY_S = 0.5
 """How often worker:0 asks the control plane whether the chief wants training to end."""
-
-
-class GroupBrokenError(RuntimeError):
-    """A collective of the workers' group failed: a worker died or stopped answering; names the silent ones."""
-
-
-def _silent_workers(role: RoleContext, wait_s: float = 2.5) -> list[str]:
-    """The other workers whose heartbeat (one a second) did not change in `wait_s`: the lost ones."""
-    others = [f"worker:{index}" for index in range(role.num_workers) if index != role.task.index]
-    before = {name: role.control.get_if_set(control_keys.heartbeat(name)) for name in others}
-    time.sleep(wait_s)
-    return [name for name in others if role.control.get_if_set(control_keys.heartbeat(name)) == before[name]]
 
 
 class JobAborted(RuntimeError):
@@ -57,7 +49,8 @@ def run_allreduce_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -
         )
         model = job.build_model()
         optimizer = job.optimizer.build(list(model.parameters()))
-        if start.num_chunks:
+        generation = allreduce_group.generation_to_join(role)
+        if start.num_chunks and generation == 0:  # a restarted worker gets the state of now from the group
             state = allreduce_state.receive(
                 control,
                 "start",
@@ -69,26 +62,16 @@ def run_allreduce_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -
             )
             allreduce_state.restore(model, optimizer, state)
         restored = control.read_if_set(job_keys.RESTORE_ITERATORS)
-        position = InputPosition(
-            job.train_spec,
-            InputContext(role.num_workers, role.task.index),
-            restored.positions.get(role.task.name) if restored is not None else None,
-        )
-        _Trainer(job, role, model, optimizer, position, start.step).train()
+        position = restored.positions.get(role.task.name) if restored is not None else None
+        # Restarted after the others were done, this worker finds the job over while it waits for them to join.
+        with contextlib.suppress(allreduce_group.JobOverError):
+            _Trainer(job, role, model, optimizer, position, start.step, generation).train()
         # The chief saves and evaluates the final state, then ends the job: wait for it without a deadline, as PS
         # workers do, still beating (the chief fails the job if the wait ends in its error).
         while not control.set_within(control_keys.SHUTDOWN, 1.0, waiting_for="the end of the job"):
             pass
     finally:
         heartbeat.stop()
-
-
-def _form_group(job: JobConfig[AllReduceStrategy], role: RoleContext) -> ProcessGroupGloo:
-    strategy = job.strategy
-    members = [f"worker:{index}" for index in range(role.num_workers)]
-    store = ControlPlaneStore(role.control, GROUP, 0, members, timeout_s=strategy.startup_timeout_s)
-    host = role.spec.address(role.task).rpartition(":")[0].strip("[]")
-    return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
 
 
 class _Trainer:
@@ -100,18 +83,34 @@ class _Trainer:
         role: RoleContext,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
-        position: InputPosition,
+        start_position: dict[str, Any] | None,
         step: int,
+        generation: int,
     ) -> None:
-        self.job, self.role, self.model, self.optimizer, self.position = job, role, model, optimizer, position
-        self.name = role.task.name
+        """`start_position`: this worker's input position at the job's start; `generation`: of the group to join
+        (allreduce_group.generation_to_join: a restarted worker's is not 0)."""
+        self.job, self.role, self.model, self.optimizer = job, role, model, optimizer
+        self.name, self.index = role.task.name, role.task.index
+        self.start_position = start_position
+        self.position: InputPosition  # a restarted worker's is where it was (`_resume`)
+        if generation == 0:
+            self.position = InputPosition(job.train_spec, InputContext(role.num_workers, self.index), start_position)
         self.step = step
-        self.leader = role.task.index == 0
+        self.leader = self.index == 0
         self.parameters = [p for p in model.parameters() if p.requires_grad]
-        self.reducer = GradientReducer(_form_group(job, role), self.parameters, job.strategy.bucket_bytes)
+        self.batches_applied = [0] * role.num_workers
+        """Per worker: how many of its batches the global steps of this run applied (each step's flags say)."""
+        self.had_batch = [True] * role.num_workers
+        """Per worker: whether it had a batch in the last global step."""
+        self.retry: list[Any] | None = None
+        """The batch of a step dropped when the group broke, to train on again (None: read the next one)."""
+        self.generation = generation
+        self.abandoned: list[GradientReducer] = []
         self.report = Report(role, 0, job.save_summary_steps)
         self.hooks = StepHooks(job.train_spec.hooks, self.name, role.task.index)
         self.checkpoints = 0
+        self.hand_over_step, self.hand_over_saves = -1, False
+        """The global step of the last hand-over, and whether it was a checkpoint."""
         self.last_checkpoint = self.last_poll = time.monotonic()
         self.stop = self.abort = 0.0
         """worker:0's view of the chief's requests: the last step (preempted), the end of the job (a failure)."""
@@ -119,6 +118,8 @@ class _Trainer:
         eval_spec = job.eval_spec
         self.eval_every = eval_spec.every_n_steps if eval_spec is not None else None
         """The chief evaluates the state at every multiple of this global step."""
+        timeout_s = job.strategy.startup_timeout_s if generation == 0 else job.strategy.worker_rejoin_timeout_s
+        self.reducer = self._join(generation, restarted=generation > 0, timeout_s=timeout_s)
 
     def train(self) -> None:
         self.report.send()
@@ -126,15 +127,20 @@ class _Trainer:
         while max_steps is None or self.step < max_steps:
             for param in self.parameters:  # the last step's are views of the reducer's buffers
                 param.grad = None
-            batch = None if self.input_done else self.position.next()
-            self.input_done = batch is None
+            batch = self._next_batch()
             loss = self._forward_backward(batch) if batch is not None else None
-            flags = self._reduce([float(batch is not None), *self._requests()])
+            flags = self._reduce(batch is not None)
+            if flags is None:  # the group broke and was formed again: the same step, with the same batch
+                self.retry = [batch]
+                continue
             if flags[ABORT]:
                 raise JobAborted(f"{self.name}: the chief ended the job at global step {self.step}")
             if not flags[HAD_BATCH]:
                 break  # every worker's input is done: no update, and the global step stays
             self._apply(flags[HAD_BATCH])
+            for worker in range(self.role.num_workers):
+                self.had_batch[worker] = bool(flags[len(FLAGS) + worker])
+                self.batches_applied[worker] += self.had_batch[worker]
             if loss is not None:
                 self.report.step(loss, self.position.epoch, self.step - 1)
                 # A hook's stop ends this worker's input: it goes on taking part with nothing, as one whose shard
@@ -153,16 +159,102 @@ class _Trainer:
         self.report.send(done=True)  # before the final state: the chief reads every report once it has that
         self._hand_over(final=True, checkpoint=True)
 
-    def _reduce(self, flags: list[float]) -> list[float]:
+    def _next_batch(self) -> Any | None:
+        if self.retry is not None:
+            batch, self.retry = self.retry[0], None
+            return batch
+        batch = None if self.input_done else self.position.next()
+        self.input_done = batch is None
+        return batch
+
+    def _reduce(self, had_batch: bool) -> list[float] | None:
+        """This step's flags summed over the group, the gradients' sums kept for `_apply`; None where the group
+        broke (nothing of the step is applied anywhere) and was formed again."""
+        mine = [0.0] * self.role.num_workers
+        mine[self.index] = float(had_batch)
         try:
-            return self.reducer.reduce(flags)
-        except RuntimeError as error:  # gloo's: a peer closed its connection, or the collective's deadline passed
-            lost = _silent_workers(self.role)
-            who = f"{', '.join(lost)} stopped its heartbeat" if lost else "no other worker stopped its heartbeat"
-            raise GroupBrokenError(
-                f"{self.name}: the all-reduce of global step {self.step} failed ({who}): {error}; the group is not "
-                "re-formed in this version"
-            ) from None
+            return self.reducer.reduce([float(had_batch), *self._requests(), *mine])
+        except RuntimeError as error:  # gloo's (a peer closed its connection, the deadline passed), or PeerLostError
+            log.warning(
+                "%s: the all-reduce of global step %d failed (%s); the step is dropped and the group formed again",
+                self.name,
+                self.step,
+                error,
+            )
+        # A collective given up may still be in flight in gloo until its deadline, and the group's destructor waits
+        # for it: the old group is kept rather than dropped here.
+        self.abandoned.append(self.reducer)
+        self.reducer = self._join(
+            self.generation + 1, restarted=False, timeout_s=self.job.strategy.worker_rejoin_timeout_s
+        )
+        return None
+
+    def _join(self, generation: int, *, restarted: bool, timeout_s: float) -> GradientReducer:
+        """Form the group from `generation` on (the next one where forming fails) within `timeout_s`, and agree in
+        it on the run to go on with; a `restarted` worker takes it over and resumes its input."""
+        deadline = time.monotonic() + timeout_s
+        strategy = self.job.strategy
+        while True:
+            try:
+                group = allreduce_group.form(strategy, self.role, generation, deadline)
+                mine = None if restarted else self._run()
+                agreed = allreduce_group.rejoin(
+                    group, self.role, generation, mine, self.model, self.optimizer, strategy.request_timeout_s
+                )
+                break
+            except GroupLostError:
+                raise
+            except RuntimeError as error:  # another worker lost while forming: the next generation
+                if time.monotonic() > deadline:
+                    raise GroupLostError(
+                        f"{self.name}: the all-reduce group could not be formed again within {timeout_s:g}s: {error}"
+                    ) from None
+                log.warning("%s: forming generation %d of the group failed: %s", self.name, generation, error)
+                generation += 1
+        self.generation = generation
+        if restarted:
+            self._resume(agreed)
+            # Lost inside the hand-over at the step the group goes on from: this worker's part of it may be missing,
+            # and the chief waits for it.
+            saved = self.checkpoints and self.role.control.is_set(job_keys.allreduce_saved(self.checkpoints).name)
+            if agreed.hand_over_step == self.step and not saved:
+                log.warning("%s does its part of hand-over %d again", self.name, self.checkpoints)
+                self._hand_over(final=False, checkpoint=agreed.hand_over_saves, again=True)
+        num_flags = len(FLAGS) + self.role.num_workers
+        peers = allreduce_group.Peers(self.role, strategy.heartbeat_timeout_s)
+        return GradientReducer(group, self.parameters, strategy.bucket_bytes, num_flags, peers.wait)
+
+    def _run(self) -> RejoinState:
+        """Where this worker's run is, for the workers that join the group restarted."""
+        return RejoinState(
+            step=self.step,
+            num_chunks=0,
+            scalars={},
+            hand_overs=self.checkpoints,
+            hand_over_step=self.hand_over_step,
+            hand_over_saves=self.hand_over_saves,
+            batches_applied=list(self.batches_applied),
+            had_batch=list(self.had_batch),
+        )
+
+    def _resume(self, run: RejoinState) -> None:
+        """Go on with `run` restarted: the input read from this worker's last recorded position on past its
+        batches applied since (read again otherwise: exactly once)."""
+        self.step, self.checkpoints = run.step, run.hand_overs
+        self.batches_applied, self.had_batch = list(run.batches_applied), list(run.had_batch)
+        self.hand_over_step, self.hand_over_saves = run.hand_over_step, run.hand_over_saves
+        self.input_done = not run.had_batch[self.index]
+        resume = self.role.control.read_if_set(job_keys.allreduce_resume(self.name))
+        position, applied = (resume.position, resume.batches_applied) if resume else (self.start_position, 0)
+        self.position = InputPosition(self.job.train_spec, InputContext(self.role.num_workers, self.index), position)
+        for read in range(run.batches_applied[self.index] - applied):
+            if self.position.next() is None:
+                raise GroupLostError(
+                    f"{self.name}: its input ended {read} batches past its last recorded position, where the group "
+                    f"applied {run.batches_applied[self.index] - applied}: input_fn must yield the same batches when "
+                    "called again"
+                )
+        log.warning("%s joined the all-reduce group at global step %d, restarted", self.name, self.step)
 
     def _forward_backward(self, batch: Any) -> float:
         try:
@@ -208,15 +300,22 @@ class _Trainer:
             self.abort = float(self.role.control.is_set(control_keys.SHUTDOWN))
         return [save, self.stop, self.abort]
 
-    def _hand_over(self, *, final: bool, checkpoint: bool) -> None:
+    def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False) -> None:
         """State n of this run, to checkpoint (or only to evaluate): every worker's input position, and worker:0's
-        state once the chief handled the one before (one state at a time on the control plane)."""
-        self.checkpoints += 1
-        n, control = self.checkpoints, self.role.control
+        state once the chief handled the one before (one state at a time on the control plane). `again`: the last
+        one once more, where this worker was lost inside it (what the chief has already is not sent again)."""
+        control = self.role.control
+        self.checkpoints += 0 if again else 1
+        n = self.checkpoints
+        self.hand_over_step, self.hand_over_saves = self.step, checkpoint
         if checkpoint:
             self.last_checkpoint = time.monotonic()
-        control.put(job_keys.allreduce_position(n, self.name), InputState(position=self.position.get_state()))
-        if not self.leader:
+        position = self.position.get_state()
+        control.put(job_keys.allreduce_position(n, self.name), InputState(position=position))
+        resume = ResumePoint(position=position, batches_applied=self.batches_applied[self.index])
+        control.put(job_keys.allreduce_resume(self.name), resume)
+        # The chief deletes the notice only once it put `saved`: neither set, the notice was never put.
+        if not self.leader or (again and control.is_set(job_keys.allreduce_checkpoint(n).name)):
             return
         if n > 1:
             control.read(job_keys.allreduce_saved(n - 1), waiting_for="the chief to save the checkpoint before")

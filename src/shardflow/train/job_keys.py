@@ -27,6 +27,11 @@ Each entry reads `key`: writer -> readers. Meaning.
 - `allreduce/checkpoint/<n>/position/<role>`: each worker -> chief. Its input position after that step's batch.
 - `allreduce/checkpoint/<n>/saved`: chief -> worker:0. Checkpoint n is handled; worker:0 sends checkpoint n+1 only
   after it (so at most one state is on the control plane at a time), and ends after the last one's.
+- `allreduce/resume/<role>`: that worker -> itself restarted. Its input position at its last hand-over, and how
+  many of its batches had been applied then.
+- `allreduce/rejoin/<generation>`: the first survivor -> the restarted workers of that generation of the group. The
+  state to go on from (chunks `state/rejoin/<generation>/<i>`) and every worker's count of batches applied; deleted
+  once they read it.
 """
 
 from __future__ import annotations
@@ -129,6 +134,31 @@ class InputState(_Value, frozen=True, kw_only=True):
     """A worker's input position (train/input.py InputPosition.get_state())."""
 
 
+class ResumePoint(_Value, frozen=True, kw_only=True):
+    position: dict[str, Any]
+    """A worker's input position (train/input.py InputPosition.get_state())."""
+    batches_applied: int
+    """How many of its batches the global steps up to then applied."""
+
+
+class RejoinState(_Value, frozen=True, kw_only=True):
+    step: int
+    """The global step the re-formed group goes on from."""
+    num_chunks: int
+    scalars: dict[str, float]
+    """Its scalar optimizer state (train/checkpoints/model_state.py)."""
+    hand_overs: int
+    """How many states worker:0 handed the chief so far."""
+    hand_over_step: int
+    """The global step of the last of them (-1: none)."""
+    hand_over_saves: bool
+    """Whether the last of them is a checkpoint (else only evaluated)."""
+    batches_applied: list[int]
+    """Per worker index: how many of its batches the global steps so far applied."""
+    had_batch: list[bool]
+    """Per worker index: whether it had a batch in the last global step (its input is done otherwise)."""
+
+
 class Saved(_Value, frozen=True, kw_only=True):
     path: str | None
     """The checkpoint written; None where it could not be (a periodic one, training goes on)."""
@@ -163,3 +193,11 @@ def allreduce_position(n: int, role: str) -> Key[InputState]:
 
 def allreduce_saved(n: int) -> Key[Saved]:
     return Key(f"allreduce/checkpoint/{n}/saved", Saved, "the chief")
+
+
+def allreduce_resume(role: str) -> Key[ResumePoint]:
+    return Key(f"allreduce/resume/{role}", ResumePoint, role)
+
+
+def allreduce_rejoin(generation: int) -> Key[RejoinState]:
+    return Key(f"allreduce/rejoin/{generation}", RejoinState, "the re-formed group's first survivor")

@@ -151,14 +151,12 @@ class AllReduceStrategy:
     it alike. One global step is one all-reduced update. The group forms through the chief's authenticated control
     plane (cluster/dist_store.py); the chief keeps the job's control plane, progress and checkpoints.
 
-    In this version a worker that dies or stops answering fails the job, naming it: the group is not re-formed."""
+    A worker that dies is restarted, and the workers form the group again with it at the global step they are at
+    (train/allreduce_group.py); one not back within worker_rejoin_timeout_s fails the job, naming it."""
 
     num_ps: ClassVar[int] = 0
     """No parameter servers."""
     mode: ClassVar[str] = "allreduce"
-    max_restarts: ClassVar[int] = 0
-    """A worker is not restarted: the group would have to be re-formed, which this version does not do."""
-    restart_backoff_s: ClassVar[float] = 0.0
     evaluator: ClassVar[bool] = False
 
     num_workers: int = 2
@@ -180,9 +178,23 @@ class AllReduceStrategy:
     """SIGTERM: checkpoint at the next global step and exit within this many seconds."""
     fail_on_save_error: bool = False
     """A periodic checkpoint that cannot be written: False logs it and trains on; True fails the job."""
+    max_restarts: int = 3
+    """How many times the local launcher restarts a worker that died; the others wait for it (see
+    worker_rejoin_timeout_s) and go on with it at the same global step."""
+    restart_backoff_s: float = 1.0
+    """The local launcher restarts a dead worker after this long, doubling each time."""
+    worker_rejoin_timeout_s: float = 120.0
+    """How long the workers wait for a lost one to join the group again (restarted) before they fail the job,
+    naming it."""
 
     def __post_init__(self) -> None:
         workers = self.num_workers
+        restarts = self.max_restarts
+        if not (isinstance(restarts, int) and not isinstance(restarts, bool) and restarts >= 0):
+            raise ValueError(f"AllReduceStrategy.max_restarts must be an int >= 0, got {restarts!r}")
+        backoff = self.restart_backoff_s
+        if not (isinstance(backoff, int | float) and not isinstance(backoff, bool) and backoff >= 0):
+            raise ValueError(f"AllReduceStrategy.restart_backoff_s must be >= 0 seconds, got {backoff!r}")
         if not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
             raise ValueError(f"AllReduceStrategy.num_workers must be an int >= 1, got {workers!r}")
         size = self.bucket_bytes
@@ -194,6 +206,7 @@ class AllReduceStrategy:
             "heartbeat_timeout_s",
             "hung_timeout_s",
             "termination_grace_s",
+            "worker_rejoin_timeout_s",
         ):
             value = getattr(self, name)
             if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):

@@ -44,7 +44,14 @@ strategy: sf.ParameterServerStrategy | sf.AllReduceStrategy
 if config.get("strategy", "allreduce") == "ps":
     strategy = sf.ParameterServerStrategy(num_ps=config.get("num_ps", 1), num_workers=num_workers, mode="sync")
 else:
-    strategy = sf.AllReduceStrategy(num_workers=num_workers, bucket_bytes=config.get("bucket_bytes", 25 * 2**20))
+    strategy = sf.AllReduceStrategy(
+        num_workers=num_workers,
+        bucket_bytes=config.get("bucket_bytes", 25 * 2**20),
+        max_restarts=config.get("max_restarts", 0),  # a lost worker fails the job unless a test asks otherwise
+        restart_backoff_s=config.get("restart_backoff_s", 1.0),
+        request_timeout_s=config.get("request_timeout_s", 60.0),
+        worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
+    )
 optimizers = {"sgd": sf.optim.SGD(lr=config.get("lr", 0.05)), "adam": sf.optim.Adam(lr=config.get("lr", 0.05))}
 est = sf.Estimator(
     model_fn,

@@ -1,0 +1,184 @@
+"""The workers' gloo group of `sf.AllReduceStrategy`, and its forming again after a worker is lost: each forming is a
+new generation of the group's rendezvous keys (cluster/dist_store.py); the members that lived through the last one
+hand those restarted the state to go on from, and how many batches of each worker were applied so far."""
+
+from __future__ import annotations
+
+import datetime
+import time
+from typing import Any
+
+import msgspec
+import torch
+from torch._C._distributed_c10d import ProcessGroupGloo
+
+from shardflow.cluster import control_keys
+from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
+from shardflow.train import allreduce_state, job_keys
+from shardflow.train.job_keys import RejoinState
+from shardflow.train.role_context import RoleContext
+from shardflow.train.strategy import AllReduceStrategy
+
+GROUP = "workers"
+_POLL_S = 0.2
+"""How often a worker forming the group looks whether the others announced the same generation."""
+_CHECK_EVERY_S = 1.0
+"""How often a worker waiting in a collective looks at the heartbeats of the others."""
+
+
+class GroupLostError(RuntimeError):
+    """The workers' group cannot be formed again: a worker did not come back in time, or the survivors disagree."""
+
+
+class JobOverError(Exception):
+    """The chief ended the job while this worker waited for the others to form the group."""
+
+
+class PeerLostError(RuntimeError):
+    """Another worker of the group was restarted or went silent while this one waited for it in a collective."""
+
+
+class Peers:
+    """The other workers of one generation of the group as their heartbeats show them (train/heartbeat.py: a beat
+    names its process). One whose beat comes from another process (it was restarted) or stops for
+    `heartbeat_timeout_s` is lost: a collective waiting for it is given up, rather than waiting out its deadline,
+    as gloo does where a lost peer's connection closes while this worker waits to send to it."""
+
+    def __init__(self, role: RoleContext, heartbeat_timeout_s: float) -> None:
+        self.control = role.control
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        others = [f"worker:{index}" for index in range(role.num_workers) if index != role.task.index]
+        now = time.monotonic()
+        self.beats = {name: (self._beat(name), now) for name in others}
+        self.pids = {name: beat.partition(":")[0] for name, (beat, _) in self.beats.items()}
+
+    def _beat(self, name: str) -> str:
+        return (self.control.get_if_set(control_keys.heartbeat(name)) or b"").decode()
+
+    def wait(self, work: Any) -> None:
+        """Wait for `work` (a collective of this group); PeerLostError names the lost workers it would wait for."""
+        while True:
+            try:
+                work.wait(datetime.timedelta(seconds=_CHECK_EVERY_S))
+                return
+            except RuntimeError:
+                if work.is_completed():  # gloo's own error: a peer closed its connection, or the deadline passed
+                    raise
+            lost = self._lost()
+            if lost:
+                raise PeerLostError(f"{', '.join(lost)} lost (restarted, or no heartbeat) during the collective")
+
+    def _lost(self) -> list[str]:
+        now, lost = time.monotonic(), []
+        for name, (last, _) in self.beats.items():
+            beat = self._beat(name)
+            if beat != last:
+                self.beats[name] = (beat, now)
+            if beat.partition(":")[0] != self.pids[name] or now - self.beats[name][1] > self.heartbeat_timeout_s:
+                lost.append(name)
+        return lost
+
+
+def generation_to_join(role: RoleContext) -> int:
+    """0 at the job's start; for a restarted worker, the generation after the last one it joined."""
+    joined = role.control.get_if_set(control_keys.allreduce_joined(role.task.name))
+    return 0 if joined is None else int(joined) + 1
+
+
+def form(strategy: AllReduceStrategy, role: RoleContext, generation: int, deadline: float) -> ProcessGroupGloo:
+    """The group's `generation`, formed once every worker announced it (or a later one) before `deadline`
+    (time.monotonic()); GroupLostError names those that did not."""
+    control, name = role.control, role.task.name
+    control.set(control_keys.allreduce_joined(name), str(generation))
+    members = [f"worker:{index}" for index in range(role.num_workers)]
+    while True:
+        missing = [
+            member
+            for member in members
+            if int(control.get_if_set(control_keys.allreduce_joined(member)) or b"-1") < generation
+        ]
+        if not missing:
+            break
+        if control.is_set(control_keys.SHUTDOWN):
+            raise JobOverError(f"{name}: the job ended while {', '.join(missing)} had not joined the group")
+        if time.monotonic() > deadline:
+            limit = (
+                f"startup_timeout_s={strategy.startup_timeout_s:g}s"
+                if generation == 0
+                else f"worker_rejoin_timeout_s={strategy.worker_rejoin_timeout_s:g}s"
+            )
+            raise GroupLostError(
+                f"{name}: {', '.join(missing)} did not join generation {generation} of the all-reduce group within "
+                f"{limit}: lost for good; run the job again to resume from its last checkpoint"
+            )
+        time.sleep(_POLL_S)
+    store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s)
+    host = role.spec.address(role.task).rpartition(":")[0].strip("[]")
+    return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
+
+
+def rejoin(
+    group: Any,
+    role: RoleContext,
+    generation: int,
+    survived: RejoinState | None,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    timeout_s: float,
+) -> RejoinState:
+    """Agree in a newly formed `group` on where training goes on: a survivor passes its own run (`survived`), a
+    restarted worker None and gets the first survivor's state loaded into `model` and `optimizer`. The run agreed
+    on; GroupLostError where no worker survived or the survivors stopped at different global steps."""
+    survivors = _survivors(group, role, survived)
+    if len(survivors) == role.num_workers:
+        assert survived is not None
+        return survived
+    source = f"worker:{survivors[0]}"
+    key, chunks = job_keys.allreduce_rejoin(generation), f"rejoin/{generation}"
+    if role.task.name == source:
+        assert survived is not None
+        state = allreduce_state.capture(model, optimizer, survived.step)
+        num_chunks = allreduce_state.send(role.control, chunks, state)
+        role.control.put(key, msgspec.structs.replace(survived, num_chunks=num_chunks, scalars=state.scalars))
+    run = survived
+    if run is None:
+        run = role.control.read(key, waiting_for=f"{source}'s state", timeout_s=timeout_s)
+        restored = allreduce_state.receive(
+            role.control,
+            chunks,
+            run.num_chunks,
+            step=run.step,
+            scalars=run.scalars,
+            waiting_for=f"{source}'s state",
+            delete=False,
+        )
+        allreduce_state.restore(model, optimizer, restored)
+    group.allreduce([torch.zeros(1)]).wait()  # every restarted worker has read the state: it can go
+    if role.task.name == source:
+        role.control.delete(key)
+        for chunk in range(run.num_chunks):
+            role.control.delete(control_keys.state_chunk(chunks, chunk))
+    return run
+
+
+def _survivors(group: Any, role: RoleContext, survived: RejoinState | None) -> list[int]:
+    """The indexes of the workers that lived through the last generation, all at one global step."""
+    num_workers, index = role.num_workers, role.task.index
+    who = torch.zeros(2 * num_workers, dtype=torch.float64)
+    if survived is not None:
+        who[index], who[num_workers + index] = 1.0, survived.step + 1.0
+    group.allreduce([who]).wait()
+    survivors = [worker for worker in range(num_workers) if who[worker]]
+    steps = {int(who[num_workers + worker]) - 1 for worker in survivors}
+    if not survivors:
+        raise GroupLostError(
+            f"{role.task.name}: every worker of the all-reduce group was lost at once; run the job again to resume "
+            "from its last checkpoint"
+        )
+    if len(steps) > 1:
+        raise GroupLostError(
+            f"{role.task.name}: the surviving workers {survivors} stopped at different global steps {sorted(steps)} "
+            "(the lost worker died inside a collective); the group cannot go on: run the job again to resume from "
+            "its last checkpoint"
+        )
+    return survivors
