@@ -43,9 +43,12 @@ def test_a_worker_joins_generation_0_at_the_start_and_the_one_after_its_last_onc
 def test_a_collective_waiting_for_a_worker_restarted_meanwhile_is_given_up_naming_it(plane):
     strategy = sf.AllReduceStrategy(num_workers=2, request_timeout_s=5)
     groups: dict[int, object] = {}
+    # A connection of its own for each rank, as each worker process has: a held wait of one rank on a shared
+    # connection would hold back the other's keys, and the group's connect could time out under load.
+    planes = [plane, ControlPlane(plane.address, timeout_s=5)]
     formers = [
         threading.Thread(
-            target=lambda i=i: groups.update({i: allreduce_group.form(strategy, _role(plane, i), 0, 1e18)})
+            target=lambda i=i: groups.update({i: allreduce_group.form(strategy, _role(planes[i], i), 0, 1e18)})
         )
         for i in range(2)
     ]
@@ -53,6 +56,7 @@ def test_a_collective_waiting_for_a_worker_restarted_meanwhile_is_given_up_namin
         former.start()
     for former in formers:
         former.join()
+    planes[1].close()
     plane.set(control_keys.heartbeat("worker:1"), "111:5")
     peers = allreduce_group.Peers(_role(plane, 0), heartbeat_timeout_s=30)
     work = groups[0].allreduce([torch.ones(4)])  # type: ignore[attr-defined]  # worker:1 never takes part
