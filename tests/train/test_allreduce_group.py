@@ -4,7 +4,6 @@ formed through a real control service)."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import pytest
@@ -16,17 +15,6 @@ from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
 from shardflow.train import allreduce_group
 from shardflow.train.role_context import RoleContext
-
-
-@pytest.fixture
-def plane(monkeypatch):
-    monkeypatch.setenv("SHARDFLOW_CLUSTER_SECRET", "allreduce-group")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    control = ControlPlane.serve(address, timeout_s=5)
-    yield control
-    control.close()
 
 
 def _role(plane: ControlPlane, index: int) -> RoleContext:

@@ -3,27 +3,13 @@ one rank formed through a real control service), and a model state's round trip 
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 
 import shardflow as sf
-from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
 from shardflow.train import allreduce_state
 from shardflow.train.allreduce_gradients import GradientReducer
-
-
-@pytest.fixture
-def plane(monkeypatch):
-    monkeypatch.setenv("SHARDFLOW_CLUSTER_SECRET", "allreduce-units")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    control = ControlPlane.serve(address, timeout_s=5)
-    yield control
-    control.close()
 
 
 @pytest.mark.parametrize(
