@@ -21,7 +21,7 @@ from shardflow.train.allreduce_group import GroupLostError
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
-from shardflow.train.job import JobConfig, UserCodeError
+from shardflow.train.job import JobConfig, check_loss, user_code
 from shardflow.train.job_keys import InputState, RejoinState, ResumePoint, StateNotice
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
@@ -257,18 +257,11 @@ class _Trainer:
         log.warning("%s joined the all-reduce group at global step %d, restarted", self.name, self.step)
 
     def _forward_backward(self, batch: Any) -> float:
-        try:
+        with user_code("loss_fn", self.name, self.step):
             loss = self.job.loss_fn(self.model, to_torch(batch))
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        check_loss(loss, self.name)
+        with user_code("backward of the loss", self.name, self.step):
             loss.backward()
-        except Exception as error:
-            if type(error).__module__.startswith("shardflow."):
-                raise
-            raise UserCodeError(
-                f"{self.name}: loss_fn or its backward raised at global step {self.step}: {type(error).__name__}: "
-                f"{error}"
-            ) from error
         return float(loss.detach())
 
     def _apply(self, contributors: float) -> None:

@@ -3,8 +3,9 @@ does with the model it describes (build it, evaluate it)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic
@@ -26,6 +27,29 @@ StrategyT = TypeVar("StrategyT", bound=Strategy, default=ParameterServerStrategy
 class UserCodeError(RuntimeError):
     """The user's code or data failed in a role (loss_fn, the model, input_fn, a batch): it would fail the same way
     again, so the role is not restarted (cluster/launcher.py USER_ERROR_EXIT_CODE) and the job fails naming it."""
+
+
+@contextlib.contextmanager
+def user_code(what: str, name: str, step: int) -> Iterator[None]:
+    """An error raised by the user's code or data inside the block (not shardflow's own: a lost PS, a restore) is a
+    UserCodeError naming the role, the step and `what` failed: the role is not restarted for it."""
+    try:
+        yield
+    except Exception as error:
+        if type(error).__module__.startswith("shardflow."):
+            raise
+        raise UserCodeError(f"{name}: {what} raised at global step {step}: {type(error).__name__}: {error}") from error
+
+
+def check_loss(loss: object, name: str) -> None:
+    """UserCodeError, naming role `name` and the fix, unless loss_fn returned a scalar tensor."""
+    if not isinstance(loss, torch.Tensor):
+        raise UserCodeError(f"{name}: loss_fn returned a {type(loss).__name__}; it must return a scalar tensor")
+    if loss.numel() != 1:
+        raise UserCodeError(
+            f"{name}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar: reduce it, "
+            "e.g. loss.mean(), or use the loss's reduction='mean' (not 'none')"
+        )
 
 
 class RoleFailedError(RuntimeError):

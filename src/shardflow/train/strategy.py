@@ -85,35 +85,23 @@ class ParameterServerStrategy(UpdateRule):
             raise ValueError(f"ParameterServerStrategy.num_ps must be >= 1, got {self.num_ps}")
         if self.num_workers < 1:
             raise ValueError(f"ParameterServerStrategy.num_workers must be >= 1, got {self.num_workers}")
-        limit = self.max_nonfinite_updates
-        if not (isinstance(limit, int) and not isinstance(limit, bool) and limit >= 1):
-            raise ValueError(f"ParameterServerStrategy.max_nonfinite_updates must be an int >= 1, got {limit!r}")
+        _check_int(self, "max_nonfinite_updates", 1)
         if self.lost_worker_policy not in LOST_WORKER_POLICIES:
             raise ValueError(
                 f"ParameterServerStrategy.lost_worker_policy must be one of {LOST_WORKER_POLICIES}, "
                 f"got {self.lost_worker_policy!r}"
             )
-        restarts = self.max_restarts
-        if not (isinstance(restarts, int) and not isinstance(restarts, bool) and restarts >= 0):
-            raise ValueError(f"ParameterServerStrategy.max_restarts must be an int >= 0, got {self.max_restarts!r}")
-        if self.restart_backoff_s < 0:
-            raise ValueError(f"ParameterServerStrategy.restart_backoff_s must be >= 0, got {self.restart_backoff_s}")
-        for name in (
-            "request_timeout_s",
-            "startup_timeout_s",
-            "heartbeat_timeout_s",
-            "worker_rejoin_timeout_s",
-            "hung_timeout_s",
-        ):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ParameterServerStrategy.{name} must be positive")
-        if not isinstance(self.fail_on_save_error, bool):
-            raise ValueError(
-                f"ParameterServerStrategy.fail_on_save_error must be True or False, got {self.fail_on_save_error!r}"
-            )
-        steps = self.gradient_accumulation_steps
-        if not (isinstance(steps, int) and not isinstance(steps, bool) and steps >= 1):
-            raise ValueError(f"ParameterServerStrategy.gradient_accumulation_steps must be an int >= 1, got {steps!r}")
+        _check_roles(
+            self,
+            timeouts=(
+                "request_timeout_s",
+                "startup_timeout_s",
+                "heartbeat_timeout_s",
+                "worker_rejoin_timeout_s",
+                "hung_timeout_s",
+            ),
+        )
+        _check_int(self, "gradient_accumulation_steps", 1)
         check_mixed_precision(self.mixed_precision)
         if self.wire_dtype not in (None, "bf16"):
             raise ValueError(f"ParameterServerStrategy.wire_dtype must be 'bf16' or None, got {self.wire_dtype!r}")
@@ -188,37 +176,44 @@ class AllReduceStrategy:
     naming it."""
 
     def __post_init__(self) -> None:
-        workers = self.num_workers
-        restarts = self.max_restarts
-        if not (isinstance(restarts, int) and not isinstance(restarts, bool) and restarts >= 0):
-            raise ValueError(f"AllReduceStrategy.max_restarts must be an int >= 0, got {restarts!r}")
-        backoff = self.restart_backoff_s
-        if not (isinstance(backoff, int | float) and not isinstance(backoff, bool) and backoff >= 0):
-            raise ValueError(f"AllReduceStrategy.restart_backoff_s must be >= 0 seconds, got {backoff!r}")
-        if not (isinstance(workers, int) and not isinstance(workers, bool) and workers >= 1):
-            raise ValueError(f"AllReduceStrategy.num_workers must be an int >= 1, got {workers!r}")
-        size = self.bucket_bytes
-        if not (isinstance(size, int) and not isinstance(size, bool) and size >= 1):
-            raise ValueError(f"AllReduceStrategy.bucket_bytes must be an int >= 1, got {size!r}")
-        for name in (
-            "request_timeout_s",
-            "startup_timeout_s",
-            "heartbeat_timeout_s",
-            "hung_timeout_s",
-            "termination_grace_s",
-            "worker_rejoin_timeout_s",
-        ):
-            value = getattr(self, name)
-            if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):
-                raise ValueError(f"AllReduceStrategy.{name} must be a positive number of seconds, got {value!r}")
-        if not isinstance(self.fail_on_save_error, bool):
-            raise ValueError(
-                f"AllReduceStrategy.fail_on_save_error must be True or False, got {self.fail_on_save_error!r}"
-            )
+        _check_int(self, "num_workers", 1)
+        _check_int(self, "bucket_bytes", 1)
+        _check_roles(
+            self,
+            timeouts=(
+                "request_timeout_s",
+                "startup_timeout_s",
+                "heartbeat_timeout_s",
+                "hung_timeout_s",
+                "termination_grace_s",
+                "worker_rejoin_timeout_s",
+            ),
+        )
 
 
 Strategy = ParameterServerStrategy | AllReduceStrategy
 """How a job is distributed."""
+
+
+def _check_int(strategy: object, name: str, minimum: int) -> None:
+    value = getattr(strategy, name)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= minimum):
+        raise ValueError(f"{type(strategy).__name__}.{name} must be an int >= {minimum}, got {value!r}")
+
+
+def _check_roles(strategy: ParameterServerStrategy | AllReduceStrategy, *, timeouts: tuple[str, ...]) -> None:
+    """The settings every strategy has for its roles' restarts, deadlines and saves."""
+    owner = type(strategy).__name__
+    _check_int(strategy, "max_restarts", 0)
+    backoff = strategy.restart_backoff_s
+    if not (isinstance(backoff, int | float) and not isinstance(backoff, bool) and backoff >= 0):
+        raise ValueError(f"{owner}.restart_backoff_s must be >= 0 seconds, got {backoff!r}")
+    for name in timeouts:
+        value = getattr(strategy, name)
+        if not (isinstance(value, int | float) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{owner}.{name} must be a positive number of seconds, got {value!r}")
+    if not isinstance(strategy.fail_on_save_error, bool):
+        raise ValueError(f"{owner}.fail_on_save_error must be True or False, got {strategy.fail_on_save_error!r}")
 
 
 def _parse_device(device: str | torch.device | None) -> torch.device | None:

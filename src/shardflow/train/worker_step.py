@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -17,7 +15,7 @@ from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps.client import ParameterClient, Pushed, PushRequest, StepReply
 from shardflow.ps.clipping import clip_local_gradients
 from shardflow.train.input import InputPosition, Lookahead
-from shardflow.train.job import JobConfig, UserCodeError
+from shardflow.train.job import JobConfig, check_loss, user_code
 from shardflow.train.precision import autocast
 from shardflow.train.worker_report import Report
 
@@ -109,15 +107,15 @@ class WorkerStep:
             batch = batch_to_device(to_torch(batch), device)
             if self.tables is not None:
                 self.tables.set_batch(batch)
-            with autocast(self.job.strategy.mixed_precision, device.type), _users("loss_fn", self.name, step):
+            with autocast(self.job.strategy.mixed_precision, device.type), user_code("loss_fn", self.name, step):
                 loss = self.job.loss_fn(model, batch)
             recorder.end(spans.FORWARD, step, t)
-            _check_loss(loss, self.name)
+            check_loss(loss, self.name)
             value = float(loss.detach())  # one read back (a device sync), which the report needs anyway
             if not math.isfinite(value):
                 return None, input_state
             t = time.perf_counter_ns()
-            with _users("backward of the loss", self.name, step):
+            with user_code("backward of the loss", self.name, step):
                 (loss / num_batches if num_batches > 1 else loss).backward()
             recorder.end(spans.BACKWARD, step, t)
             losses.append(value)
@@ -150,28 +148,6 @@ def batch_to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, list):
         return [batch_to_device(value, device) for value in batch]
     return batch
-
-
-@contextlib.contextmanager
-def _users(what: str, name: str, step: int) -> Iterator[None]:
-    """An error raised by the user's code or data inside the block (not shardflow's own: a lost PS, a restore) is a
-    UserCodeError naming the role, the step and `what` failed: the role is not restarted for it."""
-    try:
-        yield
-    except Exception as error:
-        if type(error).__module__.startswith("shardflow."):
-            raise
-        raise UserCodeError(f"{name}: {what} raised at global step {step}: {type(error).__name__}: {error}") from error
-
-
-def _check_loss(loss: object, name: str) -> None:
-    if not isinstance(loss, torch.Tensor):
-        raise UserCodeError(f"{name}: loss_fn returned a {type(loss).__name__}; it must return a scalar tensor")
-    if loss.numel() != 1:
-        raise UserCodeError(
-            f"{name}: loss_fn returned a tensor of shape {tuple(loss.shape)}; it must return a scalar: reduce it, "
-            "e.g. loss.mean(), or use the loss's reduction='mean' (not 'none')"
-        )
 
 
 def _check_finite(name: str, max_nonfinite_updates: int, pushed: Pushed, reply: StepReply) -> None:
