@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from shardflow.train.hooks import Hook, StepInfo
     from shardflow.train.job import RoleFailedError
     from shardflow.train.specs import EarlyStopping, EvalSpec, InputContext, Preempted, TrainResult, TrainSpec
-    from shardflow.train.strategy import AllReduceStrategy, ParameterServerStrategy
+    from shardflow.train.strategy import AllReduceStrategy, HybridStrategy, ParameterServerStrategy
 
 # Imported on first use, so that the command-line tool and `shardflow.data` start without torch's import cost.
 _LAZY = {
@@ -41,6 +41,7 @@ _LAZY = {
     "TrainSpec": "shardflow.train.specs",
     "ParameterServerStrategy": "shardflow.train.strategy",
     "AllReduceStrategy": "shardflow.train.strategy",
+    "HybridStrategy": "shardflow.train.strategy",
 }
 
 __all__ = [
@@ -49,6 +50,7 @@ __all__ = [
     "Estimator",
     "EvalSpec",
     "Hook",
+    "HybridStrategy",
     "InputContext",
     "ParameterServerStrategy",
     "Partitioner",

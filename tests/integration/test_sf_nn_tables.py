@@ -73,11 +73,25 @@ def trained_tables(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
     return state.params, rows
 
 
-@pytest.mark.parametrize("optimizer", ["SGD", "Adagrad", "Adam"])
-def test_sync_training_of_sf_nn_tables_equals_one_process_with_torch_sparse_optimizers(run_job, tmp_path, optimizer):
+@pytest.mark.parametrize(
+    ("strategy", "optimizer"),
+    [("ps", "SGD"), ("ps", "Adagrad"), ("ps", "Adam"), ("hybrid", "Adagrad"), ("hybrid", "Adam")],
+)
+def test_sync_training_of_sf_nn_tables_equals_one_process_with_torch_sparse_optimizers(
+    run_job, tmp_path, strategy, optimizer
+):
+    """ParameterServerStrategy in sync mode, and HybridStrategy with sparse_mode="sync" (the head all-reduced, the
+    tables' rows applied once per global step on the PS)."""
     steps, batch, lr = 6, 8, 0.1
     proc, result = run_job(
-        "tables.py", optimizer=optimizer, lr=lr, mode="sync", num_workers=2, num_ps=2, num_batches=2 * steps
+        "tables.py",
+        strategy=strategy,
+        optimizer=optimizer,
+        lr=lr,
+        mode="sync",
+        num_workers=2,
+        num_ps=2,
+        num_batches=2 * steps,
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps

@@ -339,6 +339,12 @@ class ParameterClient(PSConnection):
     def _table_frames(self, ps: int) -> list[torch.Tensor]:
         return self.tables.grad_frames(ps) if self.tables is not None else []
 
+    def assume_steps(self, step: int) -> None:
+        """Every PS is at global step `step`, whatever its last reply said: a hybrid job's sync tables count the
+        workers' own steps (train/hybrid_worker.py), and a reply to a repeated push may come before the step's
+        update is applied."""
+        self._ps_steps = [step] * len(self._ps_steps)
+
     def lookup_min_steps(self, overlapped: bool) -> list[int]:
         """Per PS, the global step a lookup sent ahead for the next step must wait for: the one this step's update
         makes, unless steps overlap (async: the next step is computed before this one is applied)."""

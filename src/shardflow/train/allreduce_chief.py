@@ -15,13 +15,14 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.nn.modules import table_specs
+from shardflow.ps.embeddings.spec import TableSpec
 from shardflow.ps.sparse import sparse_variables
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
-from shardflow.train.job import JobConfig, RoleFailedError
+from shardflow.train.job import JobConfig, RoleFailedError, is_hybrid
 from shardflow.train.job_keys import AllReduceStart, ProgressReport, RestoredPositions, Saved, StateNotice
 from shardflow.train.preemption import Preemption
 from shardflow.train.progress import ProgressDisplay
@@ -44,9 +45,11 @@ def run_allreduce_chief(
     *,
     failures: Sequence[RoleExit] = (),
     preemption: Preemption | None = None,
+    chief_class: type[_Chief] | None = None,
 ) -> TrainResult:
     """Run the job to its end and return what it did; a worker that failed (`failures`, from the local launcher, or
-    its own report on the control plane) or went silent fails it with RoleFailedError naming it."""
+    its own report on the control plane) or went silent fails it with RoleFailedError naming it. `chief_class`:
+    the chief while the workers train (HybridStrategy's has its tables on the PS); `_Chief` by default."""
     preemption = preemption or Preemption(job.strategy.termination_grace_s)
     started = time.monotonic()
     store.clean(job.model_dir)
@@ -55,7 +58,7 @@ def run_allreduce_chief(
     restored = restore_latest(job, model, role)
     start_step = restored.step if restored is not None else 0
     start_chunks = _hand_out(role, restored)
-    chief = _Chief(job, role, model, _Watch(job, role, failures), start_step, start_chunks)
+    chief = (chief_class or _Chief)(job, role, model, _Watch(job, role, failures), start_step, start_chunks, restored)
     try:
         state, path = chief.train(preemption)
         training_s = time.monotonic() - started
@@ -97,8 +100,10 @@ class _Chief:
         watch: _Watch,
         start_step: int,
         start_chunks: int,
+        restored: ModelState | None,
     ) -> None:
-        """`start_chunks`: those of the state handed out (`_hand_out`), removed once every worker has read them."""
+        """`start_chunks`: those of the state handed out (`_hand_out`), removed once every worker has read them;
+        `restored`: the checkpoint training starts from, if any."""
         self.job, self.role, self.model, self.watch = job, role, model, watch
         self.started = time.monotonic()
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
@@ -116,6 +121,8 @@ class _Chief:
             "optimizer": job.optimizer.to_json(),
         }
         """What every checkpoint records besides the state, as the PS strategy's (checkpoints/manager.py)."""
+        self.table_specs: tuple[TableSpec, ...] = ()
+        """The `sf.nn` tables whose rows the PS write into each checkpoint (HybridStrategy's)."""
         self.step = start_step
         self.start_chunks = start_chunks
         self.eval_history: list[dict[str, Any]] = []
@@ -138,7 +145,7 @@ class _Chief:
                     self._watch(preemption)
                 continue
             notice = control.read(notice_key, waiting_for="worker:0's state")
-            state = _collect(self.role, n, notice)
+            state = self._collect(n, notice)
             path = self._save(state, final=notice.final) if notice.checkpoint or notice.final else None
             control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
             control.delete(notice_key)
@@ -151,6 +158,9 @@ class _Chief:
             if every and state.step % every == 0 and not self.stopped_early:
                 self._evaluate_and_maybe_stop(state)
             n += 1
+
+    def _collect(self, n: int, notice: StateNotice) -> ModelState:
+        return _collect(self.role, n, notice)
 
     def _watch(self, preemption: Preemption) -> None:
         """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""
@@ -172,7 +182,7 @@ class _Chief:
         and counted (None), unless fail_on_save_error; a final one always fails the job."""
         job = self.job
         try:
-            return store.save_state(job.model_dir, state, self.manifest, job.keep_checkpoint_max)
+            return store.save_state(job.model_dir, state, self.manifest, job.keep_checkpoint_max, self.table_specs)
         except OSError as error:
             where = f"checkpoint at global step {state.step} could not be saved in {store.directory(job.model_dir)}"
             if final or job.strategy.fail_on_save_error:
@@ -218,7 +228,7 @@ def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) 
             "recorded): profile with sf.ParameterServerStrategy, or leave profile_steps out"
         )
     tables = [spec.name for spec in table_specs(model)]
-    if tables:
+    if tables and not is_hybrid(job):
         raise ValueError(
             f"the model's sf.nn tables {tables} live on parameter servers: train it with sf.ParameterServerStrategy "
             "(AllReduceStrategy all-reduces dense gradients only)"

@@ -68,6 +68,12 @@ class Peers:
             if lost:
                 raise PeerLostError(f"{', '.join(lost)} lost (restarted, or no heartbeat) during the collective")
 
+    def check(self, waiting_for: str) -> None:
+        """Raise PeerLostError naming the workers lost (see the class) while this one waits for `waiting_for`."""
+        lost = self._lost()
+        if lost:
+            raise PeerLostError(f"{', '.join(lost)} lost (restarted, or no heartbeat) while waiting for {waiting_for}")
+
     def _lost(self) -> list[str]:
         now, lost = time.monotonic(), []
         for name, (last, _) in self.beats.items():

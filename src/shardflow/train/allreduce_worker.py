@@ -38,9 +38,12 @@ class JobAborted(RuntimeError):
     """The chief ended the job (another role failed) while this worker trained."""
 
 
-def run_allreduce_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -> None:
+def run_allreduce_worker(
+    job: JobConfig[AllReduceStrategy], role: RoleContext, trainer: type[_Trainer] | None = None
+) -> None:
     """The worker's main: join the group, train to the end of every worker's input or max_steps, hand over the
-    final state, and stay until the chief says the job is over."""
+    final state, and stay until the chief says the job is over. `trainer`: the run's class (HybridStrategy's
+    looks the `sf.nn` tables up on the PS); `_Trainer` by default."""
     control, strategy = role.control, job.strategy
     heartbeat = Heartbeat(role.task.name, control)
     try:
@@ -65,7 +68,7 @@ def run_allreduce_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -
         position = restored.positions.get(role.task.name) if restored is not None else None
         # Restarted after the others were done, this worker finds the job over while it waits for them to join.
         with contextlib.suppress(allreduce_group.JobOverError):
-            _Trainer(job, role, model, optimizer, position, start.step, generation).train()
+            (trainer or _Trainer)(job, role, model, optimizer, position, start.step, generation).run()
         # The chief saves and evaluates the final state, then ends the job: wait for it without a deadline, as PS
         # workers do, still beating (the chief fails the job if the wait ends in its error).
         while not control.set_within(control_keys.SHUTDOWN, 1.0, waiting_for="the end of the job"):
@@ -121,6 +124,10 @@ class _Trainer:
         timeout_s = job.strategy.startup_timeout_s if generation == 0 else job.strategy.worker_rejoin_timeout_s
         self.reducer = self._join(generation, restarted=generation > 0, timeout_s=timeout_s)
 
+    def run(self) -> None:
+        """Train, with what the run needs around it (a subclass's connections)."""
+        self.train()
+
     def train(self) -> None:
         self.report.send()
         max_steps = self.job.train_spec.max_steps
@@ -173,7 +180,7 @@ class _Trainer:
         mine = [0.0] * self.role.num_workers
         mine[self.index] = float(had_batch)
         try:
-            return self.reducer.reduce([float(had_batch), *self._requests(), *mine])
+            return self._collective(had_batch, mine)
         except RuntimeError as error:  # gloo's (a peer closed its connection, the deadline passed), or PeerLostError
             log.warning(
                 "%s: the all-reduce of global step %d failed (%s); the step is dropped and the group formed again",
@@ -188,6 +195,10 @@ class _Trainer:
             self.generation + 1, restarted=False, timeout_s=self.job.strategy.worker_rejoin_timeout_s
         )
         return None
+
+    def _collective(self, had_batch: bool, mine: list[float]) -> list[float]:
+        """The step's exchange with the group; a RuntimeError where the group broke."""
+        return self.reducer.reduce([float(had_batch), *self._requests(), *mine])
 
     def _join(self, generation: int, *, restarted: bool, timeout_s: float) -> GradientReducer:
         """Form the group from `generation` on (the next one where forming fails) within `timeout_s`, and agree in
@@ -221,8 +232,8 @@ class _Trainer:
                 log.warning("%s does its part of hand-over %d again", self.name, self.checkpoints)
                 self._hand_over(final=False, checkpoint=agreed.hand_over_saves, again=True)
         num_flags = len(FLAGS) + self.role.num_workers
-        peers = allreduce_group.Peers(self.role, strategy.heartbeat_timeout_s)
-        return GradientReducer(group, self.parameters, strategy.bucket_bytes, num_flags, peers.wait)
+        self.peers = allreduce_group.Peers(self.role, strategy.heartbeat_timeout_s)
+        return GradientReducer(group, self.parameters, strategy.bucket_bytes, num_flags, self.peers.wait)
 
     def _run(self) -> RejoinState:
         """Where this worker's run is, for the workers that join the group restarted."""

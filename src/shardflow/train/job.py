@@ -16,7 +16,7 @@ from typing_extensions import TypeIs, TypeVar
 from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.train.evaluation import evaluate_model
 from shardflow.train.specs import EvalSpec, TrainSpec
-from shardflow.train.strategy import AllReduceStrategy, ParameterServerStrategy, Strategy
+from shardflow.train.strategy import AllReduceStrategy, HybridStrategy, ParameterServerStrategy, Strategy
 
 LossFn = Callable[[torch.nn.Module, Any], torch.Tensor]
 ModelFn = Callable[[], torch.nn.Module] | torch.nn.Module
@@ -100,8 +100,13 @@ class JobConfig(Generic[StrategyT]):
 
 
 def is_all_reduce(job: JobConfig[Strategy]) -> TypeIs[JobConfig[AllReduceStrategy]]:
-    """Whether `job` trains with `AllReduceStrategy` (else with the parameter servers)."""
+    """Whether `job` trains with `AllReduceStrategy` or `HybridStrategy` (else with the parameter servers alone)."""
     return isinstance(job.strategy, AllReduceStrategy)
+
+
+def is_hybrid(job: JobConfig[Strategy]) -> TypeIs[JobConfig[HybridStrategy]]:
+    """Whether `job` trains with `HybridStrategy` (an all-reduce job whose `sf.nn` tables live on PS)."""
+    return isinstance(job.strategy, HybridStrategy)
 
 
 def is_parameter_server(job: JobConfig[Strategy]) -> TypeIs[JobConfig[ParameterServerStrategy]]:

@@ -32,6 +32,12 @@ Each entry reads `key`: writer -> readers. Meaning.
 - `allreduce/rejoin/<generation>`: the first survivor -> the restarted workers of that generation of the group. The
   state to go on from (chunks `state/rejoin/<generation>/<i>`) and every worker's count of batches applied; deleted
   once they read it.
+
+`sf.HybridStrategy` (train/hybrid_chief.py, hybrid_worker.py) adds:
+
+- `hybrid/snapshot/<n>`: worker:0 -> the other workers and the chief. The step of every PS's snapshot of the
+  `sf.nn` tables taken for state n, while no worker pushed past it; the others push again only once it is set, and
+  the chief saves its rows with state n.
 """
 
 from __future__ import annotations
@@ -159,6 +165,11 @@ class RejoinState(_Value, frozen=True, kw_only=True):
     """Per worker index: whether it had a batch in the last global step (its input is done otherwise)."""
 
 
+class TablesSnapshot(_Value, frozen=True, kw_only=True):
+    step: int
+    """The PS's own count of table updates at the snapshot (each PS has the same: every push goes to each)."""
+
+
 class Saved(_Value, frozen=True, kw_only=True):
     path: str | None
     """The checkpoint written; None where it could not be (a periodic one, training goes on)."""
@@ -201,3 +212,7 @@ def allreduce_resume(role: str) -> Key[ResumePoint]:
 
 def allreduce_rejoin(generation: int) -> Key[RejoinState]:
     return Key(f"allreduce/rejoin/{generation}", RejoinState, "the re-formed group's first survivor")
+
+
+def hybrid_snapshot(n: int) -> Key[TablesSnapshot]:
+    return Key(f"hybrid/snapshot/{n}", TablesSnapshot, "worker:0")

@@ -32,7 +32,16 @@ from shardflow.train.allreduce_worker import run_allreduce_worker
 from shardflow.train.checkpoints import store
 from shardflow.train.chief import run_chief
 from shardflow.train.evaluator import run_evaluator
-from shardflow.train.job import JobConfig, RoleFailedError, UserCodeError, is_all_reduce, is_parameter_server
+from shardflow.train.hybrid_chief import run_hybrid_chief
+from shardflow.train.hybrid_worker import run_hybrid_worker
+from shardflow.train.job import (
+    JobConfig,
+    RoleFailedError,
+    UserCodeError,
+    is_all_reduce,
+    is_hybrid,
+    is_parameter_server,
+)
 from shardflow.train.preemption import Preemption, tell_chief
 from shardflow.train.progress import chief_prefix
 from shardflow.train.ps_role import run_ps
@@ -153,8 +162,10 @@ def _say_cluster_size(job: JobConfig[Strategy], spec: ClusterSpec) -> None:
 
 
 def _connect(job: JobConfig[Strategy], spec: ClusterSpec, task: TaskSpec) -> RoleContext:
-    if spec.num("ps") < 1 and not is_all_reduce(job):
-        raise ValueError("the cluster has no 'ps' tasks; parameter-server training needs at least one")
+    if spec.num("ps") < 1 and (not is_all_reduce(job) or is_hybrid(job)):
+        raise ValueError(
+            f"the cluster has no 'ps' tasks; {type(job.strategy).__name__} needs at least one parameter server"
+        )
     if spec.num("worker") < 1:
         raise ValueError("the cluster has no 'worker' tasks; training needs at least one")
     chief = spec.address(TaskSpec("chief", 0))
@@ -183,6 +194,8 @@ def _run_chief(
     try:
         if is_parameter_server(job):
             result = run_chief(job, role, failures=failures, on_connect=on_connect, preemption=preemption)
+        elif is_hybrid(job):
+            result = run_hybrid_chief(job, role, failures=failures, preemption=preemption)
         else:
             assert is_all_reduce(job)
             result = run_allreduce_chief(job, role, failures=failures, preemption=preemption)
@@ -232,7 +245,9 @@ def _run_other_role(job: JobConfig[Strategy], spec: ClusterSpec, task: TaskSpec,
     # the process then exits 0 as at any end, or 143 at the deadline if the job never ends.
     Preemption(job.strategy.termination_grace_s).install(tell_chief(role))
     try:
-        if is_all_reduce(job):
+        if task.type == "worker" and is_hybrid(job):
+            run_hybrid_worker(job, role)
+        elif is_all_reduce(job) and not is_hybrid(job):
             if task.type == "worker":  # the only other role of an all-reduce job
                 run_allreduce_worker(job, role)
         elif task.type == "ps":

@@ -142,8 +142,6 @@ class AllReduceStrategy:
     A worker that dies is restarted, and the workers form the group again with it at the global step they are at
     (train/allreduce_group.py); one not back within worker_rejoin_timeout_s fails the job, naming it."""
 
-    num_ps: ClassVar[int] = 0
-    """No parameter servers."""
     mode: ClassVar[str] = "allreduce"
     evaluator: ClassVar[bool] = False
 
@@ -175,6 +173,11 @@ class AllReduceStrategy:
     """How long the workers wait for a lost one to join the group again (restarted) before they fail the job,
     naming it."""
 
+    @property
+    def num_ps(self) -> int:
+        """No parameter servers."""
+        return 0
+
     def __post_init__(self) -> None:
         _check_int(self, "num_workers", 1)
         _check_int(self, "bucket_bytes", 1)
@@ -191,8 +194,39 @@ class AllReduceStrategy:
         )
 
 
+SPARSE_MODES = ("async", "ssp", "sync")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HybridStrategy(AllReduceStrategy):
+    """The model's `sf.nn` tables on `num_ps` parameter servers, every other parameter all-reduced among the workers
+    as in `AllReduceStrategy` (whose settings it has too). One global step is one all-reduced dense update; each
+    worker pushes the gradients of the table rows its batch looked up with every step, and the PS count the tables'
+    updates apart.
+
+    `sparse_mode`: "async" (the default) applies each worker's rows as they come; "sync" applies the rows of one
+    global step once, the mean over the workers that had a batch, before any worker looks up the next step's (so the
+    job equals one process on the workers' batches together); "ssp" is async with `max_staleness` (the workers step
+    in lockstep, so it bounds nothing more than async does)."""
+
+    mode: ClassVar[str] = "hybrid"
+
+    num_ps: int = 1
+    """Parameter servers holding the `sf.nn` tables, each a partition of every table's rows."""
+    sparse_mode: str = "async"
+    max_staleness: int = 2
+    """ssp: how many steps a worker's table pushes may run ahead of the slowest worker's."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_int(self, "num_ps", 1)
+        _check_int(self, "max_staleness", 0)
+        if self.sparse_mode not in SPARSE_MODES:
+            raise ValueError(f"HybridStrategy.sparse_mode must be one of {SPARSE_MODES}, got {self.sparse_mode!r}")
+
+
 Strategy = ParameterServerStrategy | AllReduceStrategy
-"""How a job is distributed."""
+"""How a job is distributed (`HybridStrategy` is an `AllReduceStrategy` with tables on PS)."""
 
 
 def _check_int(strategy: object, name: str, minimum: int) -> None:

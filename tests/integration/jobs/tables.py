@@ -62,13 +62,22 @@ def main(config: dict[str, Any]) -> None:
             yield {key: value[b * batch : (b + 1) * batch] for key, value in data.items()}
 
     optimizer = getattr(sf.optim, config.get("optimizer", "Adagrad"))(lr=config.get("lr", 0.1))
-    strategy = sf.ParameterServerStrategy(
-        num_ps=config.get("num_ps", 2),
-        num_workers=config.get("num_workers", 2),
-        mode=config.get("mode", "sync"),
-        gradient_accumulation_steps=config.get("accumulation", 1),
-        max_nonfinite_updates=config.get("max_nonfinite_updates", 1),
-    )
+    strategy: sf.ParameterServerStrategy | sf.HybridStrategy
+    if config.get("strategy") == "hybrid":  # the tables on the PS, the head all-reduced
+        strategy = sf.HybridStrategy(
+            num_ps=config.get("num_ps", 2),
+            num_workers=config.get("num_workers", 2),
+            sparse_mode=config.get("mode", "sync"),
+            max_restarts=config.get("max_restarts", 0),
+        )
+    else:
+        strategy = sf.ParameterServerStrategy(
+            num_ps=config.get("num_ps", 2),
+            num_workers=config.get("num_workers", 2),
+            mode=config.get("mode", "sync"),
+            gradient_accumulation_steps=config.get("accumulation", 1),
+            max_nonfinite_updates=config.get("max_nonfinite_updates", 1),
+        )
 
     def model_fn() -> Model:
         torch.manual_seed(0)
