@@ -201,3 +201,26 @@ def test_a_nan_in_the_rows_gradient_of_one_batch_is_never_applied(run_job, tmp_p
     assert all(stats["nonfinite"] == 1 for stats in result["ps_stats"].values()), result["ps_stats"]
     _, rows = trained_tables(tmp_path / "model")
     assert all(torch.isfinite(table.values).all() for table in rows.values())
+
+
+def test_checkpoints_go_from_hybrid_to_the_ps_strategy_and_back_and_train_on_exactly(run_job, tmp_path):
+    """HybridStrategy (2 PS) to step 2, ParameterServerStrategy (1 PS, everything on it) to 4, HybridStrategy again
+    (2 PS) to 6, all sync with Adam: the dense head's Adam slots travel through the workers' hand-over, the tables'
+    through the PS's files, and the result equals one process trained on every batch once."""
+    steps, batch, lr = 6, 8, 0.1
+    common = {"optimizer": "Adam", "lr": lr, "mode": "sync", "num_workers": 2, "num_batches": 2 * steps}
+    results = [
+        run_job("tables.py", strategy=strategy, num_ps=num_ps, max_steps=max_steps, **common)
+        for strategy, num_ps, max_steps in (("hybrid", 2, 2), ("ps", 1, 4), ("hybrid", 2, 6))
+    ]
+    for proc, _ in results:
+        assert proc.returncode == 0, proc.stdout
+    assert [(r["start_step"], r["global_step"]) for _, r in results] == [(0, 2), (2, 4), (4, 6)]
+    model, expected = one_process("Adam", lr, steps, batch)
+    params, rows = trained_tables(tmp_path / "model")
+    head: torch.nn.Module = model.head  # type: ignore[assignment]
+    for name, value in head.state_dict().items():
+        torch.testing.assert_close(params[f"head.{name}"], value, atol=1e-5, rtol=0, msg=name)
+    for name, weights in expected.items():
+        got = rows[name].lookup(torch.arange(weights.shape[0]))
+        torch.testing.assert_close(got, weights, atol=1e-5, rtol=0, msg=name)

@@ -10,11 +10,13 @@ its `hybrid/snapshot/<n>` before their next push); the chief saves those rows wi
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_keys import Key
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
 from shardflow.nn import backend
@@ -50,6 +52,8 @@ class _HybridTrainer(_Trainer):
         assert isinstance(job.strategy, HybridStrategy)
         self.sync = job.strategy.sparse_mode == "sync"
         self.told_done = False
+        self.snapshot_due: Key[TablesSnapshot] | None = None
+        """A non-leader's: the snapshot of the last hand-over, to wait for before its next push."""
         """Whether the PS were told this worker's input is done (sync: they no longer wait for its rows)."""
         self.params = _connect(job, role, model, self._interrupt)
         try:
@@ -89,6 +93,7 @@ class _HybridTrainer(_Trainer):
         """The rows' gradients to every PS, taken, before the dense all-reduce. A worker without a batch pushes
         nothing; in sync mode it tells the PS once that its input is done, so that they apply the others' rows."""
         if had_batch:
+            self._await_snapshot()
             schedule = self.job.optimizer.schedule
             learning_rate = self.job.optimizer.learning_rate(self.step) if schedule and schedule.from_workers else None
             pushed = self.params.push(PushRequest(learning_rate=learning_rate))
@@ -108,11 +113,23 @@ class _HybridTrainer(_Trainer):
             control.put(key, TablesSnapshot(step=_snapshot(self.params)))
         super()._hand_over(final=final, checkpoint=checkpoint, again=again)
         if not self.leader:
-            control.read(
-                key,
-                waiting_for="worker:0's snapshot of the sf.nn tables",
-                timeout_s=self.job.strategy.worker_rejoin_timeout_s + self.job.strategy.request_timeout_s,
-            )
+            self.snapshot_due = key
+
+    def _await_snapshot(self) -> None:
+        """Wait for worker:0's snapshot of the last hand-over before pushing past it; a worker of the group lost
+        meanwhile raises PeerLostError (the group is formed again, and a restarted worker:0 takes the snapshot)."""
+        key, self.snapshot_due = self.snapshot_due, None
+        if key is None:
+            return
+        strategy = self.job.strategy
+        limit_s = strategy.worker_rejoin_timeout_s + strategy.request_timeout_s
+        deadline = time.monotonic() + limit_s
+        while not self.role.control.set_within(key.name, 0.5, waiting_for="worker:0's snapshot of the sf.nn tables"):
+            self.snapshot_due = key  # still due if the group breaks here
+            self._interrupt()
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} waited {limit_s:g}s for worker:0's snapshot of the sf.nn tables")
+        self.snapshot_due = None
 
 
 def _connect(

@@ -2,13 +2,16 @@
 JSON file in argv[1]. The test imports it for the model and data of its one-process reference.
 
 Worker w reads batches w, w + num_workers, ... of a fixed data set of id lookups, tag bags, hashed user ids and
-targets; each record carries its number, so the audit can say which records were applied.
+targets; each record carries its number, so the audit can say which records were applied. With "audit", the model
+has one more table, a row per record, zeros, trained with SGD at lr 1/16 on a loss term of -16 x that row: every
+push of a record adds exactly 1.0 to its row, so the rows count how often each record was applied.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import time
 from typing import Any
 
 import torch
@@ -32,8 +35,16 @@ def make_data(num_batches: int, batch: int, num_ids: int = NUM_IDS) -> dict[str,
 
 
 class Model(torch.nn.Module):
-    def __init__(self, dynamic: bool = False, admit_after: int = 1, num_ids: int = NUM_IDS) -> None:
+    def __init__(
+        self, dynamic: bool = False, admit_after: int = 1, num_ids: int = NUM_IDS, audited_records: int = 0
+    ) -> None:
         super().__init__()
+        zeros = sf.nn.Initializer(kind="zeros")
+        self.audit = (
+            sf.nn.Embedding(audited_records, 1, initializer=zeros, optimizer=sf.nn.sgd(1 / 16))
+            if audited_records
+            else None
+        )
         self.ids = sf.nn.Embedding(num_ids, DIM)
         self.tags = sf.nn.EmbeddingBag(NUM_TAGS, 4, mode="mean")
         self.users = sf.nn.DynamicEmbedding(4, admit_after=admit_after) if dynamic else None
@@ -48,7 +59,10 @@ class Model(torch.nn.Module):
 
 
 def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(model(batch), batch["targets"])
+    loss = torch.nn.functional.mse_loss(model(batch), batch["targets"])
+    if model.audit is not None:  # adds 1.0 to each record's row per push of it
+        loss = loss - 16 * model.audit(batch["record"]).sum()
+    return loss
 
 
 def main(config: dict[str, Any]) -> None:
@@ -69,6 +83,7 @@ def main(config: dict[str, Any]) -> None:
             num_workers=config.get("num_workers", 2),
             sparse_mode=config.get("mode", "sync"),
             max_restarts=config.get("max_restarts", 0),
+            restart_backoff_s=0.1,
         )
     else:
         strategy = sf.ParameterServerStrategy(
@@ -81,12 +96,16 @@ def main(config: dict[str, Any]) -> None:
 
     def model_fn() -> Model:
         torch.manual_seed(0)
-        return Model(dynamic, admit_after, num_ids)
+        return Model(dynamic, admit_after, num_ids, num_batches * batch if config.get("audit") else 0)
 
     nan_rows_at = config.get("nan_rows_at")
     """A batch (by its first record) whose ids' rows get NaN gradients while its loss stays finite."""
 
     def checked_loss(model: Any, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        time.sleep(config.get("step_delay_s", 0))
+        if config.get("step_log"):  # one line per batch: a test waits for training to be under way
+            with open(config["step_log"], "a") as log:
+                log.write("step\n")
         if nan_rows_at is None or int(batch["record"][0]) != nan_rows_at:
             return loss_fn(model, batch)
         rows = model.ids(batch["ids"])
