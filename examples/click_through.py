@@ -10,6 +10,7 @@ The cross feature has an sf.nn.DynamicEmbedding: any int64 id, a row made on a P
 Adagrad, the classic optimizer for sparse embeddings, applies every table's row gradients on the PS.
 
     python examples/click_through.py                  # a local cluster: chief, 2 PS, 2 workers
+    python examples/click_through.py --strategy hybrid  # the tables on the PS, the MLP all-reduced (gloo)
     shardflow launch --workers 4 --ps 2 examples/click_through.py
 
 The script runs in every process of the cluster; the code after train_and_evaluate runs once, in the chief.
@@ -28,6 +29,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epochs", type=int, default=1, help="passes over the training logs, cluster-wide (1)")
     parser.add_argument("--data-dir", default="runs/click_logs", help="where the TFRecord files are written")
     parser.add_argument("--model-dir", default="runs/click_through", help="checkpoints, logs, TensorBoard")
+    parser.add_argument(
+        "--strategy",
+        choices=["ps", "hybrid"],
+        default="ps",
+        help="everything on the PS, async; or hybrid: the sf.nn tables on the PS (async), the rest all-reduced (ps)",
+    )
     return parser.parse_args()
 
 
@@ -231,7 +238,11 @@ def main(args: argparse.Namespace) -> None:
         model_fn=ClickModel,
         loss_fn=loss_fn,
         optimizer=sf.optim.Adagrad(lr=0.05),
-        strategy=sf.ParameterServerStrategy(num_ps=2, num_workers=2, mode="async"),
+        strategy=(
+            sf.HybridStrategy(num_ps=2, num_workers=2, sparse_mode="async")
+            if args.strategy == "hybrid"
+            else sf.ParameterServerStrategy(num_ps=2, num_workers=2, mode="async")
+        ),
         model_dir=args.model_dir,
     )
     result = sf.train_and_evaluate(
@@ -240,9 +251,13 @@ def main(args: argparse.Namespace) -> None:
         sf.EvalSpec(eval_input_fn, metrics={"auc": auc}),
     )
 
+    per_step = 1 if args.strategy == "ps" else 2  # a hybrid global step all-reduces both workers' batches
     print_summary(
         f"click_through: embeddings + MLP on {meta['num_train']} generated click logs in {data_dir} "
-        f"(click rate {meta['train_click_rate']:.1%}); async PS training",
+        f"(click rate {meta['train_click_rate']:.1%}); "
+        + (
+            "async PS training" if args.strategy == "ps" else "hybrid training (tables on the PS, the rest all-reduced)"
+        ),
         est,
         result,
         [
@@ -250,8 +265,12 @@ def main(args: argparse.Namespace) -> None:
             f"{meta['test_baseline_log_loss']:.4f}; the generator's true probabilities: "
             f"{meta['test_oracle_log_loss']:.4f})",
             f"test AUC         {result.metrics['auc']:.3f}  (baseline 0.5)",
-            f"examples/s       {result.global_steps_per_s * BATCH_SIZE:.0f}  (a global step is one worker's batch of "
-            f"{BATCH_SIZE})",
+            f"examples/s       {result.global_steps_per_s * BATCH_SIZE * per_step:.0f}  (a global step is "
+            + (
+                f"one worker's batch of {BATCH_SIZE})"
+                if per_step == 1
+                else f"{per_step} workers' batches of {BATCH_SIZE})"
+            ),
             *_table_lines(Path(result.checkpoint), result.ps_stats),
         ],
     )
@@ -266,6 +285,10 @@ def _table_lines(checkpoint: Path, ps_stats: dict[str, dict[str, Any]]) -> list[
         table = f"embeddings.{name}"
         if table in manifest["tables"]:
             lines.append(_sf_nn_line(name, manifest["tables"][table]["spec"], ps_stats))
+            continue
+        if manifest["placement"] is None:  # hybrid: every worker holds the dense variables, all-reduced
+            size, dim = VOCABULARIES[name]
+            lines.append(f"dense table      {name} {size}x{dim}: on every worker, all-reduced")
             continue
         slices = [p for p in manifest["placement"]["pieces"] if p["name"] == f"{table}.weight"]
         where = ", ".join(f"rows {p['rows'][0]}-{p['rows'][1]} on ps:{p['ps']}" for p in slices)

@@ -162,3 +162,18 @@ def _load_example(script: str) -> ModuleType:
     finally:
         sys.path.remove(str(EXAMPLES))
     return module
+
+
+def test_click_through_with_hybrid_reaches_the_ps_strategys_held_out_log_loss_within_1_percent(tmp_path):
+    """The example's 100,000 records, once everything on the PS (async), once with HybridStrategy (the sf.nn tables
+    on the PS, async; the MLP and small dense tables all-reduced): the same test log-loss, within 1%."""
+    logs = ("--data-dir", str(tmp_path / "logs"))
+    (tmp_path / "ps").mkdir()
+    (tmp_path / "hybrid").mkdir()
+    _, ps = run_example("click_through.py", tmp_path / "ps", *logs)
+    output, hybrid = run_example("click_through.py", tmp_path / "hybrid", *logs, "--strategy", "hybrid")
+    assert "hybrid training (tables on the PS, the rest all-reduced)" in output
+    assert "dense table      hour 24x4: on every worker, all-reduced" in output
+    assert "sf.nn table      user_id 10000x16, by id mod 2: 5000 rows on ps:0, 5000 rows on ps:1" in output
+    print(f"test log-loss: PS {ps['metrics']['loss']:.4f}, hybrid {hybrid['metrics']['loss']:.4f}")
+    assert hybrid["metrics"]["loss"] <= 1.01 * ps["metrics"]["loss"], (ps["metrics"], hybrid["metrics"])

@@ -80,7 +80,7 @@ def run_allreduce_chief(
         training_s=training_s,
         start_step=start_step,
         worker_steps={name: p.local_step for name, p in chief.watch.progress.items()},
-        ps_stats={},
+        ps_stats=dict(state.stats),  # HybridStrategy: each PS's counters at the final state
         eval_history=chief.eval_history,
         stopped_early=chief.stopped_early,
         preempted=preemption.requested,
