@@ -3,7 +3,8 @@ the PS), Adagrad, batch 512 per worker, on a local shardflow cluster.
 
 Usage: python click_through.py RESULT_JSON WORKERS PS STEPS [MODE]
 
-MODE: async (the default) or sync, ParameterServerStrategy with sf.nn tables; or allreduce, AllReduceStrategy with
+MODE: async (the default) or sync, ParameterServerStrategy with sf.nn tables; hybrid, HybridStrategy (the sf.nn
+tables on the PS, async, the head all-reduced); or allreduce, AllReduceStrategy with
 PS 0, which refuses sf.nn tables and sparse embeddings: the same tables as dense torch.nn.Embedding and EmbeddingBag
 (sparse=False), every worker holding all of them and all-reducing their whole gradient each step.
 
@@ -108,11 +109,13 @@ def unique_ids_per_step() -> dict[str, list[float]]:
     return found
 
 
-strategy = (
-    sf.AllReduceStrategy(num_workers=num_workers)
-    if mode == "allreduce"
-    else sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode)
-)
+strategy: sf.AllReduceStrategy | sf.ParameterServerStrategy
+if mode == "allreduce":
+    strategy = sf.AllReduceStrategy(num_workers=num_workers)
+elif mode == "hybrid":  # the sf.nn tables on the PS (async), the head all-reduced
+    strategy = sf.HybridStrategy(num_ps=num_ps, num_workers=num_workers, sparse_mode="async")
+else:
+    strategy = sf.ParameterServerStrategy(num_ps=num_ps, num_workers=num_workers, mode=mode)
 optimizer = sf.optim.Adagrad(lr=cm.LR, initial_accumulator_value=cm.INITIAL_ACCUMULATOR, eps=cm.EPS)
 with tempfile.TemporaryDirectory() as model_dir:
     est = sf.Estimator(model_fn, loss_fn, optimizer, strategy, model_dir)
