@@ -10,14 +10,17 @@ from pathlib import Path
 import pytest
 
 from shardflow.cli.main import main
+from shardflow.planning.calibrate import calibrate
 from shardflow.profile.spans import ALLREDUCE, ALLREDUCE_BUCKET, APPLY, BACKWARD, FORWARD, INPUT_WAIT, STEP
 
 from .conftest import JobRun
 
 FIRST, LAST = 4, 8
-# The job's model holds 256, 64, 64 and 4 bytes of float32 parameters: buckets of 256, 128 and 4 (+ the flags).
+# The job's model holds 256, 64, 64 and 4 bytes of float32 parameters: buckets of 256, 128 and 4, and the 4 + 2
+# flags of 2 workers ride in the first.
 BUCKET_BYTES = 128
 NUM_BUCKETS = 3
+ALLREDUCED_BYTES = (4 * 16 + 16 + 16 + 1 + 4 + 2) * 4
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +97,11 @@ def test_profile_top_and_report_read_an_allreduce_capture(captured, capsys):
     assert ALLREDUCE_BUCKET in capsys.readouterr().out
     assert main(["profile", "report", str(captured)]) == 0
     assert list((captured / "profile").glob("*/report.html"))
+
+
+def test_plan_calibrates_the_ring_on_the_allreduce_capture(captured):
+    measured = calibrate(captured)
+    assert (measured.strategy, measured.num_workers) == ("allreduce", 2)
+    assert measured.model_bytes == ALLREDUCED_BYTES
+    assert measured.ring is not None and measured.ring.bandwidth > 0
+    assert 0 < measured.step_compute_s < measured.worker_step_s
