@@ -191,7 +191,7 @@ def describe_ring(base: Any) -> str:
     ring = base.ring
     text = f"compute {base.step_compute_s * 1e3:.3f} ms/step, all-reduce {base.allreduce_s * 1e3:.3f} ms/step of "
     text += f"{base.model_bytes / 1e6:.2f} MB (copies {ring.copy_s * 1e3:.3f} ms, ring {ring.bandwidth / 1e9:.3f} "
-    text += f"GB/s), optimizer {ring.apply_s * 1e3:.3f} ms, the rest {ring.overhead_s * 1e3:.3f} ms"
+    text += f"GB/s), optimizer {ring.apply_s * 1e3:.3f} ms"
     if ring.cpu_per_byte is not None and ring.own_cpu_s is not None:
         text += f"; CPU per worker step {ring.own_cpu_s * 1e3:.3f} ms outside the ring, "
         text += f"{ring.cpu_per_byte * 1e9:.3f} ms per MB of the ring"

@@ -244,7 +244,7 @@ def _print_ring_calibration(c: Calibration) -> None:
         ["compute per step", format_duration(c.step_compute_s), "forward + backward"],
         ["all-reduce per step", format_duration(c.allreduce_s), f"of which copies {format_duration(ring.copy_s)}"],
         ["ring bandwidth", format_bandwidth(ring.bandwidth), "2(n-1)/n of the model over the all-reduce less copies"],
-        ["optimizer step", format_duration(ring.apply_s), f"other per step {format_duration(ring.overhead_s)}"],
+        ["optimizer step", format_duration(ring.apply_s), ""],
     ]
     if ring.cpu_per_byte is not None and ring.own_cpu_s is not None:
         per_mb = format_duration(ring.cpu_per_byte * 1e6)

@@ -53,9 +53,6 @@ def ring_cost(
             cpu_per_byte=cpu_per_byte,
             apply_s=apply_s,
             copy_s=copy_s,
-            # The loop around the spans too (reports, hooks), and what other programs took: a step's period less
-            # its parts.
-            overhead_s=max(0.0, 1 / steps_per_s - compute_s - apply_s - allreduce_s) if steps_per_s else 0.0,
             own_cpu_s=own_cpu_s if worker_cpu_s is not None else None,
             calibrated_workers=num_workers,
         )

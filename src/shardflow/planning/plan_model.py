@@ -25,9 +25,6 @@ class RingCost:
     """A worker's optimizer step on the whole model."""
     copy_s: float = 0.0
     """The copies of the whole model's gradients into the buckets, each step."""
-    overhead_s: float = 0.0
-    """The rest of a worker's step period besides compute, all-reduce and apply: input, reports, hooks, and the time
-    other programs took."""
     own_cpu_s: float | None = None
     """CPU seconds of a worker per step outside the ring (compute, apply, the copies, Python)."""
     calibrated_workers: int
