@@ -137,3 +137,10 @@ def test_plan_refuses_to_calibrate_on_a_one_worker_allreduce_run(tmp_path, capsy
     write_capture([_worker_trace("worker:0")], tmp_path / "profile" / "ar")
     assert main(["plan", "--calibrate", str(tmp_path), "--workers", "4"]) == 2
     assert "which all-reduces nothing: calibrate on one of 2 or more workers" in capsys.readouterr().err
+
+
+def test_calibrate_allreduce_predicts_allreduce_from_its_run_and_the_ps_from_the_rest(allreduce_capture, capsys):
+    args = ["--params", "250K", "--workers", "4", "--ps", "1", "--bandwidth", "8Gbit", "--step-compute", "1ms"]
+    assert main(["plan", *args, "--calibrate-allreduce", str(allreduce_capture.parent.parent)]) == 0
+    rows = {line.split()[0]: line.rstrip() for line in capsys.readouterr().out.splitlines() if " moves " in line}
+    assert rows["PS"].endswith("given") and rows["all-reduce"].endswith("all-reduce run")
