@@ -12,10 +12,14 @@ job will pay at the other sizes too. So the prediction uses the cores the calibr
 still waits (a while) for a quiet machine and reports the cores other processes used while it ran.
 
 --strategies adds all-reduce and hybrid rows, predicted from the same PS calibration (planning/strategies.py) and
-compared with a run of that strategy (its whole-run global steps/s); a strategy this tree does not have yet is
-reported as not available, never estimated.
+compared with a run of that strategy (the steady rate inside its capture where it has one, else its whole-run
+global steps/s); a strategy this tree does not have yet is reported as not available, never estimated.
+--calibrate-allreduce-on N calibrates the all-reduce and hybrid rows on the all-reduce run of N workers instead (what
+gloo's ring costs here, in wall time and CPU per byte; planning/calibrate_allreduce.py); the PS-calibrated
+prediction is shown beside each.
 
-Usage: python benchmarks/plan_validation.py [--quick] [--workers 2,1,4] [--strategies ps,allreduce,hybrid] [--out DIR]
+Usage: python benchmarks/plan_validation.py [--quick] [--workers 2,1,4] [--strategies ps,allreduce,hybrid]
+       [--calibrate-allreduce-on N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -83,6 +87,12 @@ def main() -> int:
     # roles outnumber the cores (switches, caches), which a 1-worker calibration cannot see.
     parser.add_argument("--workers", default="2,1,4", help="sizes; the first one calibrates (2,1,4)")
     parser.add_argument("--strategies", default="ps", help="of ps, allreduce, hybrid: the strategies swept (ps)")
+    parser.add_argument(
+        "--calibrate-allreduce-on",
+        type=int,
+        metavar="N",
+        help="calibrate the all-reduce and hybrid rows on the all-reduce run of N workers (one of --workers)",
+    )
     parser.add_argument("--steps", type=int, help="global steps per run (6000; 1500 with --quick)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per size; the fastest one counts (1)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the roles share (all)")
@@ -94,6 +104,12 @@ def main() -> int:
     unknown = [name for name in strategies if name not in STRATEGY_CLASSES]
     if unknown or "ps" not in strategies:
         parser.error(f"--strategies: {', '.join(unknown) or 'ps is missing'}; e.g. --strategies ps,allreduce,hybrid")
+    ring_on = args.calibrate_allreduce_on
+    if ring_on is not None and (ring_on not in sizes or ring_on < 2 or "allreduce" not in strategies):
+        parser.error(
+            f"--calibrate-allreduce-on {ring_on}: needs 2 or more workers, one of --workers {args.workers}, and "
+            "allreduce in --strategies"
+        )
     steps = args.steps or (1500 if args.quick else 6000)
     if args.out is None:
         with tempfile.TemporaryDirectory(prefix="plan-validation-") as directory:
@@ -116,8 +132,15 @@ def validate(sizes: list[int], strategies: list[str], steps: int, args: argparse
         print(f"PS {base.ps_cpu_s * 1e3:.3f} ms; chief {base.other_cores:.2f} cores")
     print()
     rows = [ps_row(plan, n, runs[n], args.cores) for n in sizes]
-    for strategy in strategies[1:]:
-        rows += other_strategy_rows(plan, strategy, sizes, steps, args, out)
+    others = {s: measure_strategy(s, sizes, steps, args, out) for s in strategies[1:]}
+    ring_plan = None
+    if args.calibrate_allreduce_on is not None:
+        ring_base = others["allreduce"][args.calibrate_allreduce_on]["calibration"]
+        ring_plan = ring_plan_config(plan, ring_base, args.cores)
+        print(f"all-reduce calibrated on {args.calibrate_allreduce_on} workers: ", end="")
+        print(describe_ring(ring_base), end="\n\n")
+    for strategy, strategy_runs in others.items():
+        rows += other_strategy_rows(plan, ring_plan, strategy, strategy_runs, sizes)
     print_rows(rows)
     checked = [row for row in rows if row.get("error") is not None and not row["calibration_run"]]
     worst = max((abs(row["error"]) for row in checked), default=0.0)
@@ -145,7 +168,34 @@ def plan_config(base: Any, cores: int) -> Any:
         worker_cpu_s=base.worker_cpu_s,
         ps_cpu_s=base.ps_cpu_s,
         other_cores=min(base.other_cores, job_cores / 2),
+        calibrated_on="ps",
     )
+
+
+def ring_plan_config(plan: Any, ring_base: Any, cores: int) -> Any:
+    """The model for all-reduce and hybrid: the PS calibration's, with the all-reduce run's ring cost, compute and
+    the cores its roles got."""
+    job_cores = min(ring_base.busy_cores or cores, cores)
+    return replace(
+        plan,
+        step_compute_s=ring_base.step_compute_s,
+        cores=job_cores,
+        other_cores=min(ring_base.other_cores, job_cores / 2),
+        ring=ring_base.ring,
+        calibrated_on="allreduce",
+    )
+
+
+def describe_ring(base: Any) -> str:
+    """What the all-reduce run measured, in one line."""
+    ring = base.ring
+    text = f"compute {base.step_compute_s * 1e3:.3f} ms/step, all-reduce {base.allreduce_s * 1e3:.3f} ms/step of "
+    text += f"{base.model_bytes / 1e6:.2f} MB (copies {ring.copy_s * 1e3:.3f} ms, ring {ring.bandwidth / 1e9:.3f} "
+    text += f"GB/s), optimizer {ring.apply_s * 1e3:.3f} ms"
+    if ring.cpu_per_byte is not None and ring.own_cpu_s is not None:
+        text += f"; CPU per worker step {ring.own_cpu_s * 1e3:.3f} ms outside the ring, "
+        text += f"{ring.cpu_per_byte * 1e9:.3f} ms per MB of the ring"
+    return text + f"; the roles kept {base.busy_cores or 0:.2f} cores busy"
 
 
 def ps_row(plan: Any, n: int, run: dict[str, Any], cores: int) -> dict[str, Any]:
@@ -169,28 +219,45 @@ def ps_row(plan: Any, n: int, run: dict[str, Any], cores: int) -> dict[str, Any]
     }
 
 
-def other_strategy_rows(
-    plan: Any, strategy: str, sizes: list[int], steps: int, args: argparse.Namespace, out: Path
-) -> list[dict[str, Any]]:
-    """Rows of a strategy predicted from the PS calibration against its own runs, or one row saying it is missing."""
+def measure_strategy(
+    strategy: str, sizes: list[int], steps: int, args: argparse.Namespace, out: Path
+) -> dict[int, dict[str, Any]]:
+    """A run of `strategy` at every size; none where this tree does not have the strategy."""
     import shardflow as sf
-    from shardflow.planning.strategies import predict_strategy
 
     if not hasattr(sf, STRATEGY_CLASSES[strategy]):
         print(f"{strategy}: not available in this tree (no sf.{STRATEGY_CLASSES[strategy]}); no rows", file=sys.stderr)
+        return {}
+    return {n: measure(n, steps, strategy, args, out / "repeat-0") for n in sizes}
+
+
+def other_strategy_rows(
+    plan: Any, ring_plan: Any, strategy: str, runs: dict[int, dict[str, Any]], sizes: list[int]
+) -> list[dict[str, Any]]:
+    """Rows of a strategy predicted from its calibration (the all-reduce run's where there is one, else the PS
+    run's) against its own runs, or one row saying it is missing."""
+    from shardflow.planning.strategies import predict_strategy
+
+    if not runs:
         return [{"strategy": strategy, "workers": None, "calibration_run": False, "error": None, "available": False}]
     rows = []
     for n in sizes:
-        run = measure(n, steps, strategy, args, out / "repeat-0")
-        prediction = predict_strategy(replace(plan, num_workers=n), strategy)  # type: ignore[arg-type]
+        run = runs[n]
+        prediction = predict_strategy(replace(ring_plan or plan, num_workers=n), strategy)  # type: ignore[arg-type]
+        from_ps = predict_strategy(replace(plan, num_workers=n), strategy)  # type: ignore[arg-type]
+        steady = run["calibration"].global_steps_per_s if run["calibration"] is not None else run["whole"]
         rows.append(
             {
                 "strategy": strategy,
                 "workers": n,
-                "calibration_run": False,
+                "calibration_run": strategy == "allreduce"
+                and ring_plan is not None
+                and n == ring_plan.ring.calibrated_workers,
+                "calibrated_on": prediction.calibration,
                 "predicted": prediction.global_steps_per_s,
-                "measured": run["whole"],
-                "error": prediction.global_steps_per_s / run["whole"] - 1,
+                "predicted_from_ps": from_ps.global_steps_per_s,
+                "measured": steady,
+                "error": prediction.global_steps_per_s / steady - 1,
                 "predicted_all_cores": None,
                 "whole_run": run["whole"],
                 "bound": prediction.bound,
@@ -204,7 +271,7 @@ def other_strategy_rows(
 def print_rows(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'strategy':<9}  {'workers':>7}  {'predicted':>9}  {'measured':>8}  {'error':>6}  {'all cores':>9}  "
-        f"{'whole run':>9}  {'others':>6}  {'load':>5}  {'bound':<11}"
+        f"{'whole run':>9}  {'others':>6}  {'load':>5}  {'bound':<11}  {'calibrated on':<14}  {'from PS':>7}"
     )
     print(header + "\n" + "-" * len(header))
     for row in rows:
@@ -213,15 +280,16 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             continue
         all_cores = f"{row['predicted_all_cores']:>9.1f}" if row["predicted_all_cores"] is not None else f"{'':>9}"
         note = "  (calibration run)" if row["calibration_run"] else ""
+        from_ps = f"{row['predicted_from_ps']:>7.1f}" if row.get("predicted_from_ps") is not None else f"{'':>7}"
         print(
             f"{row['strategy']:<9}  {row['workers']:>7}  {row['predicted']:>9.1f}  {row['measured']:>8.1f}  "
             f"{row['error']:>+6.1%}  {all_cores}  {row['whole_run']:>9.1f}  {row['others_cores']:>6.2f}  "
             f"{row['load_average']:>5.1f}  "
-            f"{row['bound']:<11}{note}"
+            f"{row['bound']:<11}  {row.get('calibrated_on', 'PS run'):<14}  {from_ps}{note}"
         )
-    print("global steps/s; measured: the capture's steady rate (PS), the whole run's (others); all cores: the model")
-    print("given every core of the machine; others: cores other programs used during the run; load: the machine's")
-    print("1-minute load average at its end")
+    print("global steps/s; measured: the steady rate inside the run's capture (the whole run's where it has none);")
+    print("all cores: the model given every core of the machine; others: cores other programs used during the run;")
+    print("load: the machine's 1-minute load average at its end; from PS: the prediction calibrated on the PS run")
 
 
 def result_rows(rows: list[dict[str, Any]], calibrated_on: int) -> list[dict[str, Any]]:
@@ -229,7 +297,7 @@ def result_rows(rows: list[dict[str, Any]], calibrated_on: int) -> list[dict[str
     return [
         result_line.row(
             f"plan's global steps/s, {size['strategy']}, {size['workers']} worker{'s' if size['workers'] != 1 else ''}"
-            f", calibrated on ps with {calibrated_on}",
+            f", calibrated on {size.get('calibrated_on', f'PS run with {calibrated_on}')}",
             size["predicted"],
             "measured rate",
             size["measured"],
@@ -252,8 +320,8 @@ def measure(num_workers: int, steps: int, strategy: str, args: argparse.Namespac
         script=Path(__file__).resolve(),
         script_args=(JOB_FLAG, str(steps), strategy, str(num_workers)),
         out=out / strategy,
-        # Only a PS run is calibrated from its capture; the all-reduce strategy does not record captures yet.
-        profile_steps=window if strategy == "ps" else None,
+        # Hybrid's capture would mix both kinds of spans, which no calibration reads yet.
+        profile_steps=window if strategy in ("ps", "allreduce") else None,
     )
     wait_for_quiet(args.cores, args.quiet_wait)
     machine_before, job_before, started = _busy_s(), _children_cpu_s(), time.monotonic()
@@ -261,8 +329,7 @@ def measure(num_workers: int, steps: int, strategy: str, args: argparse.Namespac
     wall = time.monotonic() - started
     others = (_busy_s() - machine_before) - (_children_cpu_s() - job_before)
     return {
-        # Only a PS run has the pushes and applies the calibration reads.
-        "calibration": calibrate(result["profile_dir"]) if strategy == "ps" else None,
+        "calibration": calibrate(result["profile_dir"]) if strategy in ("ps", "allreduce") else None,
         "whole": result["global_step"] / result["training_s"],
         "others_cores": max(0.0, others / wall),
         # Fair scheduling shares the cores by runnable threads, not by the cores others use: a job of one worker

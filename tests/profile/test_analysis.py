@@ -70,12 +70,12 @@ def test_steps_break_each_role_down_into_parts(table):
         "input_wait": 200.0,
         "compute": 600.0,
         "communication": 150.0,
-        "ps_apply": 0.0,
+        "apply": 0.0,
         "other": 0.0,
         "idle": 50.0,
     }
     ps = summaries["ps:0"]
-    assert (ps.step_us, ps.parts_us["communication"], ps.parts_us["ps_apply"], ps.parts_us["idle"]) == (
+    assert (ps.step_us, ps.parts_us["communication"], ps.parts_us["apply"], ps.parts_us["idle"]) == (
         1000.0,
         30.0,
         50.0,

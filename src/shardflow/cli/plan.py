@@ -20,12 +20,18 @@ examples:
   shardflow plan --calibrate runs/mlp --workers 4 --cores 2       from a profiled run, for a local cluster
   shardflow plan --calibrate runs/mlp --workers 4 --cores measured as many cores as the profiled run got
   shardflow plan --params 100M --sparse-params 90M ... --strategy all    PS, all-reduce and hybrid, and the winner
+  shardflow plan --calibrate runs/ps --calibrate-allreduce runs/ar --workers 4 --cores measured
+                                       PS from a PS run, all-reduce and hybrid from an all-reduce run
 
 The model, per worker step (M model bytes, B link bandwidth, n workers, k PS):
   PS communication per direction   max(M/B, n·M/(k·B))   a worker moves M, the busiest PS n·M/k
   all-reduce communication         2(n-1)/n · M/B each way per worker, then every worker applies the update
   hybrid                           sf.nn rows (--sparse-params) through the PS, the rest all-reduced
   step time                        compute + push + pull (+ apply); with overlap, the slowest part
+--calibrate reads a PS run's capture or an all-reduce run's. An all-reduce capture measures what gloo's ring costs
+  on its machine: all-reduce and hybrid are predicted from that (its wall time and CPU per ring byte), and the PS
+  from its compute, its optimizer step and the ring's bandwidth standing in for the links. Each row of the
+  strategies' table says which run it was calibrated on.
 --cores models a local run: moving bytes is then CPU work on both ends, and all roles share the cores.
   With --calibrate it uses the CPU every role measured per step (all threads). That cost rises once the
   roles outnumber the cores, so calibrate on a run that already keeps the cores busy. --cores measured
@@ -64,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, metavar="N", help="examples per batch, to print examples/s")
     parser.add_argument("--calibrate", metavar="MODEL_DIR", help="measure the inputs from a profiled run's capture")
     parser.add_argument("--capture", metavar="NAME", help="with --calibrate: the capture to use (latest)")
+    parser.add_argument(
+        "--calibrate-allreduce",
+        metavar="MODEL_DIR",
+        help="predict all-reduce and hybrid from this all-reduce run's capture (its latest)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,12 +82,16 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         calibration = _calibration(args)
+        ring = _ring(args)
         config = _config(args, calibration)
     except (ValueError, CaptureNotFoundError) as error:
         print(f"shardflow plan: error: {error}", file=sys.stderr)
         return 2
-    if calibration is not None:
-        _print_calibration(calibration)
+    for measured in (calibration, ring):
+        if measured is not None:
+            _print_calibration(measured)
+    if ring is not None:
+        config = replace(config, ring=ring.ring)
     if args.strategy in ("ps", "all"):
         _print_prediction(config, args.allreduce)
         print()
@@ -91,7 +106,28 @@ def _calibration(args: argparse.Namespace) -> Calibration | None:
         return None
     from shardflow.planning.calibrate import calibrate
 
-    return calibrate(args.calibrate, args.capture)
+    calibration = calibrate(args.calibrate, args.capture)
+    if calibration.strategy == "allreduce" and calibration.ring is None:
+        raise ValueError(
+            f"{calibration.capture} is of an all-reduce run of 1 worker, which all-reduces nothing: calibrate on "
+            "one of 2 or more workers"
+        )
+    return calibration
+
+
+def _ring(args: argparse.Namespace) -> Calibration | None:
+    """The all-reduce run of --calibrate-allreduce, whose ring all-reduce and hybrid are predicted from."""
+    if args.calibrate_allreduce is None:
+        return None
+    from shardflow.planning.calibrate import calibrate
+
+    calibration = calibrate(args.calibrate_allreduce)
+    if calibration.ring is None:
+        raise ValueError(
+            f"--calibrate-allreduce {args.calibrate_allreduce}: its capture ({calibration.capture}) is not of an "
+            "all-reduce run of 2 or more workers"
+        )
+    return calibration
 
 
 def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanConfig:
@@ -129,7 +165,7 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         num_params=parse_count(args.params) if args.params else measured("model_bytes") / args.bytes_per_param,
         bytes_per_param=args.bytes_per_param,
         num_workers=args.workers or int(measured("num_workers")),
-        num_ps=args.ps or int(measured("num_ps")),
+        num_ps=args.ps or max(1, int(measured("num_ps"))),  # an all-reduce run has none: one, for the PS row
         bandwidth=parse_bandwidth(args.bandwidth) if args.bandwidth else measured("bandwidth"),
         step_compute_s=parse_duration(args.step_compute) if args.step_compute else measured("step_compute_s"),
         mode=args.mode,
@@ -141,6 +177,8 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         other_cores=min(calibration.other_cores, cores / 2) if calibration is not None and cores else 0.0,
         sparse_params=parse_count(args.sparse_params, "--sparse-params") if args.sparse_params else 0.0,
         table_params=parse_count(args.table_params, "--table-params") if args.table_params else 0.0,
+        ring=calibration.ring if calibration is not None else None,
+        calibrated_on=calibration.strategy if calibration is not None else None,
     )
 
 
@@ -167,6 +205,9 @@ def _apply_s(calibration: Calibration | None) -> float:
 def _print_calibration(c: Calibration) -> None:
     from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
 
+    if c.strategy == "allreduce":
+        _print_ring_calibration(c)
+        return
     print(f"measured in {c.capture} ({_plural(c.num_workers, 'worker')}, {c.num_ps} PS):")
     rows = [
         ["model on the wire", format_bytes(c.model_bytes), "pushed per worker step"],
@@ -188,6 +229,29 @@ def _print_calibration(c: Calibration) -> None:
     rows.append(
         ["achieved", format_duration(c.worker_step_s), f"per worker step, {c.global_steps_per_s:.1f} global steps/s"]
     )
+    print_table(None, ["measured", "value", ""], rows, right={"value"})
+    print()
+
+
+def _print_ring_calibration(c: Calibration) -> None:
+    from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
+
+    assert c.ring is not None and c.allreduce_s is not None
+    ring = c.ring
+    print(f"measured in {c.capture} (all-reduce, {_plural(c.num_workers, 'worker')}):")
+    rows = [
+        ["model on the wire", format_bytes(c.model_bytes), "all-reduced per worker step"],
+        ["compute per step", format_duration(c.step_compute_s), "forward + backward"],
+        ["all-reduce per step", format_duration(c.allreduce_s), f"of which copies {format_duration(ring.copy_s)}"],
+        ["ring bandwidth", format_bandwidth(ring.bandwidth), "2(n-1)/n of the model over the all-reduce less copies"],
+        ["optimizer step", format_duration(ring.apply_s), ""],
+    ]
+    if ring.cpu_per_byte is not None and ring.own_cpu_s is not None:
+        per_mb = format_duration(ring.cpu_per_byte * 1e6)
+        rows.append(["CPU per worker step", format_duration(ring.own_cpu_s), f"outside the ring; the ring {per_mb}/MB"])
+    if c.busy_cores is not None:
+        rows.append(["cores busy", f"{c.busy_cores:.2f}", "all roles together (--cores measured uses this)"])
+    rows.append(["achieved", format_duration(c.worker_step_s), f"per step, {c.global_steps_per_s:.1f} global steps/s"])
     print_table(None, ["measured", "value", ""], rows, right={"value"})
     print()
 
@@ -283,6 +347,8 @@ def _print_allreduce(config: PlanConfig, p: Prediction, allreduce: bool) -> None
     from shardflow.planning.plan_model import predict_allreduce
     from shardflow.planning.units import format_duration
 
+    if config.ring is not None:  # from an all-reduce run: the strategies' table below predicts it
+        return
     ring = predict_allreduce(config)
     print(
         f"all-reduce (sync, 2(n-1)/n·M/B = {format_duration(ring.communication_s)} per step): "
@@ -301,7 +367,14 @@ def _print_strategies(config: PlanConfig, which: str, batch_size: int | None) ->
 
     chosen = STRATEGIES if which == "all" else tuple(s for s in STRATEGIES if s == which)
     predictions = predict_all(config, chosen)
-    header = ["strategy", "global steps/s", "batches/s", *(["examples/s"] if batch_size else []), "busiest link, bound"]
+    header = [
+        "strategy",
+        "global steps/s",
+        "batches/s",
+        *(["examples/s"] if batch_size else []),
+        "busiest link, bound",
+        "calibrated on",
+    ]
     rows = [
         [
             NAMES[p.strategy],
@@ -309,6 +382,7 @@ def _print_strategies(config: PlanConfig, which: str, batch_size: int | None) ->
             _rate(p.batches_per_s),
             *([_rate(p.batches_per_s * batch_size)] if batch_size else []),
             describe(p),
+            p.calibration,
         ]
         for p in predictions
     ]

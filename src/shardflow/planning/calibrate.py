@@ -1,4 +1,5 @@
-"""Fit the plan model's inputs (compute per step, bandwidth, PS apply time) to a profiled run's events."""
+"""Fit the plan model's inputs (compute per step, bandwidth, PS apply time) to a profiled run's events: a PS run's,
+or an all-reduce run's (planning/calibrate_allreduce.py)."""
 
 from __future__ import annotations
 
@@ -12,23 +13,27 @@ from typing import Any
 
 import pyarrow.compute as pc
 
+from shardflow.planning.calibrate_allreduce import ring_cost
+from shardflow.planning.plan_model import RingCost
 from shardflow.profile.capture import capture_dir, finalize
 from shardflow.profile.events import load
 from shardflow.profile.memory import CPU_CORES
-from shardflow.profile.spans import APPLY, BACKWARD, FORWARD, PUSH, RECEIVE, REPLY, STEP
+from shardflow.profile.spans import ALLREDUCE, APPLY, BACKWARD, FORWARD, PUSH, RECEIVE, REPLY, STEP
 
 _COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes"]
 
 
 @dataclass(frozen=True)
 class Calibration:
-    """What a profiled run measured, in the plan model's terms, and what it achieved."""
+    """What a profiled run measured, in the plan model's terms, and what it achieved. Of an all-reduce run: its
+    ring's cost (`ring`), whose bandwidth and optimizer step stand in for the links and the PS's apply."""
 
     capture: Path
     num_workers: int
     num_ps: int
+    """0 for an all-reduce run."""
     model_bytes: float
-    """Bytes a worker pushes per step (all PS together): the model's size on the wire."""
+    """Bytes a worker pushes (or all-reduces) per step: the model's size on the wire."""
     step_compute_s: float
     """Median of forward plus backward per worker step, without the pushes that backward's hooks start."""
     bandwidth: float
@@ -49,6 +54,12 @@ class Calibration:
     busy_cores: float | None = None
     """Cores all the roles together kept busy: on a machine shared with other programs, what the job got of it.
     None if the capture has no `cpu.cores` counters."""
+    strategy: str = "ps"
+    """The strategy of the profiled run: "ps" or "allreduce"."""
+    ring: RingCost | None = None
+    """An all-reduce run's: what its ring cost, in wall time and CPU per byte."""
+    allreduce_s: float | None = None
+    """An all-reduce run's: median all-reduce of a worker step."""
 
 
 def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
@@ -61,6 +72,8 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     for span in spans:
         if span["step"] is not None:
             by_name[span["name"]].append(span)
+    if by_name[ALLREDUCE]:
+        return _calibrate_allreduce(directory, table, by_name)
     worker_steps = [s for s in by_name[STEP] if s["role"].startswith("worker")]
     applies = by_name[APPLY]
     if not worker_steps or not applies or not by_name[PUSH]:
@@ -96,6 +109,32 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         ps_cpu_s=_cpu_per_worker_step(cores, "ps", len(applies_by_ps), worker_steps_per_s),
         other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
         busy_cores=sum(cores.values()) if cores else None,
+    )
+
+
+def _calibrate_allreduce(directory: Path, table: Any, by_name: dict[str, list[dict[str, Any]]]) -> Calibration:
+    cores = _cores_by_role(table)
+    num_workers = len({s["role"] for s in by_name[STEP] if s["role"].startswith("worker")})
+    worker_steps_per_s = sum(_rate(spans) for role, spans in _by_role(by_name[STEP]).items() if role[:6] == "worker")
+    worker_cpu_s = _cpu_per_worker_step(cores, "worker", num_workers, worker_steps_per_s)
+    ring, figures = ring_cost(by_name, worker_cpu_s, directory)
+    return Calibration(
+        capture=directory,
+        num_workers=num_workers,
+        num_ps=0,
+        model_bytes=figures["model_bytes"],
+        step_compute_s=figures["step_compute_s"],
+        # No PS link to measure: the ring's bandwidth stands in for the links (inf for 1 worker: it moved nothing).
+        bandwidth=ring.bandwidth if ring is not None else float("inf"),
+        ps_apply_s=figures["apply_s"],
+        worker_step_s=figures["worker_step_s"],
+        global_steps_per_s=figures["global_steps_per_s"],
+        worker_cpu_s=worker_cpu_s,
+        other_cores=sum(v for role, v in cores.items() if not role.startswith("worker")),
+        busy_cores=sum(cores.values()) if cores else None,
+        strategy="allreduce",
+        ring=ring,
+        allreduce_s=figures["allreduce_s"],
     )
 
 

@@ -12,6 +12,34 @@ TERMS = ("compute", "worker link", "CPU cores", "PS link", "PS apply")
 
 
 @dataclass(frozen=True, kw_only=True)
+class RingCost:
+    """What gloo's ring all-reduce cost a profiled all-reduce run on its machine (planning/calibrate_allreduce.py):
+    all-reduce and hybrid are predicted from it rather than from a PS run's links and apply."""
+
+    bandwidth: float
+    """Ring bytes (2(n-1)/n of the gradients) a worker moved per second of its all-reduce: the wall time of its
+    `allreduce` spans less the copies into the buckets, the waits for the other workers included."""
+    cpu_per_byte: float | None = None
+    """CPU seconds a worker spent per ring byte, every thread (gloo's included); None if the run sampled no CPU."""
+    apply_s: float
+    """A worker's optimizer step on the whole model."""
+    copy_s: float = 0.0
+    """The copies of the whole model's gradients into the buckets, each step."""
+    own_cpu_s: float | None = None
+    """CPU seconds of a worker per step outside the ring (compute, apply, the copies, Python)."""
+    calibrated_workers: int
+    """Workers of the run it was measured on."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0:
+            raise ValueError(f"RingCost.bandwidth must be positive, got {self.bandwidth}")
+        if self.calibrated_workers < 2:
+            raise ValueError(
+                f"RingCost needs a run of at least 2 workers (1 all-reduces nothing), got {self.calibrated_workers}"
+            )
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """A cluster and a model, in the model's terms."""
 
@@ -47,6 +75,12 @@ class PlanConfig:
     table_params: float = 0.0
     """The sf.nn tables in full, which all-reduce has to sum in every step (a dense table in every worker); below
     sparse_params it counts as sparse_params."""
+
+    ring: RingCost | None = None
+    """Measured on an all-reduce run: all-reduce and hybrid take the ring's cost from it, not from `bandwidth`,
+    `ps_apply_s` and `worker_cpu_s`."""
+    calibrated_on: str | None = None
+    """The strategy of the profiled run the other inputs were measured on ('ps' or 'allreduce'); None: given."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "bytes_per_param", "bandwidth", "step_compute_s"):

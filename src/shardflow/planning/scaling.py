@@ -55,7 +55,7 @@ class Breakdown:
     """Where the workers' step time went in a run's capture, and the profiler's diagnosis."""
 
     fractions: dict[str, float]
-    """Mean share of a worker step per category (input_wait, compute, communication, ps_apply, other, idle)."""
+    """Mean share of a worker step per category (input_wait, compute, communication, apply, other, idle)."""
     busiest_ps: str | None
     ps_busy: float
     """Share of the time the busiest PS receives, applies or replies."""
@@ -175,7 +175,7 @@ def breakdown(capture: Path) -> Breakdown | None:
         return None
     parts = (*CATEGORIES, "idle")
     fractions = {part: sum(s.fraction(part) for s in workers) / len(workers) for part in parts}
-    servers = [(s.fraction("ps_apply") + s.fraction("communication"), s.role) for s in summaries if s.role[:2] == "ps"]
+    servers = [(s.fraction("apply") + s.fraction("communication"), s.role) for s in summaries if s.role[:2] == "ps"]
     ps_busy, busiest = max(servers) if servers else (0.0, None)
     findings = diagnose(table)
     return Breakdown(fractions, busiest, ps_busy, findings[0].message if findings else "")

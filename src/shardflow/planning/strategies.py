@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardflow.planning.plan_model import PlanConfig, predict
+from shardflow.planning.plan_model import PlanConfig, RingCost, predict
 from shardflow.planning.units import format_bytes
 
 Strategy = Literal["ps", "allreduce", "hybrid"]
@@ -32,6 +32,8 @@ class StrategyPrediction:
     """Bytes each way per round on each link that carries any: "worker" (every worker's) and "ps:0" (the busiest PS)."""
     global_steps_per_round: int
     """The async PS makes every worker's update a global step; all-reduce and hybrid make one per round."""
+    calibration: str = "given"
+    """What the prediction's inputs were measured on: "PS run", "all-reduce run", or "given" (flags)."""
 
     @property
     def batches_per_s(self) -> float:
@@ -59,16 +61,23 @@ def ps_link_bytes(config: PlanConfig, table_bytes: float) -> dict[str, float]:
 
 
 def predict_strategy(config: PlanConfig, strategy: Strategy) -> StrategyPrediction:
-    """The round of `strategy` from the PS calibration in `config` (compute, bandwidth, apply, CPU per step)."""
+    """The round of `strategy` from the calibration in `config`: a PS run's compute, bandwidth, apply and CPU per
+    step, and for all-reduce and hybrid the ring's cost where an all-reduce run measured it (`config.ring`)."""
     if strategy == "ps":
         ps = predict(config)
         steps = config.num_workers if config.mode == "async" else 1
         bytes_each_way = ps_link_bytes(config, config.model_bytes)
-        return StrategyPrediction("ps", config.num_workers, ps.overlap_step_s, ps.bottleneck, bytes_each_way, steps)
+        calibration = _CALIBRATIONS[config.calibrated_on]
+        return StrategyPrediction(
+            "ps", config.num_workers, ps.overlap_step_s, ps.bottleneck, bytes_each_way, steps, calibration
+        )
     if strategy == "hybrid":
         table_bytes = config.sparse_params * config.bytes_per_param
         return _synchronous(config, strategy, config.model_bytes - table_bytes, table_bytes)
     return _synchronous(config, strategy, allreduce_bytes(config), 0.0)
+
+
+_CALIBRATIONS = {"ps": "PS run", "allreduce": "all-reduce run", None: "given"}
 
 
 def allreduce_bytes(config: PlanConfig) -> float:
@@ -79,12 +88,14 @@ def allreduce_bytes(config: PlanConfig) -> float:
 
 def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, table_bytes: float) -> StrategyPrediction:
     """All-reduce (no table bytes) or hybrid: the dense part all-reduced and applied by every worker, rows by the PS."""
-    n, k, bandwidth = config.num_workers, config.num_ps, config.bandwidth
+    n, k, bandwidth, cost = config.num_workers, config.num_ps, config.bandwidth, config.ring
     ring = ring_bytes(n, dense_bytes)
     links = ps_link_bytes(config, table_bytes)
     # The ring sends and receives at once; a PS push and its pull follow each other (as in plan_model).
-    worker_link = (ring + 2 * links.get("worker", 0.0)) / bandwidth
-    dense_apply = config.ps_apply_s * dense_bytes / config.model_bytes
+    worker_link = ring / (cost.bandwidth if cost else bandwidth) + 2 * links.get("worker", 0.0) / bandwidth
+    # An all-reduce run measured the optimizer and the copies into the buckets. The rest of its step period is left
+    # out: on a shared machine it is mostly what other programs took, which the CPU cores' bound accounts for.
+    dense_apply = ((cost.apply_s + cost.copy_s) if cost else config.ps_apply_s) * dense_bytes / config.model_bytes
     times = {
         "compute": config.step_compute_s + dense_apply,
         "worker link": worker_link + dense_apply,
@@ -94,23 +105,35 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
     if config.cores is not None:
         cpu = n * (_worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply) + _ps_cpu_s(config, table_bytes))
         times["CPU cores"] = cpu / (config.cores - config.other_cores)
-        # On loopback the bytes move by the CPU: a worker's own copies come after its compute.
+    if config.cores is not None or cost is not None:
+        # On loopback the bytes move by the CPU: a worker's own copies come after its compute. A measured ring is
+        # sf.AllReduceStrategy's, which all-reduces once backward is done: its time adds to the step's too.
         times["compute"] += worker_link
     bound = max(times, key=lambda name: times[name])
     all_links = {"worker": ring + links.get("worker", 0.0)} | ({"ps:0": links["ps:0"]} if "ps:0" in links else {})
     if all_links["worker"] <= 0:
         all_links = {}
-    return StrategyPrediction(strategy, n, times[bound], bound, all_links, 1)
+    calibration = "all-reduce run" if cost else _CALIBRATIONS[config.calibrated_on]
+    return StrategyPrediction(strategy, n, times[bound], bound, all_links, 1, calibration)
 
 
 def _worker_cpu_s(config: PlanConfig, ring: float, table_bytes: float, dense_apply: float) -> float:
     """A worker's CPU per step: what it used under the PS less the copies of the model (compute and its own overhead:
-    Python, input, hooks), two copies of every byte it now sends or receives, and the apply."""
+    Python, input, hooks), two copies of every byte it now sends or receives, and the apply. Where an all-reduce run
+    measured the ring: its CPU outside the all-reduce, and the ring's CPU per byte."""
+    cost = config.ring
+    if cost is not None and cost.own_cpu_s is not None and cost.cpu_per_byte is not None:
+        return _ring_cpu_s(cost, ring, dense_apply) + 2 * 2 * table_bytes / config.bandwidth
     copies = 4 * config.model_bytes / config.bandwidth
     measured = config.worker_cpu_s if config.worker_cpu_s is not None else config.step_compute_s + copies
     # Not compute plus the rest: on shared cores the compute spans' median also holds preemption, CPU time does not.
     own = max(0.0, measured - copies)
     return own + 2 * (2 * ring + 2 * table_bytes) / config.bandwidth + dense_apply
+
+
+def _ring_cpu_s(cost: RingCost, ring: float, dense_apply: float) -> float:
+    assert cost.own_cpu_s is not None and cost.cpu_per_byte is not None
+    return max(0.0, cost.own_cpu_s - cost.apply_s - cost.copy_s) + dense_apply + cost.cpu_per_byte * ring
 
 
 def _ps_cpu_s(config: PlanConfig, table_bytes: float) -> float:

@@ -11,6 +11,7 @@ import pyarrow.compute as pc
 from shardflow.profile.events import Filter
 from shardflow.profile.host_load import HostLoad, host_loads
 from shardflow.profile.spans import (
+    ALLREDUCE,
     APPLY,
     BACKWARD,
     CHECKPOINT,
@@ -24,7 +25,8 @@ from shardflow.profile.spans import (
     STEP,
 )
 
-# Worker, PS and chief spans by the part of a step they account for.
+# Worker, PS and chief spans by the part of a step they account for: `apply` is a PS's update, or an all-reduce
+# worker's optimizer step; an all-reduce worker's buckets lie inside its ALLREDUCE span and are not counted again.
 CATEGORY = {
     INPUT_WAIT: "input_wait",
     FORWARD: "compute",
@@ -33,11 +35,12 @@ CATEGORY = {
     PULL_WAIT: "communication",
     RECEIVE: "communication",
     REPLY: "communication",
-    APPLY: "ps_apply",
+    ALLREDUCE: "communication",
+    APPLY: "apply",
     CHECKPOINT: "other",
     EVAL: "other",
 }
-CATEGORIES = ("input_wait", "compute", "communication", "ps_apply", "other")
+CATEGORIES = ("input_wait", "compute", "communication", "apply", "other")
 
 
 @dataclass(frozen=True)
@@ -168,12 +171,15 @@ def _input(workers: list[RoleSummary], full: dict[str, HostLoad]) -> Finding:
 
 def _communication(workers: list[RoleSummary], servers: list[RoleSummary], bytes_by_ps: dict[str, int]) -> Finding:
     waiting = sum(s.fraction("communication") for s in workers) / len(workers)
-    if not servers:
-        return Finding(
-            "communication", workers[0].role, waiting, f"communication-bound: workers wait {waiting:.0%} of each step"
+    if not servers:  # all-reduce: the workers sum their gradients among themselves
+        slowest = max(workers, key=lambda s: s.fraction("communication"))
+        message = (
+            f"communication-bound: workers spend {waiting:.0%} of each step in the all-reduce of their gradients; "
+            "fewer, larger buckets (bucket_bytes) or fewer bytes per parameter shorten it"
         )
-    busiest = max(servers, key=lambda s: s.fraction("ps_apply") + s.fraction("communication"))
-    busy = busiest.fraction("ps_apply") + busiest.fraction("communication")
+        return Finding("communication", slowest.role, waiting, message)
+    busiest = max(servers, key=lambda s: s.fraction("apply") + s.fraction("communication"))
+    busy = busiest.fraction("apply") + busiest.fraction("communication")
     bytes_share = bytes_by_ps.get(busiest.role, 0) / (sum(bytes_by_ps.values()) or 1)
     if busy >= 0.5:
         message = (

@@ -20,11 +20,11 @@ from typing import Any
 
 import orjson
 
-from shardflow.profile.spans import APPLY, BACKWARD, FORWARD, PULL_WAIT, PUSH, RECEIVE, REPLY, STEP
+from shardflow.profile.spans import ALLREDUCE, APPLY, BACKWARD, FORWARD, PULL_WAIT, PUSH, RECEIVE, REPLY, STEP
 from shardflow.profile.trace import open_events
 
 COMPUTE = (FORWARD, BACKWARD, APPLY)
-COMMUNICATION = (PUSH, PULL_WAIT, RECEIVE, REPLY)
+COMMUNICATION = (PUSH, PULL_WAIT, RECEIVE, REPLY, ALLREDUCE)
 FIRST_STREAM = 7
 """The stream of a role's first thread with work, the next thread's one more (PyTorch's traces number CUDA's default
 stream 7)."""

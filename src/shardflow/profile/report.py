@@ -23,7 +23,7 @@ COLORS = {
     "input_wait": "#e4572e",
     "compute": "#4c72b0",
     "communication": "#f3a712",
-    "ps_apply": "#29a329",
+    "apply": "#29a329",
     "other": "#8e6c8a",
     "idle": "#c8c8c8",
 }

@@ -8,6 +8,14 @@ Worker spans, one set per local step, all carrying the global step the worker sa
 - `PULL_WAIT`: waiting for one PS's reply with parameters or rows (args: ps, bytes).
 - `STEP`: the whole local step, input to the last reply it waits for.
 
+All-reduce worker spans (`sf.AllReduceStrategy`), besides `INPUT_WAIT`, `FORWARD`, `BACKWARD` and `STEP`:
+
+- `ALLREDUCE`: the step's whole all-reduce: the gradients copied into their buckets, every bucket's collective
+  issued and waited for (args: buckets, bytes).
+- `ALLREDUCE_BUCKET`: one bucket's collective, from its issue to the end of its wait (args: bucket, bytes), on the
+  worker's `allreduce` track: the collectives run together, so these overlap each other and lie inside `ALLREDUCE`.
+- `APPLY`: the worker's optimizer step with the mean gradient (args: worker, bytes).
+
 PS spans:
 
 - `RECEIVE`: taking a push's frames apart (args: worker, bytes).
@@ -27,6 +35,11 @@ PUSH = "push"
 PULL_WAIT = "pull_wait"
 STEP = "step"
 
+ALLREDUCE = "allreduce"
+ALLREDUCE_BUCKET = "allreduce_bucket"
+ALLREDUCE_TRACK = "allreduce"
+"""The thread track of a worker's ALLREDUCE_BUCKET spans (gloo runs the collectives on threads of its own)."""
+
 RECEIVE = "receive"
 APPLY = "apply"
 REPLY = "reply"
@@ -34,11 +47,27 @@ REPLY = "reply"
 CHECKPOINT = "checkpoint"
 EVAL = "eval"
 
-ALL = (INPUT_WAIT, FORWARD, BACKWARD, PUSH, PULL_WAIT, STEP, RECEIVE, APPLY, REPLY, CHECKPOINT, EVAL)
+ALL = (
+    INPUT_WAIT,
+    FORWARD,
+    BACKWARD,
+    PUSH,
+    PULL_WAIT,
+    STEP,
+    ALLREDUCE,
+    ALLREDUCE_BUCKET,
+    RECEIVE,
+    APPLY,
+    REPLY,
+    CHECKPOINT,
+    EVAL,
+)
 
 ARG_NAMES: dict[str, tuple[str, str]] = {
     PUSH: ("ps", "bytes"),
     PULL_WAIT: ("ps", "bytes"),
+    ALLREDUCE: ("buckets", "bytes"),
+    ALLREDUCE_BUCKET: ("bucket", "bytes"),
     RECEIVE: ("worker", "bytes"),
     APPLY: ("worker", "bytes"),
     REPLY: ("worker", "bytes"),

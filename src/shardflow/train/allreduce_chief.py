@@ -25,6 +25,7 @@ from shardflow.train.checkpoints.restore import restore_latest
 from shardflow.train.job import JobConfig, RoleFailedError, is_hybrid
 from shardflow.train.job_keys import AllReduceStart, ProgressReport, RestoredPositions, Saved, StateNotice
 from shardflow.train.preemption import Preemption
+from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
@@ -57,6 +58,10 @@ def run_allreduce_chief(
     _check_supported(job, model)
     restored = restore_latest(job, model, role)
     start_step = restored.step if restored is not None else 0
+    # Before the workers start: each picks a capture asked for up front as it starts training.
+    profiler = ChiefProfiler(role.control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
+    if job.profile_steps is not None:
+        profiler.request(*job.profile_steps, ops=job.profile_ops)
     start_chunks = _hand_out(role, restored)
     chief = (chief_class or _Chief)(job, role, model, _Watch(job, role, failures), start_step, start_chunks, restored)
     try:
@@ -66,8 +71,11 @@ def run_allreduce_chief(
         if job.eval_spec is not None and not preemption.requested:  # no time for it within the grace period
             last = chief.eval_history[-1] if chief.eval_history else None
             metrics = last["metrics"] if last and last["global_step"] == state.step else chief.evaluate(state)
+        roles = ["chief", *chief.watch.workers]
+        captures = profiler.collect(roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
     finally:
         chief.close()
+        profiler.close()
     chief.watch.read_progress()
     first_loss, final_loss = _losses(chief.watch.progress)
     return TrainResult(
@@ -85,6 +93,7 @@ def run_allreduce_chief(
         stopped_early=chief.stopped_early,
         preempted=preemption.requested,
         failed_checkpoint_saves=chief.failed_saves,
+        profile_dir=str(captures[-1]) if captures else None,
     )
 
 
@@ -221,11 +230,6 @@ def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) 
         raise ValueError(
             "EvalSpec.every_n_secs is not offered with AllReduceStrategy yet: use every_n_steps, which the chief "
             "evaluates exactly"
-        )
-    if job.profile_steps is not None:
-        raise ValueError(
-            "Estimator.profile_steps is not offered with AllReduceStrategy yet (its all-reduce buckets are not "
-            "recorded): profile with sf.ParameterServerStrategy, or leave profile_steps out"
         )
     tables = [spec.name for spec in table_specs(model)]
     if tables and not is_hybrid(job):

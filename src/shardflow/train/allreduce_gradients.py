@@ -3,10 +3,14 @@ flags beside them, and divided by the number of workers that had a batch."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+
+from shardflow.profile import spans
+from shardflow.profile.recorder import SpanRecorder
 
 FLAGS = HAD_BATCH, SAVE, STOP, ABORT = range(4)
 """The flags every step all-reduces beside the gradients: how many workers had a batch, and worker:0's requests
@@ -58,13 +62,18 @@ class GradientReducer:
             self.flags = torch.zeros(num_flags, dtype=torch.float64)
         else:
             self.flags = self.flat[0][-num_flags:]
+        self.nbytes = sum(_nbytes(flat) for flat in self.flat) + (_nbytes(self.flags) if self.separate_flags else 0)
+        """Bytes all-reduced per step: every bucket's, and the flags'."""
 
-    def reduce(self, flags: Sequence[float]) -> list[float]:
+    def reduce(self, flags: Sequence[float], recorder: SpanRecorder | None = None, step: int = -1) -> list[float]:
         """Sum every worker's gradients (zeros where a worker has none, e.g. its input ended) and `flags` over the
-        group; returns the summed flags. The sums stay in the flat buffers until `apply`."""
+        group; returns the summed flags. The sums stay in the flat buffers until `apply`. `recorder` records the
+        ALLREDUCE span of global step `step` and one ALLREDUCE_BUCKET span per collective (profile/spans.py)."""
+        started = time.perf_counter_ns()
         self.flags.copy_(torch.tensor(flags, dtype=self.flags.dtype))
-        works = [self.group.allreduce([self.flags])] if self.separate_flags else []
-        for bucket, flat in zip(self.buckets, self.flat, strict=True):
+        # Per collective: its work, its bucket (-1: the flags alone), its bytes and when it was issued.
+        works = [self._issue(self.flags, -1)] if self.separate_flags else []
+        for index, (bucket, flat) in enumerate(zip(self.buckets, self.flat, strict=True)):
             offset = 0
             for param in bucket:
                 part = flat[offset : offset + param.numel()]
@@ -73,10 +82,18 @@ class GradientReducer:
                 else:
                     part.copy_(param.grad.reshape(-1))
                 offset += param.numel()
-            works.append(self.group.allreduce([flat]))
-        for work in works:
+            works.append(self._issue(flat, index))
+        for work, index, nbytes, issued in works:
             self.wait(work)
+            if recorder is not None:
+                recorder.end(spans.ALLREDUCE_BUCKET, step, issued, index, nbytes, thread=spans.ALLREDUCE_TRACK)
+        if recorder is not None:
+            recorder.end(spans.ALLREDUCE, step, started, len(self.buckets), self.nbytes)
         return self.flags.tolist()
+
+    def _issue(self, flat: torch.Tensor, bucket: int) -> tuple[Any, int, int, int]:
+        issued = time.perf_counter_ns()
+        return self.group.allreduce([flat]), bucket, _nbytes(flat), issued
 
     def apply(self, contributors: float) -> None:
         """Each parameter's gradient becomes the summed one divided by `contributors`: the mean over the workers
@@ -87,3 +104,7 @@ class GradientReducer:
             for param in bucket:
                 param.grad = flat[offset : offset + param.numel()].view_as(param)
                 offset += param.numel()
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

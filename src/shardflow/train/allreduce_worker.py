@@ -15,6 +15,8 @@ import torch
 
 from shardflow.cluster import control_keys
 from shardflow.data.torch_edge import to_torch
+from shardflow.profile import spans
+from shardflow.profile.recorder import SpanRecorder
 from shardflow.train import allreduce_group, allreduce_state, job_keys
 from shardflow.train.allreduce_gradients import ABORT, FLAGS, HAD_BATCH, SAVE, STOP, GradientReducer
 from shardflow.train.allreduce_group import GroupLostError
@@ -23,6 +25,7 @@ from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
 from shardflow.train.job import JobConfig, check_loss, user_code
 from shardflow.train.job_keys import InputState, RejoinState, ResumePoint, StateNotice
+from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 from shardflow.train.strategy import AllReduceStrategy
@@ -46,6 +49,7 @@ def run_allreduce_worker(
     looks the `sf.nn` tables up on the PS); `_Trainer` by default."""
     control, strategy = role.control, job.strategy
     heartbeat = Heartbeat(role.task.name, control)
+    profiler = RoleProfiler(role.task.name, control)
     try:
         start = control.read(
             job_keys.ALLREDUCE_START, waiting_for="the chief to restore the model", timeout_s=strategy.startup_timeout_s
@@ -68,12 +72,14 @@ def run_allreduce_worker(
         position = restored.positions.get(role.task.name) if restored is not None else None
         # Restarted after the others were done, this worker finds the job over while it waits for them to join.
         with contextlib.suppress(allreduce_group.JobOverError):
-            (trainer or _Trainer)(job, role, model, optimizer, position, start.step, generation).run()
+            (trainer or _Trainer)(job, role, model, optimizer, position, start.step, generation).run(profiler)
+        profiler.finish()  # a capture cut short by the end of training: the chief collects it before the end
         # The chief saves and evaluates the final state, then ends the job: wait for it without a deadline, as PS
         # workers do, still beating (the chief fails the job if the wait ends in its error).
         while not control.set_within(control_keys.SHUTDOWN, 1.0, waiting_for="the end of the job"):
             pass
     finally:
+        profiler.finish()
         heartbeat.stop()
 
 
@@ -124,19 +130,24 @@ class _Trainer:
         timeout_s = job.strategy.startup_timeout_s if generation == 0 else job.strategy.worker_rejoin_timeout_s
         self.reducer = self._join(generation, restarted=generation > 0, timeout_s=timeout_s)
 
-    def run(self) -> None:
+    def run(self, profiler: RoleProfiler) -> None:
         """Train, with what the run needs around it (a subclass's connections)."""
-        self.train()
+        self.train(profiler)
 
-    def train(self) -> None:
+    def train(self, profiler: RoleProfiler) -> None:
+        """Step until every worker's input ended, max_steps, or the chief's stop; each step's spans recorded."""
         self.report.send()
+        profiler.check_requests()
+        recorder = profiler.recorder
         max_steps = self.job.train_spec.max_steps
         while max_steps is None or self.step < max_steps:
+            step_started = time.perf_counter_ns()
             for param in self.parameters:  # the last step's are views of the reducer's buffers
                 param.grad = None
             batch = self._next_batch()
-            loss = self._forward_backward(batch) if batch is not None else None
-            flags = self._reduce(batch is not None)
+            recorder.end(spans.INPUT_WAIT, self.step, step_started)
+            loss = self._forward_backward(batch, recorder) if batch is not None else None
+            flags = self._reduce(batch is not None, recorder)
             if flags is None:  # the group broke and was formed again: the same step, with the same batch
                 self.retry = [batch]
                 continue
@@ -144,7 +155,9 @@ class _Trainer:
                 raise JobAborted(f"{self.name}: the chief ended the job at global step {self.step}")
             if not flags[HAD_BATCH]:
                 break  # every worker's input is done: no update, and the global step stays
-            self._apply(flags[HAD_BATCH])
+            self._apply(flags[HAD_BATCH], recorder)
+            recorder.end(spans.STEP, self.step - 1, step_started)
+            profiler.at_step(self.step)
             for worker in range(self.role.num_workers):
                 self.had_batch[worker] = bool(flags[len(FLAGS) + worker])
                 self.batches_applied[worker] += self.had_batch[worker]
@@ -155,6 +168,7 @@ class _Trainer:
                 self.input_done = self.hooks.after_step(self.report.local_step, self.step, loss) or self.input_done
             if self.report.due():
                 self.report.send()
+                profiler.check_requests()
             if flags[STOP]:
                 break
             every = self.job.save_checkpoints_steps
@@ -174,13 +188,13 @@ class _Trainer:
         self.input_done = batch is None
         return batch
 
-    def _reduce(self, had_batch: bool) -> list[float] | None:
+    def _reduce(self, had_batch: bool, recorder: SpanRecorder) -> list[float] | None:
         """This step's flags summed over the group, the gradients' sums kept for `_apply`; None where the group
         broke (nothing of the step is applied anywhere) and was formed again."""
         mine = [0.0] * self.role.num_workers
         mine[self.index] = float(had_batch)
         try:
-            return self._collective(had_batch, mine)
+            return self._collective(had_batch, mine, recorder)
         except RuntimeError as error:  # gloo's (a peer closed its connection, the deadline passed), or PeerLostError
             log.warning(
                 "%s: the all-reduce of global step %d failed (%s); the step is dropped and the group formed again",
@@ -196,9 +210,9 @@ class _Trainer:
         )
         return None
 
-    def _collective(self, had_batch: bool, mine: list[float]) -> list[float]:
+    def _collective(self, had_batch: bool, mine: list[float], recorder: SpanRecorder) -> list[float]:
         """The step's exchange with the group; a RuntimeError where the group broke."""
-        return self.reducer.reduce([float(had_batch), *self._requests(), *mine])
+        return self.reducer.reduce([float(had_batch), *self._requests(), *mine], recorder, self.step)
 
     def _join(self, generation: int, *, restarted: bool, timeout_s: float) -> GradientReducer:
         """Form the group from `generation` on (the next one where forming fails) within `timeout_s`, and agree in
@@ -267,17 +281,22 @@ class _Trainer:
                 )
         log.warning("%s joined the all-reduce group at global step %d, restarted", self.name, self.step)
 
-    def _forward_backward(self, batch: Any) -> float:
+    def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
+        started = time.perf_counter_ns()
         with user_code("loss_fn", self.name, self.step):
             loss = self.job.loss_fn(self.model, to_torch(batch))
+        recorder.end(spans.FORWARD, self.step, started)
         check_loss(loss, self.name)
+        started = time.perf_counter_ns()
         with user_code("backward of the loss", self.name, self.step):
             loss.backward()
+        recorder.end(spans.BACKWARD, self.step, started)
         return float(loss.detach())
 
-    def _apply(self, contributors: float) -> None:
+    def _apply(self, contributors: float, recorder: SpanRecorder) -> None:
         """The optimizer's step with the mean gradient, as one process applies it: clipped, at the scheduled
         learning rate of this global step."""
+        started = time.perf_counter_ns()
         self.reducer.apply(contributors)
         spec = self.job.optimizer
         if spec.clip_grad_value is not None:
@@ -288,6 +307,7 @@ class _Trainer:
             for group in self.optimizer.param_groups:
                 group["lr"] = spec.learning_rate(self.step)
         self.optimizer.step()
+        recorder.end(spans.APPLY, self.step, started, self.index, self.reducer.nbytes)
         self.step += 1
 
     def _requests(self) -> list[float]:

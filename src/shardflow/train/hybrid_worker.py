@@ -20,6 +20,7 @@ from shardflow.cluster.control_keys import Key
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
 from shardflow.nn import backend
+from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps import protocol
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.protocol import StatusReply
@@ -27,6 +28,7 @@ from shardflow.train import job_keys
 from shardflow.train.allreduce_worker import JobAborted, _Trainer, run_allreduce_worker
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import TablesSnapshot
+from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.strategy import AllReduceStrategy, HybridStrategy
 
@@ -62,11 +64,11 @@ class _HybridTrainer(_Trainer):
             self.params.close()
             raise
 
-    def run(self) -> None:
+    def run(self, profiler: RoleProfiler) -> None:
         try:
             assert self.params.tables is not None
             with backend.installed(self.params.tables):
-                self.train()
+                self.train(profiler)
         finally:
             self.params.close()
 
@@ -79,7 +81,7 @@ class _HybridTrainer(_Trainer):
         if peers is not None:
             peers.check("the parameter servers to take its table rows")
 
-    def _forward_backward(self, batch: Any) -> float:
+    def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
         params = self.params
         params.local_step = self.step  # begin_push counts this step's: global step + 1, the same when trained again
         if self.sync:
@@ -87,9 +89,9 @@ class _HybridTrainer(_Trainer):
         params.begin_push(self.step)
         assert params.tables is not None
         params.tables.set_batch(batch)
-        return super()._forward_backward(batch)
+        return super()._forward_backward(batch, recorder)
 
-    def _collective(self, had_batch: bool, mine: list[float]) -> list[float]:
+    def _collective(self, had_batch: bool, mine: list[float], recorder: SpanRecorder) -> list[float]:
         """The rows' gradients to every PS, taken, before the dense all-reduce. A worker without a batch pushes
         nothing; in sync mode it tells the PS once that its input is done, so that they apply the others' rows."""
         if had_batch:
@@ -101,7 +103,7 @@ class _HybridTrainer(_Trainer):
         elif self.sync and not self.told_done:
             self.params.done()
             self.told_done = True
-        return super()._collective(had_batch, mine)
+        return super()._collective(had_batch, mine, recorder)
 
     def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False) -> None:
         """As an all-reduce worker's, with the tables' rows of the same step: worker:0 has every PS snapshot them
