@@ -22,7 +22,7 @@ from shardflow.train.allreduce_gradients import ABORT, FLAGS, HAD_BATCH, SAVE, S
 from shardflow.train.allreduce_group import GroupLostError
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
-from shardflow.train.input import InputPosition
+from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig, check_loss, user_code
 from shardflow.train.job_keys import InputState, RejoinState, ResumePoint, StateNotice
 from shardflow.train.profiling import RoleProfiler
@@ -101,7 +101,7 @@ class _Trainer:
         self.job, self.role, self.model, self.optimizer = job, role, model, optimizer
         self.name, self.index = role.task.name, role.task.index
         self.start_position = start_position
-        self.position: InputPosition  # a restarted worker's is where it was (`_resume`)
+        self.position: InputPosition | Lookahead  # a restarted worker's is where it was (`_resume`)
         if generation == 0:
             self.position = InputPosition(job.train_spec, InputContext(role.num_workers, self.index), start_position)
         self.step = step

@@ -19,6 +19,7 @@ from shardflow.cluster import control_keys
 from shardflow.cluster.control_keys import Key
 from shardflow.comm.client import Client
 from shardflow.comm.security import job_credentials
+from shardflow.data.torch_edge import to_torch
 from shardflow.nn import backend
 from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps import protocol
@@ -26,6 +27,7 @@ from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.protocol import StatusReply
 from shardflow.train import job_keys
 from shardflow.train.allreduce_worker import JobAborted, _Trainer, run_allreduce_worker
+from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import TablesSnapshot
 from shardflow.train.profiling import RoleProfiler
@@ -63,6 +65,9 @@ class _HybridTrainer(_Trainer):
         except BaseException:
             self.params.close()
             raise
+        # Read one batch ahead: its rows are looked up while this step computes.
+        if isinstance(self.position, InputPosition):
+            self.position = Lookahead(self.position, to_torch)
 
     def run(self, profiler: RoleProfiler) -> None:
         try:
@@ -87,8 +92,13 @@ class _HybridTrainer(_Trainer):
         if self.sync:
             params.assume_steps(self.step)
         params.begin_push(self.step)
-        assert params.tables is not None
-        params.tables.set_batch(batch)
+        tables = params.tables
+        assert tables is not None
+        tables.set_batch(batch)
+        upcoming = self.position.peek() if isinstance(self.position, Lookahead) else None
+        if upcoming is not None:
+            # Sync: the rows once this step's are applied; async: as they are when the lookup arrives.
+            tables.prefetch(upcoming, [self.step + 1 if self.sync else 0] * len(params.peers))
         return super()._forward_backward(batch, recorder)
 
     def _collective(self, had_batch: bool, mine: list[float], recorder: SpanRecorder) -> list[float]:
