@@ -35,10 +35,14 @@ _REFERENCE = {
 }
 
 
-def one_process(optimizer: str, lr: float, steps: int, batch: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+def one_process(
+    optimizer: str, lr: float, steps: int, batch: int, num_batches: int | None = None
+) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
     """The same model with torch.nn.Embedding(sparse=True) tables holding the rows the PS initialise, trained in one
-    process on two workers' batches concatenated, as a sync job with 2 workers takes them."""
-    data = job.make_data(2 * steps, batch)
+    process on two workers' batches concatenated, as a sync job with 2 workers takes them (`num_batches` odd: the
+    last step has worker:0's batch alone)."""
+    num_batches = num_batches or 2 * steps
+    data = job.make_data(num_batches, batch)
     torch.manual_seed(0)  # as the job's model_fn: the sf.nn tables draw nothing from torch's generator
     model = job.Model()
     specs = {spec.name: spec for spec in table_specs(model)}
@@ -50,7 +54,7 @@ def one_process(optimizer: str, lr: float, steps: int, batch: int) -> tuple[torc
     dense_cls, sparse_cls = _REFERENCE[optimizer]
     optimizers = [dense_cls(model.head.parameters(), lr=lr), sparse_cls([ids.weight, tags.weight], lr=lr)]
     for step in range(steps):
-        rows = slice(2 * step * batch, (2 * step + 2) * batch)
+        rows = slice(2 * step * batch, min(2 * step + 2, num_batches) * batch)
         b = {key: value[rows] for key, value in data.items()}
         for o in optimizers:
             o.zero_grad()
@@ -224,3 +228,27 @@ def test_checkpoints_go_from_hybrid_to_the_ps_strategy_and_back_and_train_on_exa
     for name, weights in expected.items():
         got = rows[name].lookup(torch.arange(weights.shape[0]))
         torch.testing.assert_close(got, weights, atol=1e-5, rtol=0, msg=name)
+
+
+def test_hybrid_sync_with_uneven_shards_equals_one_process(run_job, tmp_path):
+    """11 batches over 2 workers: the last global step has worker:0's batch alone; worker:1, done, tells the PS,
+    which apply that step's rows as the mean over the one worker with a batch, as one process does."""
+    steps, batch, lr = 6, 8, 0.1
+    proc, result = run_job(
+        "tables.py", strategy="hybrid", optimizer="Adagrad", lr=lr, mode="sync", num_workers=2, num_batches=11
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == steps
+    model, expected = one_process("Adagrad", lr, steps, batch, num_batches=11)
+    params, rows = trained_tables(tmp_path / "model")
+    head: torch.nn.Module = model.head  # type: ignore[assignment]
+    for name, value in head.state_dict().items():
+        torch.testing.assert_close(params[f"head.{name}"], value, atol=1e-5, rtol=0, msg=name)
+    for name, weights in expected.items():
+        torch.testing.assert_close(rows[name].lookup(torch.arange(weights.shape[0])), weights, atol=1e-5, rtol=0)
+
+
+def test_hybrid_trains_in_ssp_mode(run_job):
+    proc, result = run_job("tables.py", strategy="hybrid", optimizer="Adagrad", mode="ssp", num_batches=12)
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == 6 and result["final_loss"] < result["first_loss"]
