@@ -1,5 +1,6 @@
 """sf.HybridStrategy under faults: a worker SIGKILLed at a random moment is restarted, the group formed again, and
-the job ends at its exact global step with every record applied exactly once to the tables on the PS. The job's
+the job ends at its exact global step with every record applied exactly once to the tables on the PS. A PS killed:
+every PS and every worker go back to the latest checkpoint (or the start), and the same holds. The job's
 audit table (jobs/tables.py "audit") has a row per record that each applied push of the record adds 1.0 to."""
 
 from __future__ import annotations
@@ -35,8 +36,14 @@ def _applied(model_dir: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("killed", "save_checkpoints_steps", "seed"),
-    [("worker:1", None, 1), ("worker:0", 2, 2), ("worker:1", 1, 3)],
-    ids=["worker1", "worker0-checkpoints-every-2", "worker1-checkpoints-every-step"],
+    [("worker:1", None, 1), ("worker:0", 2, 2), ("worker:1", 1, 3), ("ps:0", 4, 4), ("ps:1", None, 5)],
+    ids=[
+        "worker1",
+        "worker0-checkpoints-every-2",
+        "worker1-checkpoints-every-step",
+        "ps0-checkpoints-every-4",
+        "ps1-no-checkpoint",
+    ],
 )
 def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     start_job, tmp_path, killed, save_checkpoints_steps, seed
@@ -62,7 +69,10 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     job.roles()[killed].kill()
     code, output = job.finish(120)
     assert code == 0, output
-    assert "restarting it" in output and "joined the all-reduce group at global step" in output, output
+    if killed.startswith("ps"):  # every worker and PS went back to the latest checkpoint (or the start)
+        assert "restarting it" in output and "every PS restored to global step" in output, output
+    else:
+        assert "restarting it" in output and "joined the all-reduce group at global step" in output, output
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == STEPS, output
     applied = _applied(tmp_path / "model")

@@ -142,9 +142,10 @@ class _Chief:
         """Until the final state: each state worker:0 hands over checkpointed or evaluated (or both), the workers
         watched. The final state and where it was saved."""
         control = self.role.control
-        n = 1
+        self.awaited = 1
         watched = 0.0
         while True:
+            n = self.awaited
             notice_key = job_keys.allreduce_checkpoint(n)
             # Held by the control service: no polling while the workers train.
             if not control.set_within(notice_key.name, _WAIT_S, waiting_for="worker:0's next state"):
@@ -166,7 +167,7 @@ class _Chief:
             every = self.job.eval_spec.every_n_steps if self.job.eval_spec is not None else None
             if every and state.step % every == 0 and not self.stopped_early:
                 self._evaluate_and_maybe_stop(state)
-            n += 1
+            self.awaited = n + 1
 
     def _collect(self, n: int, notice: StateNotice) -> ModelState:
         return _collect(self.role, n, notice)

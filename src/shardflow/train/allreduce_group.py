@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -51,6 +52,8 @@ class Peers:
         now = time.monotonic()
         self.beats = {name: (self._beat(name), now) for name in others}
         self.pids = {name: beat.partition(":")[0] for name, (beat, _) in self.beats.items()}
+        self.interrupt: Callable[[], None] | None = None
+        """Called while a collective waits; raises to give it up (HybridStrategy: the PS were restored)."""
 
     def _beat(self, name: str) -> str:
         return (self.control.get_if_set(control_keys.heartbeat(name)) or b"").decode()
@@ -67,6 +70,8 @@ class Peers:
             lost = self._lost()
             if lost:
                 raise PeerLostError(f"{', '.join(lost)} lost (restarted, or no heartbeat) during the collective")
+            if self.interrupt is not None:
+                self.interrupt()
 
     def check(self, waiting_for: str) -> None:
         """Raise PeerLostError naming the workers lost (see the class) while this one waits for `waiting_for`."""

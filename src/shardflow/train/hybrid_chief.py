@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -21,13 +23,14 @@ from shardflow.ps import protocol
 from shardflow.ps.admin import PSAdmin
 from shardflow.ps.placement import place
 from shardflow.ps.update_rules import ApplyConfig
-from shardflow.train import job_keys
+from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_chief import _Chief, _Watch, run_allreduce_chief
 from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.checkpoints.restore import restore_latest
 from shardflow.train.checkpoints.saved_tables import saved_tables
 from shardflow.train.checkpoints.servers import TableSetup, init_servers
 from shardflow.train.job import JobConfig, RoleFailedError
-from shardflow.train.job_keys import StateNotice
+from shardflow.train.job_keys import HybridRecovery, HybridRestart, StateNotice
 from shardflow.train.preemption import Preemption
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
@@ -45,6 +48,12 @@ def run_hybrid_chief(
 ) -> TrainResult:
     """Run the job to its end, as the all-reduce chief with the tables on the PS."""
     return run_allreduce_chief(job, role, failures=failures, preemption=preemption, chief_class=_HybridChief)
+
+
+class _PSLost(Exception):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.name = name
 
 
 class _HybridChief(_Chief):
@@ -73,36 +82,73 @@ class _HybridChief(_Chief):
             control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(role.num_ps)
         ]
         client = Client("chief", credentials=job_credentials())
-        self.admin = PSAdmin(client, addresses, placement, model, timeout_s=strategy.request_timeout_s)
-        apply = ApplyConfig(
+        self.ps_pids: dict[str, str] = {}
+        """Each PS's process as its heartbeat names it: another one there is a PS lost and restarted."""
+        self.admin = PSAdmin(
+            client, addresses, placement, model, timeout_s=strategy.request_timeout_s, interrupt=self._raise_if_lost
+        )
+        self.apply = ApplyConfig(
             mode=strategy.sparse_mode,
             num_workers=role.num_workers,
             max_staleness=strategy.max_staleness,
             max_steps=None,  # the PS count the tables' updates; the workers end training
             hold_timeout_s=strategy.request_timeout_s,
         )
-        # The workers' own step counts of another run mean nothing to this one's (each push carries global step + 1).
-        start = dataclasses.replace(restored, ps_progress=[]) if restored is not None else None
-        init_servers(
-            self.admin,
-            job.optimizer,
-            apply,
-            start,
-            timeout_s=strategy.startup_timeout_s,
-            tables=TableSetup.of(model, job.model_dir, job.full_checkpoint_every),
-        )
+        self.initial = restored
+        """The state the job started from: every PS goes back to it where one is lost before any checkpoint."""
+        self.generation = 0
+        """How many times every PS was restored after one was lost."""
+        self.recovery: tuple[str, float] | None = None
+        """While the workers stop after a PS was lost: which one, and since when."""
+        self.discarded: ModelState | None = None
+        """A state handed over before the PS were restored: neither saved nor evaluated."""
+        self.recovery_chunks = 0
+        self._initialise(restored)
         control.put(job_keys.PLACEMENT, placement)
         self.manifest.update(num_ps=role.num_ps, sparse_mode=strategy.sparse_mode)
         self.snapshot_held: int | None = None
         """The PS's snapshot of the last state collected, released once the next one is (it was evaluated)."""
-        self.ps_pids: dict[str, str] = {}
+
+    def _initialise(self, state: ModelState | None) -> None:
+        """Every PS with the tables of `state` (a checkpoint's), or made afresh (None)."""
+        # The workers' own step counts of another run mean nothing to this one's (each push carries global step + 1).
+        start = dataclasses.replace(state, ps_progress=[]) if state is not None else None
+        init_servers(
+            self.admin,
+            self.job.optimizer,
+            self.apply,
+            start,
+            timeout_s=self.job.strategy.startup_timeout_s,
+            generation=self.generation,
+            tables=TableSetup.of(self.model, self.job.model_dir, self.job.full_checkpoint_every),
+        )
 
     def _collect(self, n: int, notice: StateNotice) -> ModelState:
         state = super()._collect(n, notice)
+        if self.recovery is None:
+            try:
+                return self._with_tables(n, state)
+            except _PSLost as lost:
+                self._begin_recovery(lost.name)
+        if notice.final:
+            raise RoleFailedError(
+                f"{self.recovery[0] if self.recovery else 'a parameter server'} was lost during the final checkpoint: "
+                "run the job again to resume from its last checkpoint"
+            )
+        self.discarded = state  # of the training before the PS are restored
+        return state
+
+    def _with_tables(self, n: int, state: ModelState) -> ModelState:
+        """`state` with the rows every PS snapshotted at its step, for worker:0's hand-over n."""
         control = self.role.control
-        snapshot = control.read(job_keys.hybrid_snapshot(n), waiting_for="worker:0's snapshot of the sf.nn tables")
+        key = job_keys.hybrid_snapshot(self.generation, n)
+        snapshot = control.read(key, waiting_for="worker:0's snapshot of the sf.nn tables")
         if n > 1:  # every worker has read it: each put its position of state n after
-            control.delete(job_keys.hybrid_snapshot(n - 1).name)
+            control.delete(job_keys.hybrid_snapshot(self.generation, n - 1).name)
+        if self.recovery_chunks:  # every worker has loaded the restored state: each put its position of n after
+            for index in range(self.recovery_chunks):
+                control.delete(control_keys.state_chunk(f"recovery/{self.generation}", index))
+            self.recovery_chunks = 0
         replies = self.admin.exchange([protocol.GetState(snapshot_step=snapshot.step)] * len(self.admin.peers))
         for (header, _), peer in zip(replies, self.admin.peers, strict=True):
             reply = protocol.StateReply.decode(header, peer)
@@ -119,23 +165,83 @@ class _HybridChief(_Chief):
             self.admin.release_snapshots(self.snapshot_held)
             self.snapshot_held = None
 
+    def _save(self, state: ModelState, *, final: bool) -> Path | None:
+        return None if state is self.discarded else super()._save(state, final=final)
+
     def evaluate(self, state: ModelState) -> dict[str, float]:
+        if state is self.discarded:
+            return {}
         with saved_tables(self.model, state, self.job.model_dir):
             return super().evaluate(state)
 
     def _watch(self, preemption: Preemption) -> None:
-        """As the all-reduce chief's, and a PS restarted (its heartbeat from another process) fails the job: its
-        rows since the last checkpoint are gone, and this strategy does not restore the PS yet."""
+        """As the all-reduce chief's; and a PS lost (restarted, its heartbeat from another process): every worker
+        stops, every PS is restored from the latest checkpoint, and the workers go on from it."""
+        if self.recovery is None:
+            try:
+                self._raise_if_lost()
+            except _PSLost as lost:
+                self._begin_recovery(lost.name)
+        if self.recovery is not None:
+            self._restart_when_stopped()
+        super()._watch(preemption)
+
+    def _raise_if_lost(self) -> None:
+        """Raise _PSLost naming a PS whose heartbeat comes from another process than before."""
         for k in range(self.role.num_ps):
             name = f"ps:{k}"
             beat = self.role.control.get_if_set(control_keys.heartbeat(name))
             pid = (beat or b"").decode().partition(":")[0]
             if pid and self.ps_pids.setdefault(name, pid) != pid:
-                raise RoleFailedError(
-                    f"{name} was lost and restarted: HybridStrategy does not restore the parameter servers after a "
-                    "loss yet; run the job again to resume from its last checkpoint"
-                )
-        super()._watch(preemption)
+                self.ps_pids[name] = pid
+                raise _PSLost(name)
+
+    def _begin_recovery(self, lost: str) -> None:
+        """Every worker stops where it is (hybrid_worker.py `_roll_back`)."""
+        self.generation += 1
+        self.recovery = (lost, time.monotonic())
+        self.role.control.put(job_keys.HYBRID_RECOVERY, HybridRecovery(generation=self.generation, lost=lost))
+        log.warning(
+            "%s was lost: its rows since the latest checkpoint are gone; every worker and every PS go back to it",
+            lost,
+        )
+
+    def _restart_when_stopped(self) -> None:
+        """Once every worker stopped (and no state of before is handed over still): every PS restored from the
+        latest checkpoint, and the workers told the state to go on from."""
+        assert self.recovery is not None
+        lost, since = self.recovery
+        control, strategy, n = self.role.control, self.job.strategy, self.awaited
+        stopped = job_keys.hybrid_stopped
+        missing = [name for name in self.watch.workers if not control.is_set(stopped(self.generation, name))]
+        if missing:
+            limit_s = strategy.worker_rejoin_timeout_s + strategy.request_timeout_s
+            if time.monotonic() - since > limit_s:
+                raise RoleFailedError(f"{', '.join(missing)} did not stop within {limit_s:g}s after {lost} was lost")
+            return
+        if control.is_set(job_keys.allreduce_checkpoint(n).name):
+            return  # handed over before the worker stopped: the chief's loop collects (and drops) it first
+        for name in self.watch.workers:  # put before some worker stopped, for a state that never came
+            control.delete(job_keys.allreduce_position(n, name).name)
+        self.snapshot_held = None  # gone with the PS's state
+        state = restore_latest(self.job, self.model, self.role) or self.initial
+        addresses = [
+            control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start")
+            for k in range(self.role.num_ps)
+        ]
+        self.admin.reconnect(addresses)
+        self._initialise(state)
+        self.recovery_chunks = allreduce_state.send(control, f"recovery/{self.generation}", state) if state else 0
+        restart = HybridRestart(
+            step=state.step if state else 0,
+            num_chunks=self.recovery_chunks,
+            scalars=state.scalars if state else {},
+            positions=state.iterators if state else {},
+            next_hand_over=n,
+        )
+        control.put(job_keys.hybrid_restart(self.generation), restart)
+        self.recovery = None
+        log.warning("every PS restored to global step %d after %s was lost; the workers go on", restart.step, lost)
 
     def close(self) -> None:
         try:

@@ -10,6 +10,7 @@ its `hybrid/snapshot/<n>` before their next push); the chief saves those rows wi
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -25,14 +26,22 @@ from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps import protocol
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.protocol import StatusReply
-from shardflow.train import job_keys
+from shardflow.train import allreduce_state, job_keys
+from shardflow.train.allreduce_gradients import GradientReducer
 from shardflow.train.allreduce_worker import JobAborted, _Trainer, run_allreduce_worker
 from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig
-from shardflow.train.job_keys import TablesSnapshot
+from shardflow.train.job_keys import ResumePoint, TablesSnapshot
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
+from shardflow.train.specs import InputContext
 from shardflow.train.strategy import AllReduceStrategy, HybridStrategy
+
+log = logging.getLogger(__name__)
+
+
+class PSRecovery(RuntimeError):
+    """A PS was lost: the chief restores every PS from the latest checkpoint, and the workers go back to it."""
 
 
 def run_hybrid_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -> None:
@@ -56,9 +65,15 @@ class _HybridTrainer(_Trainer):
         assert isinstance(job.strategy, HybridStrategy)
         self.sync = job.strategy.sparse_mode == "sync"
         self.told_done = False
+        """Whether the PS were told this worker's input is done (sync: they no longer wait for its rows)."""
         self.snapshot_due: Key[TablesSnapshot] | None = None
         """A non-leader's: the snapshot of the last hand-over, to wait for before its next push."""
-        """Whether the PS were told this worker's input is done (sync: they no longer wait for its rows)."""
+        recovery = role.control.read_if_set(job_keys.HYBRID_RECOVERY)
+        self.recovery = recovery.generation if recovery is not None else 0
+        """The PS recovery generation this worker's state belongs to (a restarted worker joins the current one)."""
+        self.recovering = False
+        """A wait for a PS found a newer recovery: the step in progress is given up at its collective."""
+        self.rolled_back = False
         self.params = _connect(job, role, model, self._interrupt)
         try:
             super().__init__(job, role, model, optimizer, start_position, step, generation)
@@ -78,13 +93,84 @@ class _HybridTrainer(_Trainer):
             self.params.close()
 
     def _interrupt(self) -> None:
-        """Between slices of a wait for a PS: the job ended, or a worker of the group was lost (sync: the PS wait
-        for its rows of the step, which it pushes again once restarted and the group formed again)."""
+        """Between slices of a wait for a PS: the job ended, a PS was lost (the chief restores them all), or a
+        worker of the group was lost (sync: the PS wait for its rows of the step, which it pushes again once
+        restarted and the group formed again)."""
         if self.role.control.is_set(control_keys.SHUTDOWN):
             raise JobAborted(f"{self.name}: the chief ended the job while this worker waited for a parameter server")
+        self._check_recovery()
         peers = getattr(self, "peers", None)
         if peers is not None:
             peers.check("the parameter servers to take its table rows")
+
+    def _check_recovery(self) -> None:
+        """Raise PSRecovery once the chief began restoring the PS after one was lost."""
+        recovery = self.role.control.read_if_set(job_keys.HYBRID_RECOVERY)
+        if recovery is not None and recovery.generation > self.recovery:
+            self.recovering = True
+            raise PSRecovery(f"{self.name}: {recovery.lost} was lost; the job goes back to its latest checkpoint")
+
+    def _join(self, generation: int, *, restarted: bool, timeout_s: float) -> GradientReducer:
+        """As an all-reduce worker's; where a PS was lost, first back to the state every PS is restored to."""
+        if self.recovering and not restarted:
+            self._roll_back()
+        reducer = super()._join(generation, restarted=restarted, timeout_s=timeout_s)
+        self.peers.interrupt = self._check_recovery  # a collective waiting for a worker that rolled back ends
+        return reducer
+
+    def _roll_back(self) -> None:
+        """Say this worker stopped, then load the state the chief restored every PS to, and its input position."""
+        control, strategy = self.role.control, self.job.strategy
+        recovery = control.read(job_keys.HYBRID_RECOVERY, waiting_for="the chief's recovery notice")
+        generation = recovery.generation
+        control.set(job_keys.hybrid_stopped(generation, self.name), "1")
+        restart = control.read(
+            job_keys.hybrid_restart(generation),
+            waiting_for=f"the chief to restore the parameter servers after {recovery.lost} was lost",
+            timeout_s=strategy.worker_rejoin_timeout_s + strategy.startup_timeout_s,
+        )
+        self.optimizer.state.clear()
+        if restart.num_chunks:
+            name = f"recovery/{generation}"
+            waiting_for = "the restored checkpoint's state"
+            state = allreduce_state.receive(
+                control,
+                name,
+                restart.num_chunks,
+                step=restart.step,
+                scalars=restart.scalars,
+                waiting_for=waiting_for,
+                delete=False,
+            )
+            allreduce_state.restore(self.model, self.optimizer, state)
+        else:  # no checkpoint yet: the job's initial values
+            self.model.load_state_dict(self.job.build_model().state_dict())
+        position = InputPosition(
+            self.job.train_spec,
+            InputContext(self.role.num_workers, self.index),
+            restart.positions.get(self.name, self.start_position),
+        )
+        control.put(job_keys.allreduce_resume(self.name), ResumePoint(position=position.get_state(), batches_applied=0))
+        self.position = Lookahead(position, to_torch)
+        self.step, self.checkpoints = restart.step, restart.next_hand_over - 1
+        self.hand_over_step, self.hand_over_saves = -1, False
+        self.batches_applied = [0] * self.role.num_workers
+        self.had_batch = [True] * self.role.num_workers
+        self.input_done = self.told_done = False
+        self.snapshot_due = None
+        endpoints = [
+            control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start")
+            for k in range(len(self.params.peers))
+        ]
+        self.params.reconnect(endpoints)  # a restarted PS serves elsewhere
+        self.params.rejoin()  # every PS takes this worker's pushes again
+        self.recovery, self.recovering, self.rolled_back = generation, False, True
+        log.warning("%s went back to global step %d, where every PS was restored", self.name, self.step)
+
+    def _next_batch(self) -> Any | None:
+        if self.rolled_back:  # the batch of the step given up is read again from the restored position, or not
+            self.retry, self.rolled_back = None, False
+        return super()._next_batch()
 
     def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
         params = self.params
@@ -99,11 +185,16 @@ class _HybridTrainer(_Trainer):
         if upcoming is not None:
             # Sync: the rows once this step's are applied; async: as they are when the lookup arrives.
             tables.prefetch(upcoming, [self.step + 1 if self.sync else 0] * len(params.peers))
-        return super()._forward_backward(batch, recorder)
+        try:
+            return super()._forward_backward(batch, recorder)
+        except PSRecovery:  # a lookup found the PS lost: given up at the step's collective
+            return float("nan")
 
     def _collective(self, had_batch: bool, mine: list[float], recorder: SpanRecorder) -> list[float]:
         """The rows' gradients to every PS, taken, before the dense all-reduce. A worker without a batch pushes
         nothing; in sync mode it tells the PS once that its input is done, so that they apply the others' rows."""
+        if self.recovering:
+            raise PSRecovery(f"{self.name}: the step of global step {self.step} is given up: a PS was lost")
         if had_batch:
             self._await_snapshot()
             schedule = self.job.optimizer.schedule
@@ -119,10 +210,15 @@ class _HybridTrainer(_Trainer):
         """As an all-reduce worker's, with the tables' rows of the same step: worker:0 has every PS snapshot them
         first, and the others push again only once they are."""
         n = self.checkpoints + (0 if again else 1)
-        key = job_keys.hybrid_snapshot(n)
+        key = job_keys.hybrid_snapshot(self.recovery, n)
         control = self.role.control
         if self.leader and not control.is_set(key.name):
-            control.put(key, TablesSnapshot(step=_snapshot(self.params)))
+            try:
+                control.put(key, TablesSnapshot(step=_snapshot(self.params)))
+            except PSRecovery:
+                if final:
+                    raise
+                return  # not handed over: the next step's collective gives up, and the chief awaits state n again
         super()._hand_over(final=final, checkpoint=checkpoint, again=again)
         if not self.leader:
             self.snapshot_due = key

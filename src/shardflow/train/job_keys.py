@@ -35,9 +35,13 @@ Each entry reads `key`: writer -> readers. Meaning.
 
 `sf.HybridStrategy` (train/hybrid_chief.py, hybrid_worker.py) adds:
 
-- `hybrid/snapshot/<n>`: worker:0 -> the other workers and the chief. The step of every PS's snapshot of the
-  `sf.nn` tables taken for state n, while no worker pushed past it; the others push again only once it is set, and
-  the chief saves its rows with state n.
+- `hybrid/snapshot/<g>/<n>`: worker:0 -> the other workers and the chief. The step of every PS's snapshot of the
+  `sf.nn` tables taken for state n (in PS recovery generation g), while no worker pushed past it; the others push
+  again only once it is set, and the chief saves its rows with state n.
+- `hybrid/recovery`: chief -> workers, when a PS was lost. Its generation: every worker stops where it is and says
+  so in `hybrid/stopped/<g>/<role>` (a plain key); once all did, the chief restores every PS from the latest
+  checkpoint and puts `hybrid/restart/<g>`: the state to go on from (chunks `state/recovery/<g>/<i>`), each worker's
+  input position in it, and the number of the next hand-over.
 """
 
 from __future__ import annotations
@@ -170,6 +174,24 @@ class TablesSnapshot(_Value, frozen=True, kw_only=True):
     """The PS's own count of table updates at the snapshot (each PS has the same: every push goes to each)."""
 
 
+class HybridRecovery(_Value, frozen=True, kw_only=True):
+    generation: int
+    """How many times the PS of this hybrid job were restored after one was lost, this time included."""
+    lost: str
+    """The PS whose loss caused it."""
+
+
+class HybridRestart(_Value, frozen=True, kw_only=True):
+    step: int
+    """The global step of the checkpoint every PS was restored to (0 and no chunks: the job's start)."""
+    num_chunks: int
+    scalars: dict[str, float]
+    positions: dict[str, dict[str, Any]]
+    """Each worker's input position in it, by role name; none: the position the job started from."""
+    next_hand_over: int
+    """The number of the next state worker:0 hands the chief."""
+
+
 class Saved(_Value, frozen=True, kw_only=True):
     path: str | None
     """The checkpoint written; None where it could not be (a periodic one, training goes on)."""
@@ -214,5 +236,16 @@ def allreduce_rejoin(generation: int) -> Key[RejoinState]:
     return Key(f"allreduce/rejoin/{generation}", RejoinState, "the re-formed group's first survivor")
 
 
-def hybrid_snapshot(n: int) -> Key[TablesSnapshot]:
-    return Key(f"hybrid/snapshot/{n}", TablesSnapshot, "worker:0")
+def hybrid_snapshot(generation: int, n: int) -> Key[TablesSnapshot]:
+    return Key(f"hybrid/snapshot/{generation}/{n}", TablesSnapshot, "worker:0")
+
+
+HYBRID_RECOVERY = Key("hybrid/recovery", HybridRecovery, "the chief")
+
+
+def hybrid_restart(generation: int) -> Key[HybridRestart]:
+    return Key(f"hybrid/restart/{generation}", HybridRestart, "the chief")
+
+
+def hybrid_stopped(generation: int, role: str) -> str:
+    return f"hybrid/stopped/{generation}/{role}"
