@@ -33,6 +33,22 @@ def test_a_push_from_before_the_window_is_kept_when_its_apply_lies_inside():
     assert all("lead_in" not in e.get("args", {}) for e in trace["traceEvents"])
 
 
+def test_a_worker_starved_through_the_window_shows_its_earlier_push_with_its_step_and_no_counters():
+    clock = FakeTime()
+    worker, ps = on(clock, "worker:0"), on(clock, "ps:0")
+    with fake_time(clock):
+        worker.counter("memory.rss", 1e6)
+    # The worker pushed at step 8, then ran no step of the window [10, 11) while the PS applied that push as step 10.
+    record(worker, clock, STEP, 8, 0.0, 50.0)
+    record(worker, clock, PUSH, 8, 30.0, 10.0)
+    flow(worker, clock, PUSH, 8, 31.0, 1, start=True)
+    record(ps, clock, APPLY, 10, 45.0, 20.0)
+    flow(ps, clock, APPLY, 10, 46.0, 1, start=False)
+    trace = merge([worker.to_role_trace(10, 11, 0.0, 0.0), ps.to_role_trace(10, 11, 0.0, 0.0)])
+    shown = sorted((e["ph"], e["name"], e["args"].get("step")) for e in trace["traceEvents"] if e["pid"] == 1)
+    assert [event for event in shown if event[0] != "M"] == [("X", PUSH, 8), ("s", PUSH, 8)]
+
+
 def test_a_push_from_before_the_window_whose_apply_is_outside_is_dropped():
     clock = FakeTime()
     recorder = on(clock, "worker:0")
