@@ -251,7 +251,9 @@ def main(args: argparse.Namespace) -> None:
         sf.EvalSpec(eval_input_fn, metrics={"auc": auc}),
     )
 
-    per_step = 1 if args.strategy == "ps" else 2  # a hybrid global step all-reduces both workers' batches
+    # A hybrid global step all-reduces a batch of every worker that had one.
+    steps = max(result.global_step - result.start_step, 1)
+    per_step = 1 if args.strategy == "ps" else sum(result.worker_steps.values()) / steps
     print_summary(
         f"click_through: embeddings + MLP on {meta['num_train']} generated click logs in {data_dir} "
         f"(click rate {meta['train_click_rate']:.1%}); "
@@ -269,7 +271,7 @@ def main(args: argparse.Namespace) -> None:
             + (
                 f"one worker's batch of {BATCH_SIZE})"
                 if per_step == 1
-                else f"{per_step} workers' batches of {BATCH_SIZE})"
+                else f"a batch of {BATCH_SIZE} from every worker)"
             ),
             *_table_lines(Path(result.checkpoint), result.ps_stats),
         ],
