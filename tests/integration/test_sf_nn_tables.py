@@ -65,6 +65,20 @@ def one_process(
     return model, {"ids": ids.weight.detach(), "tags": tags.weight.detach()}
 
 
+def assert_equals_one_process(
+    model_dir: Path, reference: tuple[torch.nn.Module, dict[str, torch.Tensor]], atol: float = 1e-5
+) -> None:
+    """The latest checkpoint's dense head and table rows equal `reference` (one_process's model and tables)."""
+    model, expected = reference
+    params, rows = trained_tables(model_dir)
+    head: torch.nn.Module = model.head  # type: ignore[assignment]
+    for name, value in head.state_dict().items():
+        torch.testing.assert_close(params[f"head.{name}"], value, atol=atol, rtol=0, msg=name)
+    for name, weights in expected.items():
+        got = rows[name].lookup(torch.arange(weights.shape[0]))
+        torch.testing.assert_close(got, weights, atol=atol, rtol=0, msg=name)
+
+
 def trained_tables(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, CheckpointRows]]:
     latest = store.latest(model_dir)
     assert latest is not None, f"no checkpoint in {model_dir}"
@@ -99,14 +113,7 @@ def test_sync_training_of_sf_nn_tables_equals_one_process_with_torch_sparse_opti
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
-    model, expected = one_process(optimizer, lr, steps, batch)
-    params, rows = trained_tables(tmp_path / "model")
-    head: torch.nn.Module = model.head  # type: ignore[assignment]
-    for name, value in head.state_dict().items():
-        torch.testing.assert_close(params[f"head.{name}"], value, atol=1e-5, rtol=0, msg=name)
-    for name, weights in expected.items():
-        got = rows[name].lookup(torch.arange(weights.shape[0]))
-        torch.testing.assert_close(got, weights, atol=1e-5, rtol=0, msg=name)
+    assert_equals_one_process(tmp_path / "model", one_process(optimizer, lr, steps, batch))
 
 
 def test_a_table_of_40_million_rows_trains_while_the_chief_and_workers_hold_none_of_it(start_job, tmp_path):
@@ -220,14 +227,7 @@ def test_checkpoints_go_from_hybrid_to_the_ps_strategy_and_back_and_train_on_exa
     for proc, _ in results:
         assert proc.returncode == 0, proc.stdout
     assert [(r["start_step"], r["global_step"]) for _, r in results] == [(0, 2), (2, 4), (4, 6)]
-    model, expected = one_process("Adam", lr, steps, batch)
-    params, rows = trained_tables(tmp_path / "model")
-    head: torch.nn.Module = model.head  # type: ignore[assignment]
-    for name, value in head.state_dict().items():
-        torch.testing.assert_close(params[f"head.{name}"], value, atol=1e-5, rtol=0, msg=name)
-    for name, weights in expected.items():
-        got = rows[name].lookup(torch.arange(weights.shape[0]))
-        torch.testing.assert_close(got, weights, atol=1e-5, rtol=0, msg=name)
+    assert_equals_one_process(tmp_path / "model", one_process("Adam", lr, steps, batch))
 
 
 def test_hybrid_sync_with_uneven_shards_equals_one_process(run_job, tmp_path):
@@ -239,13 +239,7 @@ def test_hybrid_sync_with_uneven_shards_equals_one_process(run_job, tmp_path):
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
-    model, expected = one_process("Adagrad", lr, steps, batch, num_batches=11)
-    params, rows = trained_tables(tmp_path / "model")
-    head: torch.nn.Module = model.head  # type: ignore[assignment]
-    for name, value in head.state_dict().items():
-        torch.testing.assert_close(params[f"head.{name}"], value, atol=1e-5, rtol=0, msg=name)
-    for name, weights in expected.items():
-        torch.testing.assert_close(rows[name].lookup(torch.arange(weights.shape[0])), weights, atol=1e-5, rtol=0)
+    assert_equals_one_process(tmp_path / "model", one_process("Adagrad", lr, steps, batch, num_batches=11))
 
 
 def test_hybrid_trains_in_ssp_mode(run_job):
