@@ -71,8 +71,8 @@ def run_allreduce_chief(
         if job.eval_spec is not None and not preemption.requested:  # no time for it within the grace period
             last = chief.eval_history[-1] if chief.eval_history else None
             metrics = last["metrics"] if last and last["global_step"] == state.step else chief.evaluate(state)
-        roles = ["chief", *chief.watch.workers]
-        captures = profiler.collect(roles, timeout_s=min(30.0, preemption.remaining_s() / 4), final=True)
+        timeout_s = min(30.0, preemption.remaining_s() / 4)
+        captures = profiler.collect(chief.capture_roles(), timeout_s=timeout_s, final=True)
     finally:
         chief.close()
         profiler.close()
@@ -171,6 +171,10 @@ class _Chief:
 
     def _collect(self, n: int, notice: StateNotice) -> ModelState:
         return _collect(self.role, n, notice)
+
+    def capture_roles(self) -> list[str]:
+        """The roles whose parts of a capture the chief merges."""
+        return ["chief", *self.watch.workers]
 
     def _watch(self, preemption: Preemption) -> None:
         """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""

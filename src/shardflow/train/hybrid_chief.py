@@ -165,6 +165,13 @@ class _HybridChief(_Chief):
             self.admin.release_snapshots(self.snapshot_held)
             self.snapshot_held = None
 
+    def capture_roles(self) -> list[str]:
+        """The workers', and in sync mode the PS's too: their global step is the workers' (in async mode a PS counts
+        every push, so its window of a capture would not be the workers')."""
+        assert isinstance(self.job.strategy, HybridStrategy)
+        sync = self.job.strategy.sparse_mode == "sync"
+        return [*super().capture_roles(), *(self.admin.peers if sync else [])]
+
     def _save(self, state: ModelState, *, final: bool) -> Path | None:
         return None if state is self.discarded else super()._save(state, final=final)
 

@@ -123,6 +123,7 @@ def main(config: dict[str, Any]) -> None:
         config["model_dir"],
         save_checkpoints_steps=config.get("save_checkpoints_steps"),
         clip_grad_norm=config.get("clip_grad_norm"),
+        profile_steps=tuple(config["profile_steps"]) if "profile_steps" in config else None,
     )
     result = sf.train_and_evaluate(
         est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs", 1))
