@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 JOBS = Path(__file__).parent / "jobs"
 
 
@@ -80,3 +82,28 @@ def test_torchrun_ranks_map_to_chief_ps_and_workers(tmp_path):
     result = json.loads((tmp_path / "r.json").read_text())
     assert result["global_step"] == 60
     assert set(result["worker_steps"]) == {"worker:0", "worker:1"}
+
+
+@pytest.mark.parametrize(
+    ("job", "nproc", "num_ps", "config"),
+    [
+        ("allreduce.py", 3, None, {"num_workers": 2, "max_steps": 10, "num_batches": 100}),
+        ("tables.py", 5, "2", {"strategy": "hybrid", "mode": "async", "num_batches": 16, "max_steps": 6}),
+    ],
+    ids=["allreduce", "hybrid"],
+)
+def test_torchrun_ranks_map_to_the_roles_of_allreduce_and_hybrid_jobs(tmp_path, job, nproc, num_ps, config):
+    """AllReduceStrategy: rank 0 the chief, the rest workers (no PS); HybridStrategy with SHARDFLOW_NUM_PS=2: the
+    chief, 2 PS, then the workers. Both to their exact step."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**config, "model_dir": str(tmp_path / "model"), "result": str(tmp_path / "r.json")}))
+    torchrun = Path(sys.executable).with_name("torchrun")
+    proc = subprocess.run(
+        [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(JOBS / job), str(path)],
+        env={**os.environ, **({"SHARDFLOW_NUM_PS": num_ps} if num_ps else {})},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "r.json").read_text())["global_step"] == config["max_steps"]

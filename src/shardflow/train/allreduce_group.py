@@ -15,8 +15,10 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
+from shardflow.cluster.spec import TaskSpec
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.job_keys import RejoinState
+from shardflow.train.ps_role import advertised_address
 from shardflow.train.role_context import RoleContext
 from shardflow.train.strategy import AllReduceStrategy
 
@@ -124,7 +126,9 @@ def form(strategy: AllReduceStrategy, role: RoleContext, generation: int, deadli
             )
         time.sleep(_POLL_S)
     store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s)
-    host = role.spec.address(role.task).rpartition(":")[0].strip("[]")
+    # The spec's host; under torchrun, which names only the chief's, loopback or this machine's address (as a PS's).
+    advertised = advertised_address(role.spec.address(role.task), role.spec.address(TaskSpec("chief", 0)))
+    host = advertised.removeprefix("tcp://").rpartition(":")[0].strip("[]")
     return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
 
 
