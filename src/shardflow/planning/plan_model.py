@@ -40,6 +40,36 @@ class RingCost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HybridCost:
+    """What a profiled sf.HybridStrategy run measured per global step (planning/calibrate_hybrid.py): each worker
+    pushes its rows to the PS and waits for them to be taken, then all-reduces the dense gradients."""
+
+    own_s: float
+    """A worker step outside the all-reduce and the wait for the PS: compute, its lookups, the apply, Python."""
+    push_wait_s: float
+    """A worker's push of its rows and the wait for every PS to take them."""
+    allreduce_s: float
+    """The dense all-reduce of a step, the copies into the buckets included."""
+    copy_s: float = 0.0
+    """Of allreduce_s, the copies into the buckets, which do not grow with the ring."""
+    worker_cpu_s: float | None = None
+    """CPU seconds of a worker per step, every thread; None if the run sampled no CPU."""
+    ring_cpu_per_byte: float = 0.0
+    """CPU seconds a worker spends per ring byte beyond the rest of its step (0 where the run could not tell)."""
+    calibrated_workers: int
+    calibrated_ps: int = 1
+    """Workers and PS of the run it was measured on."""
+
+    def __post_init__(self) -> None:
+        for name in ("own_s", "push_wait_s", "allreduce_s", "copy_s", "ring_cpu_per_byte"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"HybridCost.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("calibrated_workers", "calibrated_ps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HybridCost.{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """A cluster and a model, in the model's terms."""
 
@@ -79,6 +109,8 @@ class PlanConfig:
     ring: RingCost | None = None
     """Measured on an all-reduce run: all-reduce and hybrid take the ring's cost from it, not from `bandwidth`,
     `ps_apply_s` and `worker_cpu_s`."""
+    hybrid: HybridCost | None = None
+    """Measured on a hybrid run: hybrid is predicted from it (its step, wait for the PS and ring), not from the rest."""
     calibrated_on: str | None = None
     """The strategy of the profiled run the other inputs were measured on ('ps' or 'allreduce'); None: given."""
 
