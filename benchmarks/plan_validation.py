@@ -19,7 +19,9 @@ the dense parameters its replies bring back, through the PS; the rest all-reduce
 Other programs on a shared machine take cores from the job, and CPU per step measured under contention is what the
 job will pay at the other sizes too. So the prediction uses the cores the calibrating run's roles really got (what
 `shardflow plan --cores measured` does; a hybrid run's capture holds only its workers, and its PS's cores are
-estimated from the workers' waits for it). Each run waits (a while) for a quiet machine and reports the cores other
+estimated from the workers' waits for it). "shared" is the prediction on all the machine's cores instead, which
+the job's busy roles share with the other programs' demand its calibrating run saw (the scheduler shares cores by
+runnable threads, so more workers take more of a shared machine: PlanConfig.contending_roles). Each run waits (a while) for a quiet machine and reports the cores other
 processes used while it ran.
 
 Usage: python benchmarks/plan_validation.py [--quick] [--model mlp|click|both] [--workers 2,1,4]
@@ -183,7 +185,8 @@ def validate_model(model: Model, args: argparse.Namespace, out: Path) -> list[di
             base = runs[strategy][sizes[0]]
             print(f"{model.name}, {strategy} calibrated on {sizes[0]} workers: {describe(base['calibration'])}")
             plan = plan_config(model, base, args.cores)
-            rows += [strategy_row(model, strategy, plan, ps_plan, n, runs[strategy][n]) for n in sizes]
+            plans = (plan, shared_plan(plan, base["calibration"], args.cores), ps_plan)
+            rows += [strategy_row(model, strategy, plans, n, runs[strategy][n]) for n in sizes]
         else:
             rows.append({"model": model.name, "strategy": strategy, "note": "not available in this tree"})
     print()
@@ -212,6 +215,14 @@ def plan_config(model: Model, run: dict[str, Any], cores: int) -> Any:
         ring=base.ring,
         hybrid=base.hybrid,
         calibrated_on=base.strategy,
+    )
+
+
+def shared_plan(plan: Any, base: Any, cores: int) -> Any:
+    """`plan` on all the machine's cores, which the job's busy roles share with the other programs' demand that
+    the calibrating run saw (in roles: PlanConfig.contending_roles), instead of the cores that run got."""
+    return replace(
+        plan, cores=cores, other_cores=min(base.other_cores, cores / 2), contending_roles=base.contending_roles
     )
 
 
@@ -247,10 +258,16 @@ def skipped_row(model: Model, strategy: str, ps_plan: Any, calibrated_on: int) -
     }
 
 
-def strategy_row(model: Model, strategy: str, plan: Any, ps_plan: Any, n: int, run: dict[str, Any]) -> dict[str, Any]:
+def strategy_row(
+    model: Model, strategy: str, plans: tuple[Any, Any, Any], n: int, run: dict[str, Any]
+) -> dict[str, Any]:
+    """`plans`: the strategy's own calibration, the same on the machine's cores shared with the other programs'
+    demand (shared_plan), and the PS run's."""
+    plan, shared_plan, ps_plan = plans
     from shardflow.planning.strategies import predict_strategy
 
     prediction = predict_strategy(replace(plan, num_workers=n), strategy)  # type: ignore[arg-type]
+    shared = predict_strategy(replace(shared_plan, num_workers=n), strategy)  # type: ignore[arg-type]
     from_ps = predict_strategy(replace(ps_plan, num_workers=n), strategy)  # type: ignore[arg-type]
     steady = run["calibration"].global_steps_per_s if run["calibration"] is not None else run["whole"]
     batches_per_step = 1 if strategy == "ps" else n  # async PS: every worker's batch is a global step
@@ -263,6 +280,7 @@ def strategy_row(model: Model, strategy: str, plan: Any, ps_plan: Any, n: int, r
         "calibrated_on": prediction.calibration,
         "predicted": prediction.global_steps_per_s,
         "predicted_from_ps": from_ps.global_steps_per_s,
+        "predicted_shared": shared.global_steps_per_s,
         "measured": steady,
         "error": prediction.global_steps_per_s / steady - 1,
         "predicted_examples": prediction.batches_per_s * model.batch_size,
@@ -311,7 +329,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     header = (
         f"{'model':<5}  {'strategy':<9}  {'workers':>7}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
         f"{'pred ex/s':>9}  {'meas ex/s':>9}  {'whole run':>9}  {'others':>6}  {'load':>5}  {'bound':<11}  "
-        f"{'calibrated on':<14}  {'from PS':>7}"
+        f"{'calibrated on':<14}  {'from PS':>7}  {'shared':>7}"
     )
     print(header + "\n" + "-" * len(header))
     for row in rows:
@@ -326,11 +344,12 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
             f"{row['measured']:>8.1f}  {row['error']:>+6.1%}  {row['predicted_examples']:>9,.0f}  "
             f"{row['measured_examples']:>9,.0f}  {row['whole_run']:>9.1f}  {row['others_cores']:>6.2f}  "
             f"{row['load_average']:>5.1f}  {row['bound']:<11}  {row['calibrated_on']:<14}  "
-            f"{row['predicted_from_ps']:>7.1f}{note}"
+            f"{row['predicted_from_ps']:>7.1f}  {row['predicted_shared']:>7.1f}{note}"
         )
     print("global steps/s (async PS: one per worker batch; all-reduce and hybrid: one per round of all workers);")
     print("measured: the steady rate inside the run's capture; ex/s: examples/s; others: cores other programs used")
-    print("during the run; load: the 1-minute load average at its end; from PS: predicted from the PS run instead")
+    print("during the run; load: the 1-minute load average at its end; from PS: predicted from the PS run instead;")
+    print("shared: predicted with the machine's cores shared by busy roles with the others' demand the run saw")
 
 
 def print_winners(winners: list[dict[str, Any]]) -> None:

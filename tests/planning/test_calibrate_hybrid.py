@@ -165,3 +165,28 @@ def test_plan_calibrate_hybrid_predicts_hybrid_from_its_run_and_the_ps_from_the_
     assert "(hybrid, 2 workers, 1 PS)" in out and "push and PS wait" in out
     rows = {line.split()[0]: line.rstrip() for line in out.splitlines() if re.search(r" moves |moves nothing", line)}
     assert rows["PS"].endswith("given") and rows["hybrid"].endswith("hybrid run")
+
+
+def test_other_programs_demand_is_counted_in_the_jobs_busy_roles(tmp_path):
+    # The job's 3 roles kept 1.5 cores busy while the machine's were 2.0: others' 0.5 is a third of the job's demand.
+    measured = Calibration(
+        capture=tmp_path,
+        num_workers=2,
+        num_ps=1,
+        model_bytes=1e6,
+        step_compute_s=0.001,
+        bandwidth=1e9,
+        ps_apply_s=0.001,
+        worker_step_s=0.002,
+        global_steps_per_s=500.0,
+        busy_cores=1.5,
+        machine_busy_cores=2.0,
+    )
+    assert measured.contending_roles == pytest.approx(1.0)
+
+
+def test_more_busy_roles_take_more_of_a_shared_machine():
+    config = PlanConfig(num_params=1e6, num_workers=2, num_ps=1, bandwidth=1e9, step_compute_s=0.01, cores=2.0)
+    assert config.job_cores(3) == 2.0
+    shared = replace(config, contending_roles=1.0)
+    assert (shared.job_cores(3), shared.job_cores(5)) == (pytest.approx(1.5), pytest.approx(2 * 5 / 6))

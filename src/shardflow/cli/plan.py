@@ -194,7 +194,7 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         """The rows the calibrated run pushed, unless --params gives another model."""
         if calibration is None or args.params:
             return 0.0
-        return calibration.sparse_bytes / args.bytes_per_param
+        return calibration.sparse_bytes / float(args.bytes_per_param)
 
     return PlanConfig(
         num_params=parse_count(args.params) if args.params else measured("model_bytes") / args.bytes_per_param,

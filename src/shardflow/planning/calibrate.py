@@ -18,7 +18,7 @@ from shardflow.planning.calibrate_hybrid import hybrid_cost, is_hybrid
 from shardflow.planning.plan_model import HybridCost, RingCost
 from shardflow.profile.capture import capture_dir, finalize
 from shardflow.profile.events import load
-from shardflow.profile.memory import CPU_CORES
+from shardflow.profile.memory import CPU_CORES, USABLE_CPUS_BUSY
 from shardflow.profile.spans import ALLREDUCE, APPLY, BACKWARD, FORWARD, PULL_WAIT, PUSH, RECEIVE, REPLY, STEP
 
 _COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes"]
@@ -66,6 +66,17 @@ class Calibration:
     parameters its replies carry back; a hybrid run's pushes."""
     hybrid: HybridCost | None = None
     """A hybrid run's: its step outside the all-reduce, its wait for the PS and its ring."""
+    machine_busy_cores: float | None = None
+    """Cores busy on the whole machine meanwhile, other programs included (the `cpu.usable_busy` counters)."""
+
+    @property
+    def contending_roles(self) -> float:
+        """Other programs' demand on the cores, in the job's busy roles: they kept (machine less job) cores busy
+        while the job's roles kept busy_cores (PlanConfig.contending_roles). 0 where the capture cannot tell."""
+        if self.busy_cores is None or self.machine_busy_cores is None or self.busy_cores <= 0:
+            return 0.0
+        others = max(0.0, self.machine_busy_cores - self.busy_cores)
+        return others / self.busy_cores * (self.num_workers + self.num_ps)
 
 
 def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
@@ -118,6 +129,7 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         ps_cpu_s=_cpu_per_worker_step(cores, "ps", len(applies_by_ps), worker_steps_per_s),
         other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
         busy_cores=sum(cores.values()) if cores else None,
+        machine_busy_cores=_machine_busy_cores(table),
         # A worker pulls the dense parameters back after each push, never the rows it pushed gradients of.
         sparse_bytes=max(0.0, model_bytes - _per_worker_step(by_name[PULL_WAIT])) if by_name[PULL_WAIT] else 0.0,
     )
@@ -154,6 +166,7 @@ def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[
         other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
         # A hybrid capture holds no PS: its cores are its waits for the PS, which on loopback are the PS's work.
         busy_cores=sum(cores.values()) + cost.push_wait_s * figures["global_steps_per_s"] if cores else None,
+        machine_busy_cores=_machine_busy_cores(table),
         strategy="hybrid",
         ring=ring,
         allreduce_s=figures["allreduce_s"],
@@ -182,6 +195,7 @@ def _calibrate_allreduce(directory: Path, table: Any, by_name: dict[str, list[di
         worker_cpu_s=worker_cpu_s,
         other_cores=sum(v for role, v in cores.items() if not role.startswith("worker")),
         busy_cores=sum(cores.values()) if cores else None,
+        machine_busy_cores=_machine_busy_cores(table),
         strategy="allreduce",
         ring=ring,
         allreduce_s=figures["allreduce_s"],
@@ -214,9 +228,15 @@ def _cpu_per_worker_step(cores: dict[str, float], kind: str, num_roles: int, wor
     return sum(measured) / worker_steps_per_s
 
 
-def _cores_by_role(table: Any) -> dict[str, float]:
+def _machine_busy_cores(table: Any) -> float | None:
+    """Mean cores busy on the machine, every program's, as the roles sampled them (the most any role saw)."""
+    busy = _cores_by_role(table, USABLE_CPUS_BUSY)
+    return max(busy.values()) if busy else None
+
+
+def _cores_by_role(table: Any, counter: str = CPU_CORES) -> dict[str, float]:
     """Mean CPU cores each role kept busy over its samples: the integral of `cpu.cores` over their span."""
-    counters = table.filter(pc.and_(pc.equal(table["ph"], "C"), pc.equal(table["name"], CPU_CORES)))
+    counters = table.filter(pc.and_(pc.equal(table["ph"], "C"), pc.equal(table["name"], counter)))
     samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for row in counters.select(["role", "ts", "value"]).to_pylist():
         samples[row["role"]].append((row["ts"], row["value"]))

@@ -100,6 +100,10 @@ class PlanConfig:
     as the apply plus the copies."""
     other_cores: float = 0.0
     """With cores: cores kept busy by roles whose work does not grow with the workers (the chief)."""
+    contending_roles: float = 0.0
+    """With cores: other programs' demand on the cores, in busy roles. The scheduler shares the cores by runnable
+    threads, so the job's roles (workers and PS) get cores x roles / (roles + contending_roles): more workers take
+    more of a shared machine. 0: the job has all `cores`."""
     sparse_params: float = 0.0
     """Of num_params, the sf.nn table rows a worker step touches: through the PS under hybrid (planning/strategies)."""
     table_params: float = 0.0
@@ -134,12 +138,20 @@ class PlanConfig:
             raise ValueError(f"PlanConfig.sparse_params must be in [0, num_params], got {self.sparse_params}")
         if self.table_params < 0:
             raise ValueError(f"PlanConfig.table_params must be >= 0, got {self.table_params}")
+        if self.contending_roles < 0:
+            raise ValueError(f"PlanConfig.contending_roles must be >= 0, got {self.contending_roles}")
         if self.cores is not None and not 0 <= self.other_cores < self.cores:
             raise ValueError(f"PlanConfig.other_cores must be in [0, cores), got {self.other_cores}")
 
     @property
     def model_bytes(self) -> float:
         return self.num_params * self.bytes_per_param
+
+    def job_cores(self, num_roles: int) -> float:
+        """The cores the job's `num_roles` busy roles get of `cores` beside the other programs, less the chief's."""
+        assert self.cores is not None
+        share = self.cores * num_roles / (num_roles + self.contending_roles)
+        return max(share - self.other_cores, 1e-9)
 
 
 @dataclass(frozen=True)
@@ -185,7 +197,7 @@ def predict(config: PlanConfig) -> Prediction:
         worker_cpu = config.step_compute_s + 4 * worker_link if config.worker_cpu_s is None else config.worker_cpu_s
         # Measured PS CPU is per push received (each worker step), which holds in both modes.
         ps_cpu = updates_per_round * config.ps_apply_s if config.ps_cpu_s is None else n * config.ps_cpu_s
-        parts["CPU cores"] = (n * worker_cpu + ps_cpu) / (config.cores - config.other_cores)
+        parts["CPU cores"] = (n * worker_cpu + ps_cpu) / config.job_cores(n + k)
         bounds = [
             (parts["compute"] + parts["worker link"], _larger(parts, "compute", "worker link")),
             (parts["CPU cores"], "CPU cores"),

@@ -106,7 +106,7 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
     }
     if config.cores is not None:
         cpu = n * (_worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply) + _ps_cpu_s(config, table_bytes))
-        times["CPU cores"] = cpu / (config.cores - config.other_cores)
+        times["CPU cores"] = cpu / config.job_cores(n + (k if table_bytes > 0 else 0))
     if config.cores is not None or cost is not None:
         # On loopback the bytes move by the CPU: a worker's own copies come after its compute. A measured ring is
         # sf.AllReduceStrategy's, which all-reduces once backward is done: its time adds to the step's too.
@@ -138,7 +138,7 @@ def _measured_hybrid(
         worker_cpu = cost.worker_cpu_s + cost.ring_cpu_per_byte * (ring - ring0)
         # On loopback the PS's wait is its CPU work on the n0 pushes of the round it measured.
         ps_cpu = cost.push_wait_s / n0
-        cpu_s = n * (worker_cpu + ps_cpu) / (config.cores - config.other_cores)
+        cpu_s = n * (worker_cpu + ps_cpu) / config.job_cores(n + k)
         if cpu_s > round_s:
             round_s, bound = cpu_s, "CPU cores"
     links = ps_link_bytes(config, table_bytes) | {"worker": ring + table_bytes}
