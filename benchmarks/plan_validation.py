@@ -21,11 +21,12 @@ job will pay at the other sizes too. So the prediction uses the cores the calibr
 `shardflow plan --cores measured` does; a hybrid run's capture holds only its workers, and its PS's cores are
 estimated from the workers' waits for it). "shared" is the prediction on all the machine's cores instead, which
 the job's busy roles share with the other programs' demand its calibrating run saw (the scheduler shares cores by
-runnable threads, so more workers take more of a shared machine: PlanConfig.contending_roles). Each run waits (a while) for a quiet machine and reports the cores other
-processes used while it ran.
+runnable threads, so more workers take more of a shared machine: PlanConfig.contending_roles). Each run waits
+(a while) for a quiet machine and reports the cores other processes used while it ran; --repeats N runs every
+strategy and size N times in turns and keeps the fastest.
 
 Usage: python benchmarks/plan_validation.py [--quick] [--model mlp|click|both] [--workers 2,1,4]
-       [--strategies ps,allreduce,hybrid] [--out DIR]
+       [--strategies ps,allreduce,hybrid] [--repeats N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--workers", default="2,1,4", help="sizes; the first one calibrates (2,1,4)")
     parser.add_argument("--strategies", default="ps", help="of ps, allreduce, hybrid: the strategies swept (ps)")
     parser.add_argument("--steps", type=int, help="global steps per run (mlp 6000, click 3000)")
-    parser.add_argument("--repeats", type=int, default=1, help="PS runs per size; the fastest one counts (1)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per strategy and size; the fastest one counts (1)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the roles share (all)")
     parser.add_argument("--quiet-wait", type=float, default=30.0, help="seconds to wait for a quiet machine (30)")
     parser.add_argument("--out", type=Path, help="where runs and plan_validation.json go (a temporary dir)")
@@ -170,12 +171,11 @@ def validate(args: argparse.Namespace, out: Path) -> int:
 def validate_model(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
     """One model's rows: the strategies it runs, predicted from their own first-size run and from the PS run's."""
     sizes, steps = args.sizes, args.steps or (model.quick_steps if args.quick else model.steps)
-    # Repeats go round all the sizes in turn, so that a spell of load from other programs hits each size alike.
-    tries = [{n: measure(model, n, steps, "ps", args, out / f"repeat-{r}") for n in sizes} for r in range(args.repeats)]
-    runs = {"ps": {n: fastest([sizes_run[n] for sizes_run in tries]) for n in sizes}}
-    for strategy in args.strategy_names[1:]:
-        if strategy not in model.skipped:
-            runs[strategy] = measure_strategy(model, strategy, sizes, steps, args, out)
+    runs = {
+        strategy: measure_strategy(model, strategy, sizes, steps, args, out)
+        for strategy in args.strategy_names
+        if strategy not in model.skipped
+    }
     ps_plan = plan_config(model, runs["ps"][sizes[0]], args.cores)
     rows = []
     for strategy in args.strategy_names:
@@ -295,13 +295,17 @@ def strategy_row(
 def measure_strategy(
     model: Model, strategy: str, sizes: list[int], steps: int, args: argparse.Namespace, out: Path
 ) -> dict[int, dict[str, Any]]:
-    """A run of `strategy` at every size; none where this tree does not have the strategy."""
+    """The fastest of --repeats runs of `strategy` at every size; none where this tree does not have it."""
     import shardflow as sf
 
     if not hasattr(sf, STRATEGY_CLASSES[strategy]):
         print(f"{strategy}: not available in this tree (no sf.{STRATEGY_CLASSES[strategy]}); no rows", file=sys.stderr)
         return {}
-    return {n: measure(model, n, steps, strategy, args, out / "repeat-0") for n in sizes}
+    # Repeats go round all the sizes in turn, so that a spell of load from other programs hits each size alike.
+    tries = [
+        {n: measure(model, n, steps, strategy, args, out / f"repeat-{r}") for n in sizes} for r in range(args.repeats)
+    ]
+    return {n: fastest([sizes_run[n] for sizes_run in tries]) for n in sizes}
 
 
 def winner_checks(model: Model, rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -43,11 +42,11 @@ def hybrid_cost(
     num_workers = len({role for role, _ in keys})
     # Means, not medians: the parts of a step trade off (a worker the PS served first waits longer in the ring for
     # the other), so only their means add up to the step.
-    own_s = max(0.0, _mean(step[k] - reduce[k] - push_wait[k] for k in keys)) / 1e6
+    own_s = max(0.0, statistics.fmean(step[k] - reduce[k] - push_wait[k] for k in keys)) / 1e6
     cost = HybridCost(
         own_s=own_s,
-        push_wait_s=_mean(push_wait[k] for k in keys) / 1e6,
-        allreduce_s=_mean(reduce[k] for k in keys) / 1e6,
+        push_wait_s=statistics.fmean(push_wait[k] for k in keys) / 1e6,
+        allreduce_s=statistics.fmean(reduce[k] for k in keys) / 1e6,
         copy_s=ring.copy_s if ring is not None else 0.0,
         worker_cpu_s=worker_cpu_s,
         ring_cpu_per_byte=_ring_cpu_per_byte(worker_cpu_s, own_s, ring_bytes(num_workers, figures["model_bytes"])),
@@ -62,10 +61,6 @@ def _ring_cpu_per_byte(worker_cpu_s: float | None, own_s: float, ring: float) ->
     if worker_cpu_s is None or ring <= 0:
         return 0.0
     return max(0.0, worker_cpu_s - own_s) / ring
-
-
-def _mean(values: Iterable[float]) -> float:
-    return statistics.fmean(values)
 
 
 def _per_step(spans: list[dict[str, Any]], field: str = "dur") -> dict[tuple[str, int], float]:
