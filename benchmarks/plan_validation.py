@@ -1,25 +1,32 @@
-"""`shardflow plan` against measured loopback runs: calibrate on one PS run, predict every size (target: within 15%).
+"""`shardflow plan` against measured loopback runs: each strategy calibrated on one run, every size predicted
+(target: within 15%), and the predicted winner against the measured one.
 
-The job is the async benchmark's MLP 64-512-512-10 (301k parameters), batch 32, 1 PS, SGD. Each run is profiled in
-the middle of training; the plan model is calibrated from the first size's capture (compute per step, bandwidth of
-the copies, PS apply time, the CPU of every role per step, and the cores all roles together kept busy). The
-measurement compared is the steady rate inside each capture (ps:0's updates per second); the whole-run rate
-(global_step / training_s, start-up ramp included) is shown beside it.
+Two models (--model mlp, click or both):
+- mlp: the async benchmark's MLP 64-512-512-10 (301k parameters), batch 32, 1 PS, SGD; no sf.nn tables, so
+  HybridStrategy refuses it (hybrid = all-reduce).
+- click: the click-through model of click_model.py (jobs/click_through.py): sf.nn tables with a 10M-row item table,
+  a 40-64-32-1 head, batch 512, Adagrad, 1 PS. The PS and hybrid hold the tables on the PS; all-reduce cannot hold
+  them (every worker would all-reduce the 640 MB table's gradient each step): not run, plan's figure shown.
+
+Every strategy runs at every size (--workers, 2,1,4) profiled in the middle of training, and is calibrated on its run
+of the first size (planning/calibrate.py reads a PS, all-reduce or hybrid capture): compute per step, bandwidth of
+the copies, PS apply, the CPU of every role per step; for all-reduce what gloo's ring costs; for hybrid a worker's
+step outside the ring and the wait for the PS, that wait and the ring. The measurement compared is the steady rate
+inside each capture (global steps/s); the whole-run rate (start-up ramp included) is shown beside it. "from PS" is
+the strategy predicted from the PS run's calibration instead (for click: the rows the PS run's pushes carry beyond
+the dense parameters its replies bring back, through the PS; the rest all-reduced over the PS links' bandwidth).
 
 Other programs on a shared machine take cores from the job, and CPU per step measured under contention is what the
 job will pay at the other sizes too. So the prediction uses the cores the calibrating run's roles really got (what
-`shardflow plan --cores measured` does); the prediction for all the machine's cores is shown beside it. Each run
-still waits (a while) for a quiet machine and reports the cores other processes used while it ran.
+`shardflow plan --cores measured` does; a hybrid run's capture holds only its workers, and its PS's cores are
+estimated from the workers' waits for it). "shared" is the prediction on all the machine's cores instead, which
+the job's busy roles share with the other programs' demand its calibrating run saw (the scheduler shares cores by
+runnable threads, so more workers take more of a shared machine: PlanConfig.contending_roles). Each run waits
+(a while) for a quiet machine and reports the cores other processes used while it ran; --repeats N runs every
+strategy and size N times in turns and keeps the fastest.
 
---strategies adds all-reduce and hybrid rows, predicted from the same PS calibration (planning/strategies.py) and
-compared with a run of that strategy (the steady rate inside its capture where it has one, else its whole-run
-global steps/s); a strategy this tree does not have yet is reported as not available, never estimated.
---calibrate-allreduce-on N calibrates the all-reduce and hybrid rows on the all-reduce run of N workers instead (what
-gloo's ring costs here, in wall time and CPU per byte; planning/calibrate_allreduce.py); the PS-calibrated
-prediction is shown beside each.
-
-Usage: python benchmarks/plan_validation.py [--quick] [--workers 2,1,4] [--strategies ps,allreduce,hybrid]
-       [--calibrate-allreduce-on N] [--out DIR]
+Usage: python benchmarks/plan_validation.py [--quick] [--model mlp|click|both] [--workers 2,1,4]
+       [--strategies ps,allreduce,hybrid] [--repeats N] [--out DIR]
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +49,32 @@ import result_line
 JOB_FLAG = "--job"
 TARGET_ERROR = 0.15
 STRATEGY_CLASSES = {"ps": "ParameterServerStrategy", "allreduce": "AllReduceStrategy", "hybrid": "HybridStrategy"}
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Model:
+    name: str
+    batch_size: int
+    table_params: float
+    """Its sf.nn tables in full (0: none)."""
+    steps: int
+    quick_steps: int
+    skipped: dict[str, str]
+    """Strategies not run on it, and why."""
+
+
+MODELS = {
+    "mlp": Model("mlp", 32, 0.0, 6000, 1500, {"hybrid": "= all-reduce (no sf.nn tables)"}),
+    "click": Model(
+        "click",
+        512,
+        10_000_000 * 16 + 1_000 * 8 + 10_000 * 8,
+        3000,
+        1000,
+        {"allreduce": "not run: all-reduce cannot hold the table (640 MB of gradient per step in every worker)"},
+    ),
+}
 
 
 def job(max_steps: int, strategy_name: str = "ps", num_workers: int = 1) -> None:
@@ -80,87 +113,96 @@ def job(max_steps: int, strategy_name: str = "ps", num_workers: int = 1) -> None
     est.train(input_fn, max_steps=max_steps)
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer steps per run (a smoke test)")
+    parser.add_argument("--quick", action="store_true", help="fewer steps per run (mlp 1500, click 1000)")
+    parser.add_argument("--model", choices=["mlp", "click", "both"], default="mlp", help="the model(s) swept (mlp)")
     # The first size calibrates. 2 workers and a PS already keep 2 cores busy; the CPU a step costs rises once the
     # roles outnumber the cores (switches, caches), which a 1-worker calibration cannot see.
     parser.add_argument("--workers", default="2,1,4", help="sizes; the first one calibrates (2,1,4)")
     parser.add_argument("--strategies", default="ps", help="of ps, allreduce, hybrid: the strategies swept (ps)")
-    parser.add_argument(
-        "--calibrate-allreduce-on",
-        type=int,
-        metavar="N",
-        help="calibrate the all-reduce and hybrid rows on the all-reduce run of N workers (one of --workers)",
-    )
-    parser.add_argument("--steps", type=int, help="global steps per run (6000; 1500 with --quick)")
-    parser.add_argument("--repeats", type=int, default=1, help="runs per size; the fastest one counts (1)")
+    parser.add_argument("--steps", type=int, help="global steps per run (mlp 6000, click 3000)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per strategy and size; the fastest one counts (1)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the roles share (all)")
     parser.add_argument("--quiet-wait", type=float, default=30.0, help="seconds to wait for a quiet machine (30)")
     parser.add_argument("--out", type=Path, help="where runs and plan_validation.json go (a temporary dir)")
-    args = parser.parse_args()
-    sizes = [int(n) for n in args.workers.split(",")]
-    strategies = [name.strip() for name in args.strategies.split(",")]
-    unknown = [name for name in strategies if name not in STRATEGY_CLASSES]
-    if unknown or "ps" not in strategies:
+    args = parser.parse_args(argv)
+    try:
+        args.sizes = [int(n) for n in args.workers.split(",")]
+    except ValueError:
+        parser.error(f"--workers {args.workers}: expected sizes such as 2,1,4")
+    if not args.sizes or min(args.sizes) < 1:
+        parser.error(f"--workers {args.workers}: every size must be at least 1, e.g. 2,1,4")
+    args.strategy_names = [name.strip() for name in args.strategies.split(",")]
+    unknown = [name for name in args.strategy_names if name not in STRATEGY_CLASSES]
+    if unknown or "ps" not in args.strategy_names:
         parser.error(f"--strategies: {', '.join(unknown) or 'ps is missing'}; e.g. --strategies ps,allreduce,hybrid")
-    ring_on = args.calibrate_allreduce_on
-    if ring_on is not None and (ring_on not in sizes or ring_on < 2 or "allreduce" not in strategies):
-        parser.error(
-            f"--calibrate-allreduce-on {ring_on}: needs 2 or more workers, one of --workers {args.workers}, and "
-            "allreduce in --strategies"
-        )
-    steps = args.steps or (1500 if args.quick else 6000)
+    args.models = [MODELS[name] for name in (["mlp", "click"] if args.model == "both" else [args.model])]
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     if args.out is None:
         with tempfile.TemporaryDirectory(prefix="plan-validation-") as directory:
-            return validate(sizes, strategies, steps, args, Path(directory))
-    return validate(sizes, strategies, steps, args, args.out)
+            return validate(args, Path(directory))
+    return validate(args, args.out)
 
 
-def validate(sizes: list[int], strategies: list[str], steps: int, args: argparse.Namespace, out: Path) -> int:
-    """Run the PS at every size, calibrate on the first, then every other strategy that exists; one table."""
-    # Repeats go round all the sizes in turn, so that a spell of load from other programs hits each size alike.
-    tries = [{n: measure(n, steps, "ps", args, out / f"repeat-{r}") for n in sizes} for r in range(args.repeats)]
-    runs = {n: fastest([sizes_run[n] for sizes_run in tries]) for n in sizes}
-    base = runs[sizes[0]]["calibration"]
-    plan = plan_config(base, args.cores)
-    print(f"calibrated on {sizes[0]} worker(s): compute {base.step_compute_s * 1e3:.3f} ms/step, bandwidth ", end="")
-    print(f"{base.bandwidth / 1e9:.2f} GB/s, PS apply {base.ps_apply_s * 1e3:.3f} ms/update; ", end="")
-    print(f"the roles kept {plan.cores:.2f} of {args.cores} cores busy")
-    if base.worker_cpu_s is not None and base.ps_cpu_s is not None:
-        print(f"CPU per worker step (all threads): worker {base.worker_cpu_s * 1e3:.3f} ms, ", end="")
-        print(f"PS {base.ps_cpu_s * 1e3:.3f} ms; chief {base.other_cores:.2f} cores")
-    print()
-    rows = [ps_row(plan, n, runs[n], args.cores) for n in sizes]
-    others = {s: measure_strategy(s, sizes, steps, args, out) for s in strategies[1:]}
-    ring_plan = None
-    if args.calibrate_allreduce_on is not None:
-        ring_base = others["allreduce"][args.calibrate_allreduce_on]["calibration"]
-        ring_plan = ring_plan_config(plan, ring_base, args.cores)
-        print(f"all-reduce calibrated on {args.calibrate_allreduce_on} workers: ", end="")
-        print(describe_ring(ring_base), end="\n\n")
-    for strategy, strategy_runs in others.items():
-        rows += other_strategy_rows(plan, ring_plan, strategy, strategy_runs, sizes)
+def validate(args: argparse.Namespace, out: Path) -> int:
+    """Every model: every strategy at every size, each calibrated on its first size's run; one table."""
+    rows: list[dict[str, Any]] = []
+    winners: list[dict[str, Any]] = []
+    for model in args.models:
+        model_rows = validate_model(model, args, out / model.name)
+        rows += model_rows
+        winners += winner_checks(model, model_rows, args.sizes)
     print_rows(rows)
+    print_winners(winners)
     checked = [row for row in rows if row.get("error") is not None and not row["calibration_run"]]
     worst = max((abs(row["error"]) for row in checked), default=0.0)
     print(f"\nworst error of the predicted rows: {worst:.1%} (target {TARGET_ERROR:.0%})")
-    calibration = {**vars(base), "capture": str(base.capture)}
-    report = {"steps": steps, "cores": args.cores, "calibration": calibration, "rows": rows}
-    (out / "plan_validation.json").write_text(json.dumps(report, indent=1))
-    result_line.print_result("plan_validation", report, result_rows(rows, sizes[0]))
-    return 0 if worst <= TARGET_ERROR else 1
+    report = {"cores": args.cores, "rows": rows, "winners": winners}
+    (out / "plan_validation.json").write_text(json.dumps(report, indent=1, default=str))
+    result_line.print_result("plan_validation", report, result_rows(rows, winners))
+    return 0 if worst <= TARGET_ERROR and all(w["match"] for w in winners) else 1
 
 
-def plan_config(base: Any, cores: int) -> Any:
-    """The model calibrated on `base`, for the cores its roles got (all `cores` where the capture sampled none)."""
+def validate_model(model: Model, args: argparse.Namespace, out: Path) -> list[dict[str, Any]]:
+    """One model's rows: the strategies it runs, predicted from their own first-size run and from the PS run's."""
+    sizes, steps = args.sizes, args.steps or (model.quick_steps if args.quick else model.steps)
+    runs = {
+        strategy: measure_strategy(model, strategy, sizes, steps, args, out)
+        for strategy in args.strategy_names
+        if strategy not in model.skipped
+    }
+    ps_plan = plan_config(model, runs["ps"][sizes[0]], args.cores)
+    rows = []
+    for strategy in args.strategy_names:
+        if strategy in model.skipped:
+            rows.append(skipped_row(model, strategy, ps_plan, sizes[0]))
+        elif runs[strategy]:
+            base = runs[strategy][sizes[0]]
+            print(f"{model.name}, {strategy} calibrated on {sizes[0]} workers: {describe(base['calibration'])}")
+            plan = plan_config(model, base, args.cores)
+            plans = (plan, shared_plan(plan, base["calibration"], args.cores), ps_plan)
+            rows += [strategy_row(model, strategy, plans, n, runs[strategy][n]) for n in sizes]
+        else:
+            rows.append({"model": model.name, "strategy": strategy, "note": "not available in this tree"})
+    print()
+    return rows
+
+
+def plan_config(model: Model, run: dict[str, Any], cores: int) -> Any:
+    """The plan model calibrated on `run`, for the cores its roles got (all `cores` where the capture sampled none)."""
     from shardflow.planning.plan_model import PlanConfig
 
+    base = run["calibration"]
     job_cores = min(base.busy_cores or cores, cores)
     return PlanConfig(
         num_params=base.model_bytes / 4,
         num_workers=base.num_workers,
-        num_ps=base.num_ps,
+        num_ps=max(1, base.num_ps),
         bandwidth=base.bandwidth,
         step_compute_s=base.step_compute_s,
         ps_apply_s=base.ps_apply_s,
@@ -168,50 +210,81 @@ def plan_config(base: Any, cores: int) -> Any:
         worker_cpu_s=base.worker_cpu_s,
         ps_cpu_s=base.ps_cpu_s,
         other_cores=min(base.other_cores, job_cores / 2),
-        calibrated_on="ps",
+        sparse_params=base.sparse_bytes / 4,
+        table_params=model.table_params,
+        ring=base.ring,
+        hybrid=base.hybrid,
+        calibrated_on=base.strategy,
     )
 
 
-def ring_plan_config(plan: Any, ring_base: Any, cores: int) -> Any:
-    """The model for all-reduce and hybrid: the PS calibration's, with the all-reduce run's ring cost, compute and
-    the cores its roles got."""
-    job_cores = min(ring_base.busy_cores or cores, cores)
+def shared_plan(plan: Any, base: Any, cores: int) -> Any:
+    """`plan` on all the machine's cores, which the job's busy roles share with the other programs' demand that
+    the calibrating run saw (in roles: PlanConfig.contending_roles), instead of the cores that run got."""
     return replace(
-        plan,
-        step_compute_s=ring_base.step_compute_s,
-        cores=job_cores,
-        other_cores=min(ring_base.other_cores, job_cores / 2),
-        ring=ring_base.ring,
-        calibrated_on="allreduce",
+        plan, cores=cores, other_cores=min(base.other_cores, cores / 2), contending_roles=base.contending_roles
     )
 
 
-def describe_ring(base: Any) -> str:
-    """What the all-reduce run measured, in one line."""
-    ring = base.ring
-    text = f"compute {base.step_compute_s * 1e3:.3f} ms/step, all-reduce {base.allreduce_s * 1e3:.3f} ms/step of "
-    text += f"{base.model_bytes / 1e6:.2f} MB (copies {ring.copy_s * 1e3:.3f} ms, ring {ring.bandwidth / 1e9:.3f} "
-    text += f"GB/s), optimizer {ring.apply_s * 1e3:.3f} ms"
-    if ring.cpu_per_byte is not None and ring.own_cpu_s is not None:
-        text += f"; CPU per worker step {ring.own_cpu_s * 1e3:.3f} ms outside the ring, "
-        text += f"{ring.cpu_per_byte * 1e9:.3f} ms per MB of the ring"
-    return text + f"; the roles kept {base.busy_cores or 0:.2f} cores busy"
+def describe(base: Any) -> str:
+    """What a calibrating run measured, in one line."""
+    text = f"compute {base.step_compute_s * 1e3:.3f} ms/step, {base.model_bytes / 1e3:.1f} kB per worker step"
+    if base.sparse_bytes:
+        text += f" ({base.sparse_bytes / 1e3:.1f} kB of table rows)"
+    if base.hybrid is not None:
+        h = base.hybrid
+        text += f"; per step: own {h.own_s * 1e3:.3f} ms, push and wait for the PS {h.push_wait_s * 1e3:.3f} ms, "
+        text += f"all-reduce {h.allreduce_s * 1e3:.3f} ms"
+    elif base.ring is not None:
+        text += f"; all-reduce {base.allreduce_s * 1e3:.3f} ms, ring {base.ring.bandwidth / 1e6:.1f} MB/s"
+    else:
+        text += f"; bandwidth {base.bandwidth / 1e9:.2f} GB/s, PS apply {base.ps_apply_s * 1e3:.3f} ms"
+    if base.worker_cpu_s is not None:
+        text += f"; worker CPU {base.worker_cpu_s * 1e3:.3f} ms/step"
+    return text + f"; {base.global_steps_per_s:.1f} global steps/s"
 
 
-def ps_row(plan: Any, n: int, run: dict[str, Any], cores: int) -> dict[str, Any]:
+def skipped_row(model: Model, strategy: str, ps_plan: Any, calibrated_on: int) -> dict[str, Any]:
+    """A strategy not run on this model: why, and what plan predicts for it from the PS run."""
     from shardflow.planning.strategies import predict_strategy
 
-    prediction = predict_strategy(replace(plan, num_workers=n), "ps")
-    all_cores = predict_strategy(replace(plan, num_workers=n, cores=cores), "ps")
-    steady = run["calibration"].global_steps_per_s
+    predicted = predict_strategy(replace(ps_plan, num_workers=calibrated_on), strategy)  # type: ignore[arg-type]
     return {
-        "strategy": "ps",
+        "model": model.name,
+        "strategy": strategy,
+        "note": model.skipped[strategy],
+        "predicted_from_ps": predicted.global_steps_per_s,
+        "workers": calibrated_on,
+    }
+
+
+def strategy_row(
+    model: Model, strategy: str, plans: tuple[Any, Any, Any], n: int, run: dict[str, Any]
+) -> dict[str, Any]:
+    """`plans`: the strategy's own calibration, the same on the machine's cores shared with the other programs'
+    demand (shared_plan), and the PS run's."""
+    plan, shared_plan, ps_plan = plans
+    from shardflow.planning.strategies import predict_strategy
+
+    prediction = predict_strategy(replace(plan, num_workers=n), strategy)  # type: ignore[arg-type]
+    shared = predict_strategy(replace(shared_plan, num_workers=n), strategy)  # type: ignore[arg-type]
+    from_ps = predict_strategy(replace(ps_plan, num_workers=n), strategy)  # type: ignore[arg-type]
+    steady = run["calibration"].global_steps_per_s if run["calibration"] is not None else run["whole"]
+    batches_per_step = 1 if strategy == "ps" else n  # async PS: every worker's batch is a global step
+    return {
+        "model": model.name,
+        "strategy": strategy,
         "workers": n,
         "calibration_run": n == plan.num_workers,
+        "calibrated_workers": plan.num_workers,
+        "calibrated_on": prediction.calibration,
         "predicted": prediction.global_steps_per_s,
+        "predicted_from_ps": from_ps.global_steps_per_s,
+        "predicted_shared": shared.global_steps_per_s,
         "measured": steady,
         "error": prediction.global_steps_per_s / steady - 1,
-        "predicted_all_cores": all_cores.global_steps_per_s,
+        "predicted_examples": prediction.batches_per_s * model.batch_size,
+        "measured_examples": steady * batches_per_step * model.batch_size,
         "whole_run": run["whole"],
         "bound": prediction.bound,
         "others_cores": run["others_cores"],
@@ -220,116 +293,141 @@ def ps_row(plan: Any, n: int, run: dict[str, Any], cores: int) -> dict[str, Any]
 
 
 def measure_strategy(
-    strategy: str, sizes: list[int], steps: int, args: argparse.Namespace, out: Path
+    model: Model, strategy: str, sizes: list[int], steps: int, args: argparse.Namespace, out: Path
 ) -> dict[int, dict[str, Any]]:
-    """A run of `strategy` at every size; none where this tree does not have the strategy."""
+    """The fastest of --repeats runs of `strategy` at every size; none where this tree does not have it."""
     import shardflow as sf
 
     if not hasattr(sf, STRATEGY_CLASSES[strategy]):
         print(f"{strategy}: not available in this tree (no sf.{STRATEGY_CLASSES[strategy]}); no rows", file=sys.stderr)
         return {}
-    return {n: measure(n, steps, strategy, args, out / "repeat-0") for n in sizes}
+    # Repeats go round all the sizes in turn, so that a spell of load from other programs hits each size alike.
+    tries = [
+        {n: measure(model, n, steps, strategy, args, out / f"repeat-{r}") for n in sizes} for r in range(args.repeats)
+    ]
+    return {n: fastest([sizes_run[n] for sizes_run in tries]) for n in sizes}
 
 
-def other_strategy_rows(
-    plan: Any, ring_plan: Any, strategy: str, runs: dict[int, dict[str, Any]], sizes: list[int]
-) -> list[dict[str, Any]]:
-    """Rows of a strategy predicted from its calibration (the all-reduce run's where there is one, else the PS
-    run's) against its own runs, or one row saying it is missing."""
-    from shardflow.planning.strategies import predict_strategy
-
-    if not runs:
-        return [{"strategy": strategy, "workers": None, "calibration_run": False, "error": None, "available": False}]
-    rows = []
+def winner_checks(model: Model, rows: list[dict[str, Any]], sizes: list[int]) -> list[dict[str, Any]]:
+    """At every size, the strategy with the most examples/s as predicted and as measured."""
+    checks = []
     for n in sizes:
-        run = runs[n]
-        prediction = predict_strategy(replace(ring_plan or plan, num_workers=n), strategy)  # type: ignore[arg-type]
-        from_ps = predict_strategy(replace(plan, num_workers=n), strategy)  # type: ignore[arg-type]
-        steady = run["calibration"].global_steps_per_s if run["calibration"] is not None else run["whole"]
-        rows.append(
+        ran = [row for row in rows if row.get("workers") == n and row.get("measured") is not None]
+        if len(ran) < 2:
+            continue
+        predicted = max(ran, key=lambda row: row["predicted_examples"])["strategy"]
+        measured = max(ran, key=lambda row: row["measured_examples"])["strategy"]
+        checks.append(
             {
-                "strategy": strategy,
+                "model": model.name,
                 "workers": n,
-                "calibration_run": strategy == "allreduce"
-                and ring_plan is not None
-                and n == ring_plan.ring.calibrated_workers,
-                "calibrated_on": prediction.calibration,
-                "predicted": prediction.global_steps_per_s,
-                "predicted_from_ps": from_ps.global_steps_per_s,
-                "measured": steady,
-                "error": prediction.global_steps_per_s / steady - 1,
-                "predicted_all_cores": None,
-                "whole_run": run["whole"],
-                "bound": prediction.bound,
-                "others_cores": run["others_cores"],
-                "load_average": run["load_average"],
+                "predicted": predicted,
+                "measured": measured,
+                "match": predicted == measured,
             }
         )
-    return rows
+    return checks
 
 
 def print_rows(rows: list[dict[str, Any]]) -> None:
     header = (
-        f"{'strategy':<9}  {'workers':>7}  {'predicted':>9}  {'measured':>8}  {'error':>6}  {'all cores':>9}  "
-        f"{'whole run':>9}  {'others':>6}  {'load':>5}  {'bound':<11}  {'calibrated on':<14}  {'from PS':>7}"
+        f"{'model':<5}  {'strategy':<9}  {'workers':>7}  {'predicted':>9}  {'measured':>8}  {'error':>6}  "
+        f"{'pred ex/s':>9}  {'meas ex/s':>9}  {'whole run':>9}  {'others':>6}  {'load':>5}  {'bound':<11}  "
+        f"{'calibrated on':<14}  {'from PS':>7}  {'shared':>7}"
     )
     print(header + "\n" + "-" * len(header))
     for row in rows:
-        if row.get("available") is False:
-            print(f"{row['strategy']:<9}  not available in this tree")
+        if row.get("measured") is None:
+            from_ps = row.get("predicted_from_ps")
+            plan = f" (plan from the PS run, {row['workers']} workers: {from_ps:.1f})" if from_ps is not None else ""
+            print(f"{row['model']:<5}  {row['strategy']:<9}  {row['note']}{plan}")
             continue
-        all_cores = f"{row['predicted_all_cores']:>9.1f}" if row["predicted_all_cores"] is not None else f"{'':>9}"
         note = "  (calibration run)" if row["calibration_run"] else ""
-        from_ps = f"{row['predicted_from_ps']:>7.1f}" if row.get("predicted_from_ps") is not None else f"{'':>7}"
         print(
-            f"{row['strategy']:<9}  {row['workers']:>7}  {row['predicted']:>9.1f}  {row['measured']:>8.1f}  "
-            f"{row['error']:>+6.1%}  {all_cores}  {row['whole_run']:>9.1f}  {row['others_cores']:>6.2f}  "
-            f"{row['load_average']:>5.1f}  "
-            f"{row['bound']:<11}  {row.get('calibrated_on', 'PS run'):<14}  {from_ps}{note}"
+            f"{row['model']:<5}  {row['strategy']:<9}  {row['workers']:>7}  {row['predicted']:>9.1f}  "
+            f"{row['measured']:>8.1f}  {row['error']:>+6.1%}  {row['predicted_examples']:>9,.0f}  "
+            f"{row['measured_examples']:>9,.0f}  {row['whole_run']:>9.1f}  {row['others_cores']:>6.2f}  "
+            f"{row['load_average']:>5.1f}  {row['bound']:<11}  {row['calibrated_on']:<14}  "
+            f"{row['predicted_from_ps']:>7.1f}  {row['predicted_shared']:>7.1f}{note}"
         )
-    print("global steps/s; measured: the steady rate inside the run's capture (the whole run's where it has none);")
-    print("all cores: the model given every core of the machine; others: cores other programs used during the run;")
-    print("load: the machine's 1-minute load average at its end; from PS: the prediction calibrated on the PS run")
+    print("global steps/s (async PS: one per worker batch; all-reduce and hybrid: one per round of all workers);")
+    print("measured: the steady rate inside the run's capture; ex/s: examples/s; others: cores other programs used")
+    print("during the run; load: the 1-minute load average at its end; from PS: predicted from the PS run instead;")
+    print("shared: predicted with the machine's cores shared by busy roles with the others' demand the run saw")
 
 
-def result_rows(rows: list[dict[str, Any]], calibrated_on: int) -> list[dict[str, Any]]:
-    """BENCHMARKS.md's rows: each predicted size against its measured rate (the calibration run is not a test)."""
-    return [
+def print_winners(winners: list[dict[str, Any]]) -> None:
+    print("\nwinner (most examples/s), predicted against measured:")
+    for w in winners:
+        verdict = "match" if w["match"] else "MISMATCH"
+        print(
+            f"  {w['model']:<5} {w['workers']} workers: predicted {w['predicted']}, measured {w['measured']}: {verdict}"
+        )
+
+
+def result_rows(rows: list[dict[str, Any]], winners: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """BENCHMARKS.md's rows: each predicted size against its measured rate (a calibration run is not a test)."""
+    figures = [
         result_line.row(
-            f"plan's global steps/s, {size['strategy']}, {size['workers']} worker{'s' if size['workers'] != 1 else ''}"
-            f", calibrated on {size.get('calibrated_on', f'PS run with {calibrated_on}')}",
-            size["predicted"],
+            f"plan's global steps/s, {row['model']}, {row['strategy']}, {row['workers']} "
+            f"worker{'s' if row['workers'] != 1 else ''}, calibrated on the {row['calibrated_on']} of "
+            f"{row['calibrated_workers']}",
+            row["predicted"],
             "measured rate",
-            size["measured"],
+            row["measured"],
             target=f"within {TARGET_ERROR:.0%}",
-            met=abs(size["error"]) <= TARGET_ERROR,
+            met=abs(row["error"]) <= TARGET_ERROR,
         )
-        for size in rows
-        if size.get("error") is not None and not size["calibration_run"]
+        for row in rows
+        if row.get("error") is not None and not row["calibration_run"]
+    ]
+    return figures + [
+        result_line.row(
+            f"plan's winner, {w['model']}, {w['workers']} workers: {w['predicted']} (measured: {w['measured']})",
+            1.0 if w["match"] else 0.0,
+            "the measured winner",
+            1.0,
+            met=w["match"],
+        )
+        for w in winners
     ]
 
 
-def measure(num_workers: int, steps: int, strategy: str, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def measure(
+    model: Model, num_workers: int, steps: int, strategy: str, args: argparse.Namespace, out: Path
+) -> dict[str, Any]:
     """One profiled run, with the CPU that other processes used meanwhile (machine busy time minus the job's)."""
     from shardflow.planning.calibrate import calibrate
-    from shardflow.planning.scaling import ScaleConfig, run_size
+    from shardflow.planning.scaling import ScaleConfig, ScaleRunError, run_size
 
+    directory = out.resolve() / strategy
+    if model.name == "click":
+        mode = {"ps": "async", "hybrid": "hybrid", "allreduce": "allreduce"}[strategy]
+        result_json = directory / f"workers-{num_workers}" / "click.json"
+        script, script_args = (
+            HERE / "jobs" / "click_through.py",
+            (str(result_json), str(num_workers), "1", str(steps), mode),
+        )
+    else:
+        script, script_args = Path(__file__).resolve(), (JOB_FLAG, str(steps), strategy, str(num_workers))
     # Profile the middle of each run: past the start-up ramp, before the first workers finish.
     window = (int(steps * 0.4), int(steps * 0.7))
-    config = ScaleConfig(
-        script=Path(__file__).resolve(),
-        script_args=(JOB_FLAG, str(steps), strategy, str(num_workers)),
-        out=out / strategy,
-        # Hybrid's capture would mix both kinds of spans, which no calibration reads yet.
-        profile_steps=window if strategy in ("ps", "allreduce") else None,
-    )
+    config = ScaleConfig(script=script, script_args=script_args, out=directory, profile_steps=window)
     wait_for_quiet(args.cores, args.quiet_wait)
     machine_before, job_before, started = _busy_s(), _children_cpu_s(), time.monotonic()
-    result = run_size(config, num_workers, log=lambda line: print(line, file=sys.stderr))
+    try:
+        result = run_size(config, num_workers, log=lambda line: print(line, file=sys.stderr))
+    except ScaleRunError as error:
+        # Other people's jobs on a shared machine can take the port a role picked between its pick and its bind.
+        if "Address already in use" not in str(error):
+            raise
+        print(f"  a role's port was taken; running again: {str(error).splitlines()[0]}", file=sys.stderr)
+        config = replace(config, out=directory / "again")
+        result = run_size(config, num_workers, log=lambda line: print(line, file=sys.stderr))
     wall = time.monotonic() - started
     others = (_busy_s() - machine_before) - (_children_cpu_s() - job_before)
     return {
-        "calibration": calibrate(result["profile_dir"]) if strategy in ("ps", "allreduce") else None,
+        "calibration": calibrate(result["profile_dir"]),
         "whole": result["global_step"] / result["training_s"],
         "others_cores": max(0.0, others / wall),
         # Fair scheduling shares the cores by runnable threads, not by the cores others use: a job of one worker

@@ -22,6 +22,8 @@ examples:
   shardflow plan --params 100M --sparse-params 90M ... --strategy all    PS, all-reduce and hybrid, and the winner
   shardflow plan --calibrate runs/ps --calibrate-allreduce runs/ar --workers 4 --cores measured
                                        PS from a PS run, all-reduce and hybrid from an all-reduce run
+  shardflow plan --calibrate runs/ps --calibrate-hybrid runs/hy --workers 4 --cores measured
+                                       PS from a PS run, hybrid from a hybrid run
 
 The model, per worker step (M model bytes, B link bandwidth, n workers, k PS):
   PS communication per direction   max(M/B, n·M/(k·B))   a worker moves M, the busiest PS n·M/k
@@ -31,7 +33,11 @@ The model, per worker step (M model bytes, B link bandwidth, n workers, k PS):
 --calibrate reads a PS run's capture or an all-reduce run's. An all-reduce capture measures what gloo's ring costs
   on its machine: all-reduce and hybrid are predicted from that (its wall time and CPU per ring byte), and the PS
   from its compute, its optimizer step and the ring's bandwidth standing in for the links. Each row of the
-  strategies' table says which run it was calibrated on.
+  strategies' table says which run it was calibrated on. A PS run of a model with sf.nn tables measures the rows
+  a step pushes (its pushes less the dense parameters its replies bring back): hybrid sends those through the PS.
+--calibrate-hybrid reads an sf.HybridStrategy run's capture: a worker's step outside the all-reduce and the wait
+  for the PS, that wait and the ring; hybrid is then predicted from it, the wait growing with the pushes the busiest
+  PS takes per round (n/k) and the ring with its bytes (2(n-1)/n of the dense part).
 --cores models a local run: moving bytes is then CPU work on both ends, and all roles share the cores.
   With --calibrate it uses the CPU every role measured per step (all threads). That cost rises once the
   roles outnumber the cores, so calibrate on a run that already keeps the cores busy. --cores measured
@@ -75,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="MODEL_DIR",
         help="predict all-reduce and hybrid from this all-reduce run's capture (its latest)",
     )
+    parser.add_argument(
+        "--calibrate-hybrid", metavar="MODEL_DIR", help="predict hybrid from this hybrid run's capture (its latest)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -83,15 +92,20 @@ def run(args: argparse.Namespace) -> int:
     try:
         calibration = _calibration(args)
         ring = _ring(args)
+        hybrid = _hybrid(args)
         config = _config(args, calibration)
     except (ValueError, CaptureNotFoundError) as error:
         print(f"shardflow plan: error: {error}", file=sys.stderr)
         return 2
-    for measured in (calibration, ring):
+    for measured in (calibration, ring, hybrid):
         if measured is not None:
             _print_calibration(measured)
     if ring is not None:
         config = replace(config, ring=ring.ring)
+    if hybrid is not None:
+        config = replace(config, hybrid=hybrid.hybrid)
+        if args.sparse_params is None:
+            config = replace(config, sparse_params=min(config.num_params, hybrid.sparse_bytes / args.bytes_per_param))
     if args.strategy in ("ps", "all"):
         _print_prediction(config, args.allreduce)
         print()
@@ -130,6 +144,21 @@ def _ring(args: argparse.Namespace) -> Calibration | None:
     return calibration
 
 
+def _hybrid(args: argparse.Namespace) -> Calibration | None:
+    """The hybrid run of --calibrate-hybrid, whose step hybrid is predicted from."""
+    if args.calibrate_hybrid is None:
+        return None
+    from shardflow.planning.calibrate import calibrate
+
+    calibration = calibrate(args.calibrate_hybrid)
+    if calibration.hybrid is None:
+        raise ValueError(
+            f"--calibrate-hybrid {args.calibrate_hybrid}: its capture ({calibration.capture}) is not of an "
+            "sf.HybridStrategy run (no worker both all-reduced and pushed to a PS)"
+        )
+    return calibration
+
+
 def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanConfig:
     from shardflow.planning.plan_model import PlanConfig
     from shardflow.planning.units import parse_bandwidth, parse_count, parse_duration
@@ -161,6 +190,12 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         assert calibration is not None  # every flag without a default is required when nothing was measured
         return float(getattr(calibration, name))
 
+    def sparse() -> float:
+        """The rows the calibrated run pushed, unless --params gives another model."""
+        if calibration is None or args.params:
+            return 0.0
+        return calibration.sparse_bytes / float(args.bytes_per_param)
+
     return PlanConfig(
         num_params=parse_count(args.params) if args.params else measured("model_bytes") / args.bytes_per_param,
         bytes_per_param=args.bytes_per_param,
@@ -175,9 +210,10 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         worker_cpu_s=calibration.worker_cpu_s if calibration is not None and cores else None,
         ps_cpu_s=calibration.ps_cpu_s if calibration is not None and cores else None,
         other_cores=min(calibration.other_cores, cores / 2) if calibration is not None and cores else 0.0,
-        sparse_params=parse_count(args.sparse_params, "--sparse-params") if args.sparse_params else 0.0,
+        sparse_params=parse_count(args.sparse_params, "--sparse-params") if args.sparse_params else sparse(),
         table_params=parse_count(args.table_params, "--table-params") if args.table_params else 0.0,
         ring=calibration.ring if calibration is not None else None,
+        hybrid=calibration.hybrid if calibration is not None else None,
         calibrated_on=calibration.strategy if calibration is not None else None,
     )
 
@@ -207,6 +243,9 @@ def _print_calibration(c: Calibration) -> None:
 
     if c.strategy == "allreduce":
         _print_ring_calibration(c)
+        return
+    if c.hybrid is not None:
+        _print_hybrid_calibration(c)
         return
     print(f"measured in {c.capture} ({_plural(c.num_workers, 'worker')}, {c.num_ps} PS):")
     rows = [
@@ -251,6 +290,29 @@ def _print_ring_calibration(c: Calibration) -> None:
         rows.append(["CPU per worker step", format_duration(ring.own_cpu_s), f"outside the ring; the ring {per_mb}/MB"])
     if c.busy_cores is not None:
         rows.append(["cores busy", f"{c.busy_cores:.2f}", "all roles together (--cores measured uses this)"])
+    rows.append(["achieved", format_duration(c.worker_step_s), f"per step, {c.global_steps_per_s:.1f} global steps/s"])
+    print_table(None, ["measured", "value", ""], rows, right={"value"})
+    print()
+
+
+def _print_hybrid_calibration(c: Calibration) -> None:
+    from shardflow.planning.units import format_bytes, format_duration
+
+    assert c.hybrid is not None
+    h = c.hybrid
+    print(f"measured in {c.capture} (hybrid, {_plural(c.num_workers, 'worker')}, {c.num_ps} PS):")
+    rows = [
+        ["table rows pushed", format_bytes(c.sparse_bytes), "per worker step, to the PS"],
+        ["dense part", format_bytes(c.model_bytes - c.sparse_bytes), "all-reduced per step"],
+        ["own part of a step", format_duration(h.own_s), "compute, lookups, apply: outside the waits"],
+        ["push and PS wait", format_duration(h.push_wait_s), "until every PS took the rows"],
+        ["all-reduce per step", format_duration(h.allreduce_s), f"of which copies {format_duration(h.copy_s)}"],
+    ]
+    if h.worker_cpu_s is not None:
+        per_mb = format_duration(h.ring_cpu_per_byte * 1e6)
+        rows.append(["CPU per worker step", format_duration(h.worker_cpu_s), f"all threads; the ring {per_mb}/MB"])
+    if c.busy_cores is not None:
+        rows.append(["cores busy", f"{c.busy_cores:.2f}", "workers, and the PS as their waits for it"])
     rows.append(["achieved", format_duration(c.worker_step_s), f"per step, {c.global_steps_per_s:.1f} global steps/s"])
     print_table(None, ["measured", "value", ""], rows, right={"value"})
     print()

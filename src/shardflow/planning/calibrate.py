@@ -14,11 +14,12 @@ from typing import Any
 import pyarrow.compute as pc
 
 from shardflow.planning.calibrate_allreduce import ring_cost
-from shardflow.planning.plan_model import RingCost
+from shardflow.planning.calibrate_hybrid import hybrid_cost, is_hybrid
+from shardflow.planning.plan_model import HybridCost, RingCost
 from shardflow.profile.capture import capture_dir, finalize
 from shardflow.profile.events import load
-from shardflow.profile.memory import CPU_CORES
-from shardflow.profile.spans import ALLREDUCE, APPLY, BACKWARD, FORWARD, PUSH, RECEIVE, REPLY, STEP
+from shardflow.profile.memory import CPU_CORES, USABLE_CPUS_BUSY
+from shardflow.profile.spans import ALLREDUCE, APPLY, BACKWARD, FORWARD, PULL_WAIT, PUSH, RECEIVE, REPLY, STEP
 
 _COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes"]
 
@@ -60,6 +61,22 @@ class Calibration:
     """An all-reduce run's: what its ring cost, in wall time and CPU per byte."""
     allreduce_s: float | None = None
     """An all-reduce run's: median all-reduce of a worker step."""
+    sparse_bytes: float = 0.0
+    """Of model_bytes, the sf.nn table rows' gradients a worker pushes per step: a PS run's pushes less the dense
+    parameters its replies carry back; a hybrid run's pushes."""
+    hybrid: HybridCost | None = None
+    """A hybrid run's: its step outside the all-reduce, its wait for the PS and its ring."""
+    machine_busy_cores: float | None = None
+    """Cores busy on the whole machine meanwhile, other programs included (the `cpu.usable_busy` counters)."""
+
+    @property
+    def contending_roles(self) -> float:
+        """Other programs' demand on the cores, in the job's busy roles: they kept (machine less job) cores busy
+        while the job's roles kept busy_cores (PlanConfig.contending_roles). 0 where the capture cannot tell."""
+        if self.busy_cores is None or self.machine_busy_cores is None or self.busy_cores <= 0:
+            return 0.0
+        others = max(0.0, self.machine_busy_cores - self.busy_cores)
+        return others / self.busy_cores * (self.num_workers + self.num_ps)
 
 
 def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
@@ -72,6 +89,8 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     for span in spans:
         if span["step"] is not None:
             by_name[span["name"]].append(span)
+    if is_hybrid(by_name):
+        return _calibrate_hybrid(directory, table, by_name)
     if by_name[ALLREDUCE]:
         return _calibrate_allreduce(directory, table, by_name)
     worker_steps = [s for s in by_name[STEP] if s["role"].startswith("worker")]
@@ -93,11 +112,12 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     num_workers = len({s["role"] for s in worker_steps})
     cores = _cores_by_role(table)
     worker_steps_per_s = sum(_rate(spans) for spans in _by_role(worker_steps).values())
+    model_bytes = _per_worker_step(pushes)
     return Calibration(
         capture=directory,
         num_workers=num_workers,
         num_ps=len(applies_by_ps),
-        model_bytes=sum(s["bytes"] or 0 for s in pushes) / len({(s["role"], s["step"]) for s in pushes}),
+        model_bytes=model_bytes,
         # Medians, not means: on a shared machine other programs preempt the roles now and then, and a preempted
         # span measures that wait, not the work.
         step_compute_s=statistics.median(_compute_us(by_name)) / 1e6,
@@ -109,6 +129,49 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         ps_cpu_s=_cpu_per_worker_step(cores, "ps", len(applies_by_ps), worker_steps_per_s),
         other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
         busy_cores=sum(cores.values()) if cores else None,
+        machine_busy_cores=_machine_busy_cores(table),
+        # A worker pulls the dense parameters back after each push, never the rows it pushed gradients of.
+        sparse_bytes=max(0.0, model_bytes - _per_worker_step(by_name[PULL_WAIT])) if by_name[PULL_WAIT] else 0.0,
+    )
+
+
+def _per_worker_step(spans: list[dict[str, Any]]) -> float:
+    """Mean bytes of the spans per (worker, step) that has any."""
+    return sum(s["bytes"] or 0 for s in spans) / len({(s["role"], s["step"]) for s in spans})
+
+
+def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[str, Any]]]) -> Calibration:
+    cores = _cores_by_role(table)
+    steps_by_worker = {role: spans for role, spans in _by_role(by_name[STEP]).items() if role[:6] == "worker"}
+    num_workers = len(steps_by_worker)
+    worker_cpu_s = _cpu_per_worker_step(
+        cores, "worker", num_workers, sum(_rate(spans) for spans in steps_by_worker.values())
+    )
+    pushes = [s for s in by_name[PUSH] if s["role"].startswith("worker")]
+    num_ps = round(len(pushes) / len({(s["role"], s["step"]) for s in pushes}))  # one push to every PS a step
+    cost, ring, figures = hybrid_cost(by_name, worker_cpu_s, num_ps, directory)
+    sparse_bytes = figures["sparse_bytes"]
+    return Calibration(
+        capture=directory,
+        num_workers=num_workers,
+        num_ps=num_ps,
+        model_bytes=figures["model_bytes"] + sparse_bytes,
+        step_compute_s=figures["step_compute_s"],
+        # The PS link: the rows over the push spans (the wait for the PS to take them is in cost.push_wait_s).
+        bandwidth=sparse_bytes / (_median(pushes) * num_ps / 1e6) if pushes and _median(pushes) > 0 else float("inf"),
+        ps_apply_s=0.0,
+        worker_step_s=figures["worker_step_s"],
+        global_steps_per_s=figures["global_steps_per_s"],
+        worker_cpu_s=worker_cpu_s,
+        other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
+        # A hybrid capture holds no PS: its cores are its waits for the PS, which on loopback are the PS's work.
+        busy_cores=sum(cores.values()) + cost.push_wait_s * figures["global_steps_per_s"] if cores else None,
+        machine_busy_cores=_machine_busy_cores(table),
+        strategy="hybrid",
+        ring=ring,
+        allreduce_s=figures["allreduce_s"],
+        sparse_bytes=sparse_bytes,
+        hybrid=cost,
     )
 
 
@@ -132,6 +195,7 @@ def _calibrate_allreduce(directory: Path, table: Any, by_name: dict[str, list[di
         worker_cpu_s=worker_cpu_s,
         other_cores=sum(v for role, v in cores.items() if not role.startswith("worker")),
         busy_cores=sum(cores.values()) if cores else None,
+        machine_busy_cores=_machine_busy_cores(table),
         strategy="allreduce",
         ring=ring,
         allreduce_s=figures["allreduce_s"],
@@ -164,9 +228,15 @@ def _cpu_per_worker_step(cores: dict[str, float], kind: str, num_roles: int, wor
     return sum(measured) / worker_steps_per_s
 
 
-def _cores_by_role(table: Any) -> dict[str, float]:
+def _machine_busy_cores(table: Any) -> float | None:
+    """Mean cores busy on the machine, every program's, as the roles sampled them (the most any role saw)."""
+    busy = _cores_by_role(table, USABLE_CPUS_BUSY)
+    return max(busy.values()) if busy else None
+
+
+def _cores_by_role(table: Any, counter: str = CPU_CORES) -> dict[str, float]:
     """Mean CPU cores each role kept busy over its samples: the integral of `cpu.cores` over their span."""
-    counters = table.filter(pc.and_(pc.equal(table["ph"], "C"), pc.equal(table["name"], CPU_CORES)))
+    counters = table.filter(pc.and_(pc.equal(table["ph"], "C"), pc.equal(table["name"], counter)))
     samples: dict[str, list[tuple[float, float]]] = defaultdict(list)
     for row in counters.select(["role", "ts", "value"]).to_pylist():
         samples[row["role"]].append((row["ts"], row["value"]))

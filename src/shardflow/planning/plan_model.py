@@ -40,6 +40,36 @@ class RingCost:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HybridCost:
+    """What a profiled sf.HybridStrategy run measured per global step (planning/calibrate_hybrid.py): each worker
+    pushes its rows to the PS and waits for them to be taken, then all-reduces the dense gradients."""
+
+    own_s: float
+    """A worker step outside the all-reduce and the wait for the PS: compute, its lookups, the apply, Python."""
+    push_wait_s: float
+    """A worker's push of its rows and the wait for every PS to take them."""
+    allreduce_s: float
+    """The dense all-reduce of a step, the copies into the buckets included."""
+    copy_s: float = 0.0
+    """Of allreduce_s, the copies into the buckets, which do not grow with the ring."""
+    worker_cpu_s: float | None = None
+    """CPU seconds of a worker per step, every thread; None if the run sampled no CPU."""
+    ring_cpu_per_byte: float = 0.0
+    """CPU seconds a worker spends per ring byte beyond the rest of its step (0 where the run could not tell)."""
+    calibrated_workers: int
+    calibrated_ps: int = 1
+    """Workers and PS of the run it was measured on."""
+
+    def __post_init__(self) -> None:
+        for name in ("own_s", "push_wait_s", "allreduce_s", "copy_s", "ring_cpu_per_byte"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"HybridCost.{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("calibrated_workers", "calibrated_ps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"HybridCost.{name} must be at least 1, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
     """A cluster and a model, in the model's terms."""
 
@@ -70,6 +100,10 @@ class PlanConfig:
     as the apply plus the copies."""
     other_cores: float = 0.0
     """With cores: cores kept busy by roles whose work does not grow with the workers (the chief)."""
+    contending_roles: float = 0.0
+    """With cores: other programs' demand on the cores, in busy roles. The scheduler shares the cores by runnable
+    threads, so the job's roles (workers and PS) get cores x roles / (roles + contending_roles): more workers take
+    more of a shared machine. 0: the job has all `cores`."""
     sparse_params: float = 0.0
     """Of num_params, the sf.nn table rows a worker step touches: through the PS under hybrid (planning/strategies)."""
     table_params: float = 0.0
@@ -79,6 +113,8 @@ class PlanConfig:
     ring: RingCost | None = None
     """Measured on an all-reduce run: all-reduce and hybrid take the ring's cost from it, not from `bandwidth`,
     `ps_apply_s` and `worker_cpu_s`."""
+    hybrid: HybridCost | None = None
+    """Measured on a hybrid run: hybrid is predicted from it (its step, wait for the PS and ring), not from the rest."""
     calibrated_on: str | None = None
     """The strategy of the profiled run the other inputs were measured on ('ps' or 'allreduce'); None: given."""
 
@@ -102,12 +138,20 @@ class PlanConfig:
             raise ValueError(f"PlanConfig.sparse_params must be in [0, num_params], got {self.sparse_params}")
         if self.table_params < 0:
             raise ValueError(f"PlanConfig.table_params must be >= 0, got {self.table_params}")
+        if self.contending_roles < 0:
+            raise ValueError(f"PlanConfig.contending_roles must be >= 0, got {self.contending_roles}")
         if self.cores is not None and not 0 <= self.other_cores < self.cores:
             raise ValueError(f"PlanConfig.other_cores must be in [0, cores), got {self.other_cores}")
 
     @property
     def model_bytes(self) -> float:
         return self.num_params * self.bytes_per_param
+
+    def job_cores(self, num_roles: int) -> float:
+        """The cores the job's `num_roles` busy roles get of `cores` beside the other programs, less the chief's."""
+        assert self.cores is not None
+        share = self.cores * num_roles / (num_roles + self.contending_roles)
+        return max(share - self.other_cores, 1e-9)
 
 
 @dataclass(frozen=True)
@@ -153,7 +197,7 @@ def predict(config: PlanConfig) -> Prediction:
         worker_cpu = config.step_compute_s + 4 * worker_link if config.worker_cpu_s is None else config.worker_cpu_s
         # Measured PS CPU is per push received (each worker step), which holds in both modes.
         ps_cpu = updates_per_round * config.ps_apply_s if config.ps_cpu_s is None else n * config.ps_cpu_s
-        parts["CPU cores"] = (n * worker_cpu + ps_cpu) / (config.cores - config.other_cores)
+        parts["CPU cores"] = (n * worker_cpu + ps_cpu) / config.job_cores(n + k)
         bounds = [
             (parts["compute"] + parts["worker link"], _larger(parts, "compute", "worker link")),
             (parts["CPU cores"], "CPU cores"),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shardflow.planning.plan_model import PlanConfig, RingCost, predict
+from shardflow.planning.plan_model import HybridCost, PlanConfig, RingCost, predict
 from shardflow.planning.units import format_bytes
 
 Strategy = Literal["ps", "allreduce", "hybrid"]
@@ -73,11 +73,13 @@ def predict_strategy(config: PlanConfig, strategy: Strategy) -> StrategyPredicti
         )
     if strategy == "hybrid":
         table_bytes = config.sparse_params * config.bytes_per_param
+        if config.hybrid is not None:
+            return _measured_hybrid(config, config.hybrid, config.model_bytes - table_bytes, table_bytes)
         return _synchronous(config, strategy, config.model_bytes - table_bytes, table_bytes)
     return _synchronous(config, strategy, allreduce_bytes(config), 0.0)
 
 
-_CALIBRATIONS = {"ps": "PS run", "allreduce": "all-reduce run", None: "given"}
+_CALIBRATIONS = {"ps": "PS run", "allreduce": "all-reduce run", "hybrid": "hybrid run", None: "given"}
 
 
 def allreduce_bytes(config: PlanConfig) -> float:
@@ -104,7 +106,7 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
     }
     if config.cores is not None:
         cpu = n * (_worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply) + _ps_cpu_s(config, table_bytes))
-        times["CPU cores"] = cpu / (config.cores - config.other_cores)
+        times["CPU cores"] = cpu / config.job_cores(n + (k if table_bytes > 0 else 0))
     if config.cores is not None or cost is not None:
         # On loopback the bytes move by the CPU: a worker's own copies come after its compute. A measured ring is
         # sf.AllReduceStrategy's, which all-reduces once backward is done: its time adds to the step's too.
@@ -115,6 +117,33 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
         all_links = {}
     calibration = "all-reduce run" if cost else _CALIBRATIONS[config.calibrated_on]
     return StrategyPrediction(strategy, n, times[bound], bound, all_links, 1, calibration)
+
+
+def _measured_hybrid(
+    config: PlanConfig, cost: HybridCost, dense_bytes: float, table_bytes: float
+) -> StrategyPrediction:
+    """Hybrid from a hybrid run: a worker's step is its own part, then the push of its rows and the wait for the PS
+    to take every worker's rows of the round, then the ring; with shared cores, at least every role's CPU."""
+    n, k = config.num_workers, config.num_ps
+    n0, k0 = cost.calibrated_workers, cost.calibrated_ps
+    ring, ring0 = ring_bytes(n, dense_bytes), ring_bytes(n0, dense_bytes)
+    if ring0 > 0:
+        ring_s = cost.copy_s + (cost.allreduce_s - cost.copy_s) * ring / ring0
+    else:  # a run of 1 worker moved nothing in its ring: the links stand in
+        ring_s = cost.allreduce_s + ring / (config.ring.bandwidth if config.ring else config.bandwidth)
+    # The busiest PS takes n/k pushes a round one after another; the run waited for n0/k0 of them.
+    times = {"compute": cost.own_s, "worker link": ring_s, "PS apply": cost.push_wait_s * (n / k) / (n0 / k0)}
+    round_s, bound = sum(times.values()), max(times, key=lambda name: times[name])
+    if config.cores is not None and cost.worker_cpu_s is not None:
+        worker_cpu = cost.worker_cpu_s + cost.ring_cpu_per_byte * (ring - ring0)
+        # On loopback the PS's wait is its CPU work on the n0 pushes of the round it measured.
+        ps_cpu = cost.push_wait_s / n0
+        cpu_s = n * (worker_cpu + ps_cpu) / config.job_cores(n + k)
+        if cpu_s > round_s:
+            round_s, bound = cpu_s, "CPU cores"
+    links = ps_link_bytes(config, table_bytes) | {"worker": ring + table_bytes}
+    links = {name: value for name, value in links.items() if value > 0}
+    return StrategyPrediction("hybrid", n, round_s, bound, links, 1, "hybrid run")
 
 
 def _worker_cpu_s(config: PlanConfig, ring: float, table_bytes: float, dense_apply: float) -> float:
