@@ -57,7 +57,11 @@ BENCHMARKS = [
     Benchmark(name="profiler", script="profiler.py"),
     Benchmark(name="input_formats", script="input_formats.py"),
     Benchmark(name="input_pipeline", script="input_pipeline.py"),
-    Benchmark(name="plan_validation", script="plan_validation.py"),
+    Benchmark(
+        name="plan_validation",
+        script="plan_validation.py",
+        flags=("--model", "both", "--strategies", "ps,allreduce,hybrid"),
+    ),
     Benchmark(
         name="embedding_tables",
         script="embedding_tables.py",
