@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +53,8 @@ def run_allreduce_chief(
     store.clean(job.model_dir)
     model = job.build_model()
     _check_supported(job, model)
-    restored = restore_latest(job, model, role)
-    start_step = restored.step if restored is not None else 0
-    start_chunks = _hand_out(role, restored)
-    chief = _Chief(job, role, model, _Watch(job, role, failures), start_step, start_chunks)
+    start = _start_or_adopt(job, role, model)
+    chief = _Chief(job, role, model, _Watch(job, role, failures), start)
     try:
         state, path = chief.train(preemption)
         training_s = time.monotonic() - started
@@ -75,7 +74,7 @@ def run_allreduce_chief(
         final_loss=final_loss,
         elapsed_s=time.monotonic() - started,
         training_s=training_s,
-        start_step=start_step,
+        start_step=start.step,
         worker_steps={name: p.local_step for name, p in chief.watch.progress.items()},
         ps_stats={},
         eval_history=chief.eval_history,
@@ -95,13 +94,11 @@ class _Chief:
         role: RoleContext,
         model: torch.nn.Module,
         watch: _Watch,
-        start_step: int,
-        start_chunks: int,
+        start: _Start,
     ) -> None:
-        """`start_chunks`: those of the state handed out (`_hand_out`), removed once every worker has read them."""
         self.job, self.role, self.model, self.watch = job, role, model, watch
         self.started = time.monotonic()
-        self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
+        self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start.step)
         self.summaries = Summaries(
             job.model_dir,
             save_summary_steps=job.save_summary_steps,
@@ -116,8 +113,9 @@ class _Chief:
             "optimizer": job.optimizer.to_json(),
         }
         """What every checkpoint records besides the state, as the PS strategy's (checkpoints/manager.py)."""
-        self.step = start_step
-        self.start_chunks = start_chunks
+        self.step = start.step
+        self.start_chunks = start.num_chunks
+        self.next_hand_over = start.next_hand_over
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
         self.failed_saves = 0
@@ -126,7 +124,7 @@ class _Chief:
         """Until the final state: each state worker:0 hands over checkpointed or evaluated (or both), the workers
         watched. The final state and where it was saved."""
         control = self.role.control
-        n = 1
+        n = self.next_hand_over
         watched = 0.0
         while True:
             notice_key = job_keys.allreduce_checkpoint(n)
@@ -229,6 +227,47 @@ def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) 
             f"{sparse} are sparse embeddings (sparse=True), whose row-sparse gradients AllReduceStrategy does not "
             "all-reduce: make them dense (sparse=False), or train with sf.ParameterServerStrategy"
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Start:
+    step: int
+    """The global step the run started from."""
+    num_chunks: int
+    """The chunks of the state handed out (`_hand_out`), removed once every worker has read them."""
+    next_hand_over: int
+    """The first of worker:0's hand-overs this chief saves."""
+
+
+def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model: torch.nn.Module) -> _Start:
+    """Where this chief starts: the latest checkpoint (or the model's initial values), handed out to the workers;
+    or, restarted while the workers' group trains, the live group, adopted (no checkpoint is restored over it): the
+    run's start as the workers kept it, and worker:0's first hand-over not confirmed saved, which it puts again
+    (train/allreduce_replay.py)."""
+    timeout_s = job.strategy.startup_timeout_s
+    names = [f"worker:{index}" for index in range(role.num_workers)]
+    live = {
+        name: role.control.read(job_keys.allreduce_live(name), waiting_for=f"{name} to start", timeout_s=timeout_s)
+        for name in names
+    }
+    if not any(worker.joined for worker in live.values()):
+        restored = restore_latest(job, model, role)
+        step = restored.step if restored is not None else 0
+        return _Start(step=step, num_chunks=_hand_out(role, restored), next_hand_over=1)
+    leader = live["worker:0"]
+    if not leader.joined:
+        raise RoleFailedError(
+            "the chief was restarted while worker:0 was restarted too: the states it handed over are lost with both "
+            "(one role lost at a time is survived); run the job again to resume from its last checkpoint"
+        )
+    start = role.control.read(job_keys.ALLREDUCE_START, waiting_for="the live workers' start", timeout_s=timeout_s)
+    log.warning(
+        "the chief was restarted: adopted the live all-reduce group at global step %d; the next state saved is "
+        "hand-over %d",
+        leader.step,
+        leader.next_hand_over,
+    )
+    return _Start(step=start.step, num_chunks=0, next_hand_over=leader.next_hand_over)
 
 
 def _hand_out(role: RoleContext, restored: ModelState | None) -> int:

@@ -15,6 +15,7 @@ from torch._C._distributed_c10d import ProcessGroupGloo
 from shardflow.cluster import control_keys
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
 from shardflow.train import allreduce_state, job_keys
+from shardflow.train.allreduce_replay import Replay
 from shardflow.train.job_keys import RejoinState
 from shardflow.train.role_context import RoleContext
 from shardflow.train.strategy import AllReduceStrategy
@@ -71,10 +72,13 @@ class Peers:
     def _lost(self) -> list[str]:
         now, lost = time.monotonic(), []
         for name, (last, _) in self.beats.items():
-            beat = self._beat(name)
+            # Not there yet: a restarted chief's control service, before the worker's next beat.
+            beat = self._beat(name) or last
             if beat != last:
                 self.beats[name] = (beat, now)
-            if beat.partition(":")[0] != self.pids[name] or now - self.beats[name][1] > self.heartbeat_timeout_s:
+            pid = beat.partition(":")[0]
+            self.pids[name] = self.pids[name] or pid  # known only from its first beat on that service
+            if pid != self.pids[name] or now - self.beats[name][1] > self.heartbeat_timeout_s:
                 lost.append(name)
         return lost
 
@@ -85,11 +89,17 @@ def generation_to_join(role: RoleContext) -> int:
     return 0 if joined is None else int(joined) + 1
 
 
-def form(strategy: AllReduceStrategy, role: RoleContext, generation: int, deadline: float) -> ProcessGroupGloo:
+def form(
+    strategy: AllReduceStrategy, role: RoleContext, generation: int, deadline: float, replay: Replay | None = None
+) -> ProcessGroupGloo:
     """The group's `generation`, formed once every worker announced it (or a later one) before `deadline`
-    (time.monotonic()); GroupLostError names those that did not."""
+    (time.monotonic()); GroupLostError names those that did not. The announcement goes through `replay`, where
+    given: a restarted chief gets it again."""
     control, name = role.control, role.task.name
-    control.set(control_keys.allreduce_joined(name), str(generation))
+    if replay is not None:
+        replay.set_joined(generation)
+    else:
+        control.set(control_keys.allreduce_joined(name), str(generation))
     members = [f"worker:{index}" for index in range(role.num_workers)]
     while True:
         missing = [

@@ -32,6 +32,10 @@ Each entry reads `key`: writer -> readers. Meaning.
 - `allreduce/rejoin/<generation>`: the first survivor -> the restarted workers of that generation of the group. The
   state to go on from (chunks `state/rejoin/<generation>/<i>`) and every worker's count of batches applied; deleted
   once they read it.
+- `allreduce/live/<role>`: that worker -> chief. Whether it trains in a formed group, and (worker:0) the first
+  hand-over the chief has not confirmed saved. Put at the worker's start, and again with everything else a
+  restarted chief needs when the worker finds it gone (train/allreduce_replay.py): a restarted chief adopts a live
+  group from it rather than restore a checkpoint over it.
 """
 
 from __future__ import annotations
@@ -159,6 +163,15 @@ class RejoinState(_Value, frozen=True, kw_only=True):
     """Per worker index: whether it had a batch in the last global step (its input is done otherwise)."""
 
 
+class LiveWorker(_Value, frozen=True, kw_only=True):
+    joined: bool
+    """Whether the worker trains in a formed group (else it waits for the job's start)."""
+    next_hand_over: int
+    """worker:0's first hand-over the chief has not confirmed saved (its state is kept and put again)."""
+    step: int
+    """worker:0's global step when it last looked (-1: not known); for the chief's log."""
+
+
 class Saved(_Value, frozen=True, kw_only=True):
     path: str | None
     """The checkpoint written; None where it could not be (a periodic one, training goes on)."""
@@ -201,3 +214,7 @@ def allreduce_resume(role: str) -> Key[ResumePoint]:
 
 def allreduce_rejoin(generation: int) -> Key[RejoinState]:
     return Key(f"allreduce/rejoin/{generation}", RejoinState, "the re-formed group's first survivor")
+
+
+def allreduce_live(role: str) -> Key[LiveWorker]:
+    return Key(f"allreduce/live/{role}", LiveWorker, role)

@@ -1,0 +1,129 @@
+"""What an all-reduce worker put on the chief's control plane and a restarted chief needs, kept and put again: a
+restarted chief's control service starts empty. A thread of the worker, on a connection of its own, finds its
+`allreduce/live/<role>` key gone, puts again the job's start, its group generation, its resume point, its input
+positions of the hand-overs still in flight, its last progress report and (worker:0) the state it handed over that
+the chief has not confirmed saved; then `allreduce/live/<role>`, from which the chief adopts the running group
+(train/allreduce_chief.py)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from shardflow.cluster import control_keys
+from shardflow.cluster.control_keys import Key
+from shardflow.cluster.control_plane import ControlPlane
+from shardflow.train import allreduce_state, job_keys
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.job_keys import InputState, LiveWorker
+from shardflow.train.role_context import RoleContext
+
+log = logging.getLogger(__name__)
+
+_LOOK_EVERY_S = 0.5
+"""How often the thread looks whether the chief's control service is a new one."""
+
+
+class Replay:
+    """One worker's keys a restarted chief needs; each `put` through it is kept (the latest value of each key) and
+    put again on a chief that lost it. Safe to use from the worker's training thread."""
+
+    def __init__(self, role: RoleContext) -> None:
+        self.role, self.name = role, role.task.name
+        self._live_key = job_keys.allreduce_live(self.name)
+        self._lock = threading.Lock()
+        self._kept: dict[str, bytes] = {}
+        self._positions: dict[int, str] = {}
+        """Hand-over number -> its kept position key: only the last two can be in flight."""
+        self._state: tuple[int, ModelState] | None = None
+        self.joined = False
+        self.next_hand_over = 1
+        self.step = -1
+        """worker:0's global step, set as it trains: only for the restarted chief's log."""
+        self._control = ControlPlane(role.control.address, timeout_s=role.control.timeout_s)
+        self._stopped = threading.Event()
+        with self._lock:
+            self._announce(role.control)
+        self._thread = threading.Thread(target=self._run, name="allreduce-replay", daemon=True)
+        self._thread.start()
+
+    def put(self, key: Key[Any], value: Any) -> None:
+        """`key` set to `value` on the control plane, and kept."""
+        with self._lock:
+            self._kept[key.name] = key.encode(value)  # kept first: a restart between the two misses nothing
+            self.role.control.put(key, value)
+
+    def set_joined(self, generation: int) -> None:
+        """The last generation of the group this worker joined (control_keys.allreduce_joined), kept."""
+        with self._lock:
+            name = control_keys.allreduce_joined(self.name)
+            self._kept[name] = str(generation).encode()
+            self.role.control.set(name, str(generation))
+
+    def keep(self, key: Key[Any], value: Any) -> None:
+        """Another role's key this worker read (the job's start): put again on a restarted chief."""
+        with self._lock:
+            self._kept[key.name] = key.encode(value)
+
+    def put_position(self, n: int, value: InputState) -> None:
+        """This worker's input position of hand-over `n`; that of hand-over n-2 is handled for sure (worker:0 waits
+        for it to be saved before it sends n-1) and no longer kept."""
+        key = job_keys.allreduce_position(n, self.name)
+        with self._lock:
+            old = self._positions.pop(n - 2, None)
+            if old is not None:
+                self._kept.pop(old, None)
+            self._positions[n] = key.name
+        self.put(key, value)
+
+    def send_state(self, n: int, state: ModelState) -> int:
+        """worker:0's state of hand-over `n` on the control plane (allreduce_state.send), kept until `confirmed`;
+        its number of chunks."""
+        with self._lock:
+            self._state = (n, state)
+            return allreduce_state.send(self.role.control, f"checkpoint/{n}", state)
+
+    def confirmed(self, n: int) -> None:
+        """worker:0 read that the chief saved hand-over `n`: its state is no longer kept."""
+        with self._lock:
+            if self._state is not None and self._state[0] == n:
+                self._state = None
+            self._kept.pop(job_keys.allreduce_checkpoint(n).name, None)
+            self.next_hand_over = n + 1
+
+    def mark_joined(self) -> None:
+        """This worker trains in a formed group: a restarted chief must adopt it."""
+        with self._lock:
+            self.joined = True
+            self._announce(self.role.control)
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(timeout=2 * _LOOK_EVERY_S)
+        self._control.close()
+
+    def _announce(self, control: ControlPlane) -> None:
+        live = LiveWorker(joined=self.joined, next_hand_over=self.next_hand_over, step=self.step)
+        control.put(self._live_key, live)
+
+    def _run(self) -> None:
+        while not self._stopped.wait(_LOOK_EVERY_S):
+            try:
+                if not self._control.is_set(self._live_key):
+                    self._put_again()
+            except (RuntimeError, OSError, ValueError):  # the chief is gone for good, or stop() closed the connection
+                return
+
+    def _put_again(self) -> None:
+        with self._lock:
+            log.warning("%s: the chief was restarted; it puts again what the chief needs of it", self.name)
+            if self._state is not None:  # before its notice, among the kept keys
+                n, state = self._state
+                allreduce_state.send(self._control, f"checkpoint/{n}", state)
+            for name, data in self._kept.items():
+                self._control.set(name, data)
+            report = self.role.last_report
+            if report is not None:
+                self._control.put(job_keys.progress(self.name), report)
+            self._announce(self._control)
