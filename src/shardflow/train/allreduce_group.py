@@ -122,7 +122,8 @@ def form(
                 f"{limit}: lost for good; run the job again to resume from its last checkpoint"
             )
         time.sleep(_POLL_S)
-    store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s)
+    setter = replay.set_rendezvous if replay is not None else None
+    store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s, setter=setter)
     host = role.spec.address(role.task).rpartition(":")[0].strip("[]")
     return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
 

@@ -34,6 +34,8 @@ class Replay:
         self._live_key = job_keys.allreduce_live(self.name)
         self._lock = threading.Lock()
         self._kept: dict[str, bytes] = {}
+        self._forming: dict[str, bytes] = {}
+        """The rendezvous keys this worker wrote for the generation of the group it forms (cluster/dist_store.py)."""
         self._positions: dict[int, str] = {}
         """Hand-over number -> its kept position key: only the last two can be in flight."""
         self._state: tuple[int, ModelState] | None = None
@@ -55,11 +57,20 @@ class Replay:
             self.role.control.put(key, value)
 
     def set_joined(self, generation: int) -> None:
-        """The last generation of the group this worker joined (control_keys.allreduce_joined), kept."""
+        """The last generation of the group this worker joined (control_keys.allreduce_joined), kept; the rendezvous
+        keys of the one before are no longer."""
         with self._lock:
+            self._forming.clear()
             name = control_keys.allreduce_joined(self.name)
             self._kept[name] = str(generation).encode()
             self.role.control.set(name, str(generation))
+
+    def set_rendezvous(self, name: str, value: bytes) -> None:
+        """A rendezvous key of the generation being formed, set and kept: a chief restarted amid the rendezvous
+        gets it again, and the forming goes on."""
+        with self._lock:
+            self._forming[name] = value
+            self.role.control.set(name, value)
 
     def keep(self, key: Key[Any], value: Any) -> None:
         """Another role's key this worker read (the job's start): put again on a restarted chief."""
@@ -121,7 +132,7 @@ class Replay:
             if self._state is not None:  # before its notice, among the kept keys
                 n, state = self._state
                 allreduce_state.send(self._control, f"checkpoint/{n}", state)
-            for name, data in self._kept.items():
+            for name, data in [*self._kept.items(), *self._forming.items()]:
                 self._control.set(name, data)
             report = self.role.last_report
             if report is not None:
