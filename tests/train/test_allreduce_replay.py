@@ -1,0 +1,86 @@
+"""What an all-reduce worker puts again on a restarted chief's control service (train/allreduce_replay.py): a new
+service on the chief's address starts empty, and the worker's replay finds it so."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from shardflow.cluster import control_keys
+from shardflow.cluster.control_plane import ControlPlane
+from shardflow.cluster.spec import ClusterSpec, TaskSpec
+from shardflow.train import allreduce_state, job_keys
+from shardflow.train.allreduce_replay import Replay
+from shardflow.train.checkpoints.model_state import ModelState
+from shardflow.train.job_keys import AllReduceStart, InputState, StateNotice
+from shardflow.train.role_context import RoleContext
+
+
+@pytest.fixture
+def worker_0(plane: ControlPlane) -> Iterator[tuple[Replay, RoleContext]]:
+    spec = ClusterSpec.local(num_workers=2, num_ps=0)
+    role = RoleContext(spec=spec, task=TaskSpec("worker", 0), control=ControlPlane(plane.address, timeout_s=10))
+    replay = Replay(role)
+    yield replay, role
+    replay.stop()
+    role.control.close()
+
+
+def _restart_chief(plane: ControlPlane) -> ControlPlane:
+    """The chief's control service gone and a new, empty one on its address; the new chief's connection to it."""
+    plane.close()
+    return ControlPlane.serve(plane.address, timeout_s=10)
+
+
+def _hand_over(replay: Replay, n: int) -> ModelState:
+    state = ModelState(step=10 * n, params={"w": torch.arange(4.0) + n})
+    replay.put_position(n, InputState(position={"batch": n}))
+    num_chunks = replay.send_state(n, state)
+    notice = StateNotice(step=state.step, num_chunks=num_chunks, scalars={}, checkpoint=True, final=False)
+    replay.put(job_keys.allreduce_checkpoint(n), notice)
+    return state
+
+
+def test_a_restarted_chief_gets_the_start_the_generation_and_the_unsaved_hand_over_again(plane, worker_0):
+    replay, _ = worker_0
+    replay.keep(job_keys.ALLREDUCE_START, AllReduceStart(step=5, num_chunks=0, scalars={}))
+    replay.set_joined(2)
+    replay.mark_joined()
+    state = _hand_over(replay, 1)
+    chief = _restart_chief(plane)
+    try:
+        live = chief.read(job_keys.allreduce_live("worker:0"), waiting_for="worker:0's replay", timeout_s=10)
+        assert (live.joined, live.next_hand_over) == (True, 1)
+        assert chief.read(job_keys.ALLREDUCE_START, waiting_for="the start").step == 5
+        assert chief.get(control_keys.allreduce_joined("worker:0"), waiting_for="the generation") == "2"
+        notice = chief.read(job_keys.allreduce_checkpoint(1), waiting_for="the notice")
+        again = allreduce_state.receive(
+            chief, "checkpoint/1", notice.num_chunks, step=notice.step, scalars={}, waiting_for="chunks", delete=True
+        )
+        assert torch.equal(again.params["w"], state.params["w"])
+        position = chief.read(job_keys.allreduce_position(1, "worker:0"), waiting_for="the position")
+        assert position.position == {"batch": 1}
+    finally:
+        chief.close()
+
+
+def test_a_hand_over_the_chief_confirmed_saved_is_not_put_again(plane, worker_0):
+    replay, _ = worker_0
+    replay.mark_joined()
+    for n in (1, 2, 3):
+        _hand_over(replay, n)
+        if n < 3:
+            replay.confirmed(n)
+    chief = _restart_chief(plane)
+    try:
+        live = chief.read(job_keys.allreduce_live("worker:0"), waiting_for="worker:0's replay", timeout_s=10)
+        assert live.next_hand_over == 3
+        assert not chief.is_set(job_keys.allreduce_checkpoint(2))
+        assert chief.is_set(job_keys.allreduce_checkpoint(3))
+        # Positions of the last two hand-overs only: the one before them is handled for sure.
+        assert not chief.is_set(job_keys.allreduce_position(1, "worker:0"))
+        assert chief.is_set(job_keys.allreduce_position(2, "worker:0"))
+    finally:
+        chief.close()
