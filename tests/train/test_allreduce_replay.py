@@ -3,6 +3,7 @@ service on the chief's address starts empty, and the worker's replay finds it so
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -14,7 +15,7 @@ from shardflow.cluster.spec import ClusterSpec, TaskSpec
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.checkpoints.model_state import ModelState
-from shardflow.train.job_keys import AllReduceStart, InputState, StateNotice
+from shardflow.train.job_keys import AllReduceStart, InputState
 from shardflow.train.role_context import RoleContext
 
 
@@ -37,9 +38,7 @@ def _restart_chief(plane: ControlPlane) -> ControlPlane:
 def _hand_over(replay: Replay, n: int) -> ModelState:
     state = ModelState(step=10 * n, params={"w": torch.arange(4.0) + n})
     replay.put_position(n, InputState(position={"batch": n}))
-    num_chunks = replay.send_state(n, state)
-    notice = StateNotice(step=state.step, num_chunks=num_chunks, scalars={}, checkpoint=True, final=False)
-    replay.put(job_keys.allreduce_checkpoint(n), notice)
+    replay.send_state(n, state, checkpoint=True, final=False)
     return state
 
 
@@ -82,5 +81,27 @@ def test_a_hand_over_the_chief_confirmed_saved_is_not_put_again(plane, worker_0)
         # Positions of the last two hand-overs only: the one before them is handled for sure.
         assert not chief.is_set(job_keys.allreduce_position(1, "worker:0"))
         assert chief.is_set(job_keys.allreduce_position(2, "worker:0"))
+    finally:
+        chief.close()
+
+
+def test_a_chief_restarted_amid_a_streamed_state_gets_it_whole_from_its_start(plane, worker_0, monkeypatch):
+    replay, _ = worker_0
+    replay.mark_joined()
+    monkeypatch.setattr(allreduce_state, "CHUNK_BYTES", 4096)
+    state = ModelState(step=7, params={"w": torch.arange(1024.0 * 3 * allreduce_state.WINDOW)})
+    sender = threading.Thread(target=replay.send_state, args=(1, state), kwargs={"checkpoint": True, "final": True})
+    sender.start()
+    last = control_keys.state_chunk("checkpoint/1", allreduce_state.WINDOW - 1)
+    plane.wait([last], waiting_for="the window's last chunk")  # the sender waits for the chief to read
+    chief = _restart_chief(plane)
+    try:
+        chief.read(job_keys.allreduce_live("worker:0"), waiting_for="worker:0's replay", timeout_s=10)
+        notice = chief.read(job_keys.allreduce_checkpoint(1), waiting_for="the notice")
+        again = allreduce_state.receive(
+            chief, "checkpoint/1", notice.num_chunks, step=7, scalars={}, waiting_for="chunks", delete=True
+        )
+        sender.join()
+        assert torch.equal(again.params["w"], state.params["w"])
     finally:
         chief.close()

@@ -28,6 +28,8 @@ Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless
 - `state/<name>/<i>`: the chief (`start`: the restored state) -> every worker, and worker:0 (`checkpoint/<n>`) ->
   chief, in `sf.AllReduceStrategy`. Chunk i of a whole model state as safetensors bytes (train/allreduce_state.py);
   its reader deletes it.
+- `state/<name>/<i>/taken`: the chief -> worker:0, in `sf.AllReduceStrategy`. Chunk i of a streamed state was read:
+  the next one past the window may be put (train/allreduce_state.py `stream`); worker:0 deletes it.
 - `allreduce/joined/<role>`: that worker -> the other workers, in `sf.AllReduceStrategy`. The last generation of the
   workers' group it joined; a restarted worker joins the next one (train/allreduce_group.py).
 - `allreduce/stop`: chief -> worker:0, in `sf.AllReduceStrategy`. End training at the next global step (preempted),
@@ -136,3 +138,7 @@ def allreduce_joined(role: str) -> str:
 
 def state_chunk(name: str, index: int) -> str:
     return f"state/{name}/{index}"
+
+
+def state_taken(name: str, index: int) -> str:
+    return f"state/{name}/{index}/taken"

@@ -16,7 +16,7 @@ from shardflow.cluster.control_keys import Key
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.checkpoints.model_state import ModelState
-from shardflow.train.job_keys import InputState, LiveWorker
+from shardflow.train.job_keys import InputState, LiveWorker, StateNotice
 from shardflow.train.role_context import RoleContext
 
 log = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ class Replay:
         """The rendezvous keys this worker wrote for the generation of the group it forms (cluster/dist_store.py)."""
         self._positions: dict[int, str] = {}
         """Hand-over number -> its kept position key: only the last two can be in flight."""
-        self._state: tuple[int, ModelState] | None = None
+        self._state: tuple[int, list[bytes]] | None = None
+        """worker:0's hand-over not confirmed saved, and its state's chunks (allreduce_state.encode)."""
         self.joined = False
         self.next_hand_over = 1
         self.step = -1
@@ -88,12 +89,19 @@ class Replay:
             self._positions[n] = key.name
         self.put(key, value)
 
-    def send_state(self, n: int, state: ModelState) -> int:
-        """worker:0's state of hand-over `n` on the control plane (allreduce_state.send), kept until `confirmed`;
-        its number of chunks."""
+    def send_state(self, n: int, state: ModelState, *, checkpoint: bool, final: bool) -> None:
+        """worker:0's hand-over `n` of `state`: its notice, then its chunks streamed to the chief, both kept until
+        `confirmed`. A chief restarted meanwhile gets everything kept again, and the stream from its start."""
+        chunks = allreduce_state.encode(state)
+        notice = StateNotice(
+            step=state.step, num_chunks=len(chunks), scalars=state.scalars, checkpoint=checkpoint, final=final
+        )
+        key = job_keys.allreduce_checkpoint(n)
         with self._lock:
-            self._state = (n, state)
-            return allreduce_state.send(self.role.control, f"checkpoint/{n}", state)
+            self._state = (n, chunks)
+            self._kept[key.name] = key.encode(notice)
+            self.role.control.put(key, notice)  # first: the chief reads the chunks as they come
+            self._stream(self.role.control)
 
     def confirmed(self, n: int) -> None:
         """worker:0 read that the chief saved hand-over `n`: its state is no longer kept."""
@@ -128,13 +136,34 @@ class Replay:
 
     def _put_again(self) -> None:
         with self._lock:
-            log.warning("%s: the chief was restarted; it puts again what the chief needs of it", self.name)
-            if self._state is not None:  # before its notice, among the kept keys
-                n, state = self._state
-                allreduce_state.send(self._control, f"checkpoint/{n}", state)
-            for name, data in [*self._kept.items(), *self._forming.items()]:
-                self._control.set(name, data)
-            report = self.role.last_report
-            if report is not None:
-                self._control.put(job_keys.progress(self.name), report)
-            self._announce(self._control)
+            if self._control.is_set(self._live_key):  # the training thread's stream found the restart first
+                return
+            self._put_again_on(self._control)
+            if self._state is not None:
+                self._stream(self._control)
+
+    def _put_again_on(self, control: ControlPlane) -> None:
+        """Everything kept, on a restarted chief's control service, then this worker's `allreduce/live` key; the
+        lock held. What a stream cut short left there goes first: the chief reads nothing before that key."""
+        log.warning("%s: the chief was restarted; it puts again what the chief needs of it", self.name)
+        if self._state is not None:
+            n, chunks = self._state
+            allreduce_state.forget(control, f"checkpoint/{n}", len(chunks))
+        for name, data in [*self._kept.items(), *self._forming.items()]:
+            control.set(name, data)
+        report = self.role.last_report
+        if report is not None:
+            control.put(job_keys.progress(self.name), report)
+        self._announce(control)
+
+    def _stream(self, control: ControlPlane) -> None:
+        """The kept state's chunks to the chief, from the first, again each time the chief is restarted meanwhile;
+        the lock held."""
+        assert self._state is not None
+        n, chunks = self._state
+
+        def chief_restarted() -> bool:
+            return not control.is_set(self._live_key)
+
+        while not allreduce_state.stream(control, f"checkpoint/{n}", chunks, reader_gone=chief_restarted):
+            self._put_again_on(control)

@@ -1,9 +1,12 @@
 """A worker's model and optimizer in the checkpoints' terms (model_state.py `ModelState`: whole variables, slots by
 slot key, shared scalars), so that `sf.AllReduceStrategy` writes and restores the checkpoints the PS strategy does;
 and a state's tensors' passage over the control plane, as safetensors bytes in chunks (never pickled); its step and
-scalars travel in the typed key that announces it."""
+scalars travel in the typed key that announces it. A state worker:0 hands the chief is streamed: at most WINDOW chunks
+of it are on the control plane at once, whatever its size (the control store holds 1 GiB in all)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from safetensors.torch import load, save
@@ -15,6 +18,8 @@ from shardflow.train.checkpoints.store import SLOT_SEPARATOR
 
 CHUNK_BYTES = 32 * 2**20
 """Below the control service's largest value (cluster/control.py MAX_VALUE)."""
+WINDOW = 8
+"""Chunks of a streamed state on the control plane at once (`stream`): 256 MiB."""
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> ModelState:
@@ -45,17 +50,45 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mod
             optimizer.state[param] = {**slots, **scalars}
 
 
-def send(control: ControlPlane, name: str, state: ModelState) -> int:
-    """Put the tensors of `state` (params and slots) on the control plane under `name`; the number of chunks."""
+def encode(state: ModelState) -> list[bytes]:
+    """The tensors of `state` (params and slots) as safetensors bytes, in chunks of at most CHUNK_BYTES."""
     tensors = {key: value.contiguous() for key, value in state.params.items()}
     for key, by_name in state.slots.items():
         for variable, tensor in by_name.items():
             tensors[SLOT_SEPARATOR.join(("slot", key, variable))] = tensor.contiguous()
     data = save(tensors)
-    chunks = [data[start : start + CHUNK_BYTES] for start in range(0, len(data), CHUNK_BYTES)]
+    return [data[start : start + CHUNK_BYTES] for start in range(0, len(data), CHUNK_BYTES)]
+
+
+def send(control: ControlPlane, name: str, state: ModelState) -> int:
+    """Put the tensors of `state` on the control plane under `name`, every chunk at once (for several readers);
+    the number of chunks."""
+    chunks = encode(state)
     for index, chunk in enumerate(chunks):
         control.set(control_keys.state_chunk(name, index), chunk)
     return len(chunks)
+
+
+def stream(control: ControlPlane, name: str, chunks: list[bytes], *, reader_gone: Callable[[], bool]) -> bool:
+    """Put `chunks` under `name` for one reader that deletes each (`receive` with `delete`): chunk i only once it
+    took chunk i - WINDOW. False, with the rest not put, where `reader_gone()`, asked while it waits, says the reader
+    will never take it (a restarted chief); True once every chunk is put."""
+    for index, chunk in enumerate(chunks):
+        if index >= WINDOW:
+            taken = control_keys.state_taken(name, index - WINDOW)
+            while not control.set_within(taken, 1.0, waiting_for=f"the chief to read chunk {index - WINDOW}"):
+                if reader_gone():
+                    return False
+            control.delete(taken)
+        control.set(control_keys.state_chunk(name, index), chunk)
+    return True
+
+
+def forget(control: ControlPlane, name: str, num_chunks: int) -> None:
+    """Remove what a `stream` of `num_chunks` under `name` left on the control plane."""
+    for index in range(num_chunks):
+        control.delete(control_keys.state_chunk(name, index))
+        control.delete(control_keys.state_taken(name, index))
 
 
 def receive(
@@ -68,13 +101,17 @@ def receive(
     waiting_for: str,
     delete: bool,
 ) -> ModelState:
-    """The state of global step `step` with `scalars`, whose tensors `send` put under `name`; with `delete`, its
-    chunks are removed once read."""
-    keys = [control_keys.state_chunk(name, index) for index in range(num_chunks)]
-    data = b"".join(control.get_bytes(key, waiting_for=waiting_for) for key in keys)
-    if delete:
-        for key in keys:
+    """The state of global step `step` with `scalars`, whose tensors `send` or `stream` put under `name`; with
+    `delete`, each chunk is removed once read, and its streaming sender told."""
+    pieces = []
+    for index in range(num_chunks):
+        key = control_keys.state_chunk(name, index)
+        pieces.append(control.get_bytes(key, waiting_for=waiting_for))
+        if delete:
             control.delete(key)
+            if index + WINDOW < num_chunks:  # a streaming sender waits for it
+                control.set(control_keys.state_taken(name, index), "1")
+    data = b"".join(pieces)
     state = ModelState(step=step, params={}, scalars=dict(scalars))
     for key, tensor in load(data).items():
         if key.startswith("slot" + SLOT_SEPARATOR):

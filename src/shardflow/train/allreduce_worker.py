@@ -23,7 +23,7 @@ from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
 from shardflow.train.job import JobConfig, check_loss, user_code
-from shardflow.train.job_keys import InputState, RejoinState, ResumePoint, StateNotice
+from shardflow.train.job_keys import InputState, RejoinState, ResumePoint
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 from shardflow.train.strategy import AllReduceStrategy
@@ -326,10 +326,6 @@ class _Trainer:
             control.read(job_keys.allreduce_saved(n - 1), waiting_for="the chief to save the checkpoint before")
             self.replay.confirmed(n - 1)
         state = allreduce_state.capture(self.model, self.optimizer, self.step)
-        num_chunks = self.replay.send_state(n, state)
-        notice = StateNotice(
-            step=self.step, num_chunks=num_chunks, scalars=state.scalars, checkpoint=checkpoint, final=final
-        )
-        self.replay.put(job_keys.allreduce_checkpoint(n), notice)
+        self.replay.send_state(n, state, checkpoint=checkpoint, final=final)
         if final:
             control.read(job_keys.allreduce_saved(n), waiting_for="the chief to save the final checkpoint")
