@@ -44,7 +44,7 @@ def _hand_over(replay: Replay, n: int) -> ModelState:
 
 def test_a_restarted_chief_gets_the_start_the_generation_and_the_unsaved_hand_over_again(plane, worker_0):
     replay, _ = worker_0
-    replay.keep(job_keys.ALLREDUCE_START, AllReduceStart(step=5, num_chunks=0, scalars={}))
+    replay.keep(job_keys.ALLREDUCE_START, AllReduceStart(step=5, checkpoint=None))
     replay.set_joined(2)
     replay.mark_joined()
     state = _hand_over(replay, 1)

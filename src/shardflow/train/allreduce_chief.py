@@ -114,7 +114,6 @@ class _Chief:
         }
         """What every checkpoint records besides the state, as the PS strategy's (checkpoints/manager.py)."""
         self.step = start.step
-        self.start_chunks = start.num_chunks
         self.next_hand_over = start.next_hand_over
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
@@ -153,11 +152,6 @@ class _Chief:
     def _watch(self, preemption: Preemption) -> None:
         """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""
         self.watch.check()
-        if self.start_chunks and len(self.watch.progress) == len(self.watch.workers):
-            # Each worker reports only after it loaded the state: the control service's memory is the checkpoints'.
-            for index in range(self.start_chunks):
-                self.role.control.delete(control_keys.state_chunk("start", index))
-            self.start_chunks = 0
         self.watch.pass_on_preemption(preemption)
         if preemption.requested or self.stopped_early:
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
@@ -233,8 +227,6 @@ def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) 
 class _Start:
     step: int
     """The global step the run started from."""
-    num_chunks: int
-    """The chunks of the state handed out (`_hand_out`), removed once every worker has read them."""
     next_hand_over: int
     """The first of worker:0's hand-overs this chief saves."""
 
@@ -252,8 +244,8 @@ def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model:
     }
     if not any(worker.joined for worker in live.values()):
         restored = restore_latest(job, model, role)
-        step = restored.step if restored is not None else 0
-        return _Start(step=step, num_chunks=_hand_out(role, restored), next_hand_over=1)
+        _hand_out(job, role, restored)
+        return _Start(step=restored.step if restored is not None else 0, next_hand_over=1)
     leader = live["worker:0"]
     if not leader.joined:
         raise RoleFailedError(
@@ -267,18 +259,20 @@ def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model:
         leader.step,
         leader.next_hand_over,
     )
-    return _Start(step=start.step, num_chunks=0, next_hand_over=leader.next_hand_over)
+    return _Start(step=start.step, next_hand_over=leader.next_hand_over)
 
 
-def _hand_out(role: RoleContext, restored: ModelState | None) -> int:
-    """The state training starts from, for every worker: the restored checkpoint's, or none (the model's initial
-    values); and each worker's input position in it. How many chunks it takes on the control plane."""
-    chunks = allreduce_state.send(role.control, "start", restored) if restored is not None else 0
-    if restored is not None:
-        role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=restored.iterators))
-    step, scalars = (restored.step, restored.scalars) if restored is not None else (0, {})
-    role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=step, num_chunks=chunks, scalars=scalars))
-    return chunks
+def _hand_out(job: JobConfig[AllReduceStrategy], role: RoleContext, restored: ModelState | None) -> None:
+    """The state training starts from, for every worker: the restored checkpoint, which each loads from model_dir
+    (as a restarted PS does: the control store holds 1 GiB in all), or none (the model's initial values); and each
+    worker's input position in it."""
+    if restored is None:
+        role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=0, checkpoint=None))
+        return
+    path = store.latest(job.model_dir)
+    assert path is not None and store.global_step(path) == restored.step  # nothing saves before the start
+    role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=restored.iterators))
+    role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=restored.step, checkpoint=path.name))
 
 
 def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState:

@@ -19,6 +19,7 @@ from shardflow.train import allreduce_group, allreduce_state, job_keys
 from shardflow.train.allreduce_gradients import ABORT, FLAGS, HAD_BATCH, SAVE, STOP, GradientReducer
 from shardflow.train.allreduce_group import GroupLostError
 from shardflow.train.allreduce_replay import Replay
+from shardflow.train.checkpoints import store
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition
@@ -54,16 +55,8 @@ def run_allreduce_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -
         model = job.build_model()
         optimizer = job.optimizer.build(list(model.parameters()))
         generation = allreduce_group.generation_to_join(role)
-        if start.num_chunks and generation == 0:  # a restarted worker gets the state of now from the group
-            state = allreduce_state.receive(
-                control,
-                "start",
-                start.num_chunks,
-                step=start.step,
-                scalars=start.scalars,
-                waiting_for="the chief's restored state",
-                delete=False,
-            )
+        if start.checkpoint is not None and generation == 0:  # a restarted worker gets the state of now from the group
+            state, _ = store.load_state(store.directory(job.model_dir) / start.checkpoint)
             allreduce_state.restore(model, optimizer, state)
         restored = control.read_if_set(job_keys.RESTORE_ITERATORS)
         if restored is not None:

@@ -19,8 +19,8 @@ Each entry reads `key`: writer -> readers. Meaning.
 
 `sf.AllReduceStrategy` (train/allreduce_chief.py, allreduce_worker.py):
 
-- `allreduce/start`: chief -> workers. The global step training starts from, and how many chunks of the restored
-  state (control_keys `state/start/<i>`) to load; 0 chunks: the model's initial values.
+- `allreduce/start`: chief -> workers. The global step training starts from, and the checkpoint in model_dir each
+  worker loads itself (every process shares model_dir); none: the model's initial values.
 - `allreduce/checkpoint/<n>`: worker:0 -> chief. The n-th state to checkpoint or evaluate (from 1): its global
   step, its chunks (`state/checkpoint/<n>/<i>`), whether it is the last of training; the chief saves or evaluates
   it, then deletes them.
@@ -115,10 +115,8 @@ class EvaluationResult(_Value, frozen=True, kw_only=True):
 class AllReduceStart(_Value, frozen=True, kw_only=True):
     step: int
     """The global step training starts from."""
-    num_chunks: int
-    """The restored state's chunks; 0: start from the model's initial values."""
-    scalars: dict[str, float]
-    """Its scalar optimizer state (train/checkpoints/model_state.py)."""
+    checkpoint: str | None
+    """The restored checkpoint's directory name in model_dir's checkpoints; None: the model's initial values."""
 
 
 class StateNotice(_Value, frozen=True, kw_only=True):
