@@ -25,9 +25,8 @@ Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless
 - `capture/<name>/done`: chief -> `shardflow profile capture`. The merged capture's directory.
 - `dist/<group>/<generation>/<key>`: each rank of an all-reduce group -> the others. torch.distributed's rendezvous
   (gloo's addresses and counters) through cluster/dist_store.py, never an open TCPStore; bytes.
-- `state/<name>/<i>`: worker:0 (`checkpoint/<n>`, streamed) -> chief, and a group's first survivor
-  (`rejoin/<generation>`) -> its restarted workers, in `sf.AllReduceStrategy`. Chunk i of a whole model state as
-  safetensors bytes (train/allreduce_state.py); the chief deletes each it reads, the survivor once all read them.
+- `state/<name>/<i>`: worker:0 (`checkpoint/<n>`) -> chief, in `sf.AllReduceStrategy`. Chunk i of a whole model
+  state as safetensors bytes (train/allreduce_state.py), streamed: the chief deletes each it reads.
 - `state/<name>/<i>/taken`: the chief -> worker:0, in `sf.AllReduceStrategy`. Chunk i of a streamed state was read:
   the next one past the window may be put (train/allreduce_state.py `stream`); worker:0 deletes it.
 - `allreduce/joined/<role>`: that worker -> the other workers, in `sf.AllReduceStrategy`. The last generation of the

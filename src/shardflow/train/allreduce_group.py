@@ -1,6 +1,7 @@
 """The workers' gloo group of `sf.AllReduceStrategy`, and its forming again after a worker is lost: each forming is a
 new generation of the group's rendezvous keys (cluster/dist_store.py); the members that lived through the last one
-hand those restarted the state to go on from, and how many batches of each worker were applied so far."""
+hand those restarted the state to go on from, and how many batches of each worker were applied so far, over the
+group itself."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ from typing import Any
 
 import msgspec
 import torch
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
-from shardflow.train import allreduce_state, job_keys
+from shardflow.train import allreduce_state
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.job_keys import RejoinState
 from shardflow.train.role_context import RoleContext
@@ -131,45 +132,48 @@ def form(
 def rejoin(
     group: Any,
     role: RoleContext,
-    generation: int,
     survived: RejoinState | None,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    timeout_s: float,
 ) -> RejoinState:
     """Agree in a newly formed `group` on where training goes on: a survivor passes its own run (`survived`), a
-    restarted worker None and gets the first survivor's state loaded into `model` and `optimizer`. The run agreed
-    on; GroupLostError where no worker survived or the survivors stopped at different global steps."""
+    restarted worker None and gets the first survivor's run and state, loaded into `model` and `optimizer`. Both
+    travel over the group (broadcast), never through the control store, whatever their size. The run agreed on;
+    GroupLostError where no worker survived or the survivors stopped at different global steps."""
     survivors = _survivors(group, role, survived)
     if len(survivors) == role.num_workers:
         assert survived is not None
         return survived
-    source = f"worker:{survivors[0]}"
-    key, chunks = job_keys.allreduce_rejoin(generation), f"rejoin/{generation}"
-    if role.task.name == source:
+    source = survivors[0]
+    run_data = state_data = None
+    if role.task.index == source:
         assert survived is not None
         state = allreduce_state.capture(model, optimizer, survived.step)
-        num_chunks = allreduce_state.send(role.control, chunks, state)
-        role.control.put(key, msgspec.structs.replace(survived, num_chunks=num_chunks, scalars=state.scalars))
-    run = survived
-    if run is None:
-        run = role.control.read(key, waiting_for=f"{source}'s state", timeout_s=timeout_s)
-        restored = allreduce_state.receive(
-            role.control,
-            chunks,
-            run.num_chunks,
-            step=run.step,
-            scalars=run.scalars,
-            waiting_for=f"{source}'s state",
-            delete=False,
-        )
-        allreduce_state.restore(model, optimizer, restored)
-    group.allreduce([torch.zeros(1)]).wait()  # every restarted worker has read the state: it can go
-    if role.task.name == source:
-        role.control.delete(key)
-        for chunk in range(run.num_chunks):
-            role.control.delete(control_keys.state_chunk(chunks, chunk))
+        survived = msgspec.structs.replace(survived, scalars=state.scalars)
+        run_data, state_data = msgspec.json.encode(survived), allreduce_state.to_bytes(state)
+    run_data = _broadcast(group, source, run_data)
+    state_data = _broadcast(group, source, state_data)
+    if survived is not None:
+        return survived
+    run = msgspec.json.decode(run_data, type=RejoinState)
+    allreduce_state.restore(
+        model, optimizer, allreduce_state.from_bytes(state_data, step=run.step, scalars=run.scalars)
+    )
     return run
+
+
+def _broadcast(group: Any, root: int, data: bytes | None) -> bytes:
+    """`data`, given on rank `root` (None on the others), on every rank of `group`."""
+    options = BroadcastOptions()
+    options.rootRank = root
+    size = torch.tensor([len(data) if data is not None else 0])
+    group.broadcast([size], options).wait()
+    if data is not None:
+        group.broadcast([torch.frombuffer(bytearray(data), dtype=torch.uint8)], options).wait()
+        return data
+    buffer = torch.empty(int(size), dtype=torch.uint8)
+    group.broadcast([buffer], options).wait()
+    return buffer.numpy().tobytes()
 
 
 def _survivors(group: Any, role: RoleContext, survived: RejoinState | None) -> list[int]:

@@ -50,13 +50,30 @@ def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mod
             optimizer.state[param] = {**slots, **scalars}
 
 
-def encode(state: ModelState) -> list[bytes]:
-    """The tensors of `state` (params and slots) as safetensors bytes, in chunks of at most CHUNK_BYTES."""
+def to_bytes(state: ModelState) -> bytes:
+    """The tensors of `state` (params and slots) as safetensors bytes; its step and scalars travel beside them."""
     tensors = {key: value.contiguous() for key, value in state.params.items()}
     for key, by_name in state.slots.items():
         for variable, tensor in by_name.items():
             tensors[SLOT_SEPARATOR.join(("slot", key, variable))] = tensor.contiguous()
-    data = save(tensors)
+    return save(tensors)
+
+
+def from_bytes(data: bytes, *, step: int, scalars: dict[str, float]) -> ModelState:
+    """The state of global step `step` with `scalars`, whose tensors `to_bytes` made `data`."""
+    state = ModelState(step=step, params={}, scalars=dict(scalars))
+    for key, tensor in load(data).items():
+        if key.startswith("slot" + SLOT_SEPARATOR):
+            _, slot, variable = key.split(SLOT_SEPARATOR, 2)
+            state.slots.setdefault(slot, {})[variable] = tensor
+        else:
+            state.params[key] = tensor
+    return state
+
+
+def encode(state: ModelState) -> list[bytes]:
+    """The tensors of `state` as safetensors bytes (`to_bytes`), in chunks of at most CHUNK_BYTES."""
+    data = to_bytes(state)
     return [data[start : start + CHUNK_BYTES] for start in range(0, len(data), CHUNK_BYTES)]
 
 
@@ -111,12 +128,4 @@ def receive(
             control.delete(key)
             if index + WINDOW < num_chunks:  # a streaming sender waits for it
                 control.set(control_keys.state_taken(name, index), "1")
-    data = b"".join(pieces)
-    state = ModelState(step=step, params={}, scalars=dict(scalars))
-    for key, tensor in load(data).items():
-        if key.startswith("slot" + SLOT_SEPARATOR):
-            _, slot, variable = key.split(SLOT_SEPARATOR, 2)
-            state.slots.setdefault(slot, {})[variable] = tensor
-        else:
-            state.params[key] = tensor
-    return state
+    return from_bytes(b"".join(pieces), step=step, scalars=scalars)

@@ -200,9 +200,7 @@ class _Trainer:
             try:
                 group = allreduce_group.form(strategy, self.role, generation, deadline, self.replay)
                 mine = None if restarted else self._run()
-                agreed = allreduce_group.rejoin(
-                    group, self.role, generation, mine, self.model, self.optimizer, strategy.request_timeout_s
-                )
+                agreed = allreduce_group.rejoin(group, self.role, mine, self.model, self.optimizer)
                 break
             except GroupLostError:
                 raise
@@ -231,7 +229,6 @@ class _Trainer:
         """Where this worker's run is, for the workers that join the group restarted."""
         return RejoinState(
             step=self.step,
-            num_chunks=0,
             scalars={},
             hand_overs=self.checkpoints,
             hand_over_step=self.hand_over_step,

@@ -29,9 +29,6 @@ Each entry reads `key`: writer -> readers. Meaning.
   after it (so at most one state is on the control plane at a time), and ends after the last one's.
 - `allreduce/resume/<role>`: that worker -> itself restarted. Its input position at its last hand-over, and how
   many of its batches had been applied then.
-- `allreduce/rejoin/<generation>`: the first survivor -> the restarted workers of that generation of the group. The
-  state to go on from (chunks `state/rejoin/<generation>/<i>`) and every worker's count of batches applied; deleted
-  once they read it.
 - `allreduce/live/<role>`: that worker -> chief. Whether it trains in a formed group, and (worker:0) the first
   hand-over the chief has not confirmed saved. Put at the worker's start, and again with everything else a
   restarted chief needs when the worker finds it gone (train/allreduce_replay.py): a restarted chief adopts a live
@@ -144,9 +141,11 @@ class ResumePoint(_Value, frozen=True, kw_only=True):
 
 
 class RejoinState(_Value, frozen=True, kw_only=True):
+    """Where a re-formed group goes on: the first survivor's, broadcast with its state to the restarted workers
+    (train/allreduce_group.py `rejoin`)."""
+
     step: int
     """The global step the re-formed group goes on from."""
-    num_chunks: int
     scalars: dict[str, float]
     """Its scalar optimizer state (train/checkpoints/model_state.py)."""
     hand_overs: int
@@ -208,10 +207,6 @@ def allreduce_saved(n: int) -> Key[Saved]:
 
 def allreduce_resume(role: str) -> Key[ResumePoint]:
     return Key(f"allreduce/resume/{role}", ResumePoint, role)
-
-
-def allreduce_rejoin(generation: int) -> Key[RejoinState]:
-    return Key(f"allreduce/rejoin/{generation}", RejoinState, "the re-formed group's first survivor")
 
 
 def allreduce_live(role: str) -> Key[LiveWorker]:
