@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_plane import ControlPlane
 from shardflow.train import allreduce_state
 from shardflow.train.checkpoints.model_state import ModelState
 
@@ -22,8 +24,10 @@ def _chunks(monkeypatch, num_chunks: int) -> tuple[ModelState, list[bytes]]:
 
 def test_a_streamed_state_puts_no_chunk_past_the_window_until_the_reader_took_one(plane, monkeypatch):
     state, chunks = _chunks(monkeypatch, 3 * WINDOW)
+    # A connection of its own, as worker:0's process has: a held wait on a shared one holds back the other's.
+    worker_0 = ControlPlane(plane.address, timeout_s=10)
     sender = threading.Thread(
-        target=allreduce_state.stream, args=(plane, "s", chunks), kwargs={"reader_gone": lambda: False}
+        target=allreduce_state.stream, args=(worker_0, "s", chunks), kwargs={"reader_gone": lambda: False}
     )
     sender.start()
     plane.wait([control_keys.state_chunk("s", WINDOW - 1)], waiting_for="the window's last chunk")
@@ -32,6 +36,7 @@ def test_a_streamed_state_puts_no_chunk_past_the_window_until_the_reader_took_on
         plane, "s", len(chunks), step=3, scalars={}, waiting_for="the stream", delete=True
     )
     sender.join()
+    worker_0.close()
     assert torch.equal(received.params["w"], state.params["w"])
     left = [i for i in range(len(chunks)) if plane.is_set(control_keys.state_chunk("s", i))]
     taken = [i for i in range(len(chunks)) if plane.is_set(control_keys.state_taken("s", i))]
@@ -43,3 +48,12 @@ def test_a_stream_whose_reader_is_gone_stops_at_the_window(plane, monkeypatch):
     assert not allreduce_state.stream(plane, "s", chunks, reader_gone=lambda: True)
     assert plane.is_set(control_keys.state_chunk("s", WINDOW - 1))
     assert not plane.is_set(control_keys.state_chunk("s", WINDOW))
+
+
+def test_a_reader_whose_sender_was_lost_amid_the_stream_stops_naming_the_chunk(plane, monkeypatch):
+    _, chunks = _chunks(monkeypatch, 2 * WINDOW)
+    assert not allreduce_state.stream(plane, "s", chunks, reader_gone=lambda: True)  # the window, then lost
+    with pytest.raises(allreduce_state.StreamCut, match=f"'state/s/{WINDOW}'"):
+        allreduce_state.receive(
+            plane, "s", len(chunks), step=3, scalars={}, waiting_for="the stream", delete=True, sender_gone=lambda: True
+        )

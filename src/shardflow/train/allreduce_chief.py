@@ -136,6 +136,8 @@ class _Chief:
                 continue
             notice = control.read(notice_key, waiting_for="worker:0's state")
             state = _collect(self.role, n, notice)
+            if state is None:  # worker:0 was lost amid its stream: its restarted process sends it again
+                continue
             path = self._save(state, final=notice.final) if notice.checkpoint or notice.final else None
             control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
             control.delete(notice_key)
@@ -275,18 +277,32 @@ def _hand_out(job: JobConfig[AllReduceStrategy], role: RoleContext, restored: Mo
     role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=restored.step, checkpoint=path.name))
 
 
-def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState:
-    """Checkpoint n's state from worker:0 and every worker's input position, removed from the control plane."""
+def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState | None:
+    """Checkpoint n's state from worker:0 and every worker's input position, removed from the control plane. None,
+    with the notice and the chunks removed, where worker:0 was lost amid its stream (a new process beats)."""
     control = role.control
-    state = allreduce_state.receive(
-        control,
-        f"checkpoint/{n}",
-        notice.num_chunks,
-        step=notice.step,
-        scalars=notice.scalars,
-        waiting_for="worker:0's state",
-        delete=True,
-    )
+
+    def sender_gone() -> bool:
+        pid = (control.get_if_set(control_keys.heartbeat("worker:0")) or b"").partition(b":")[0]
+        return bool(pid) and pid != str(notice.sender).encode()
+
+    name = f"checkpoint/{n}"
+    try:
+        state = allreduce_state.receive(
+            control,
+            name,
+            notice.num_chunks,
+            step=notice.step,
+            scalars=notice.scalars,
+            waiting_for="worker:0's state",
+            delete=True,
+            sender_gone=sender_gone,
+        )
+    except allreduce_state.StreamCut as cut:
+        log.warning("%s; waiting for worker:0, restarted, to send state %d again", cut, n)
+        allreduce_state.forget(control, name, notice.num_chunks)
+        control.delete(job_keys.allreduce_checkpoint(n))
+        return None
     for index in range(role.num_workers):
         name = f"worker:{index}"
         key = job_keys.allreduce_position(n, name)

@@ -8,6 +8,7 @@ the chief has not confirmed saved; then `allreduce/live/<role>`, from which the 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Any
 
@@ -90,18 +91,28 @@ class Replay:
         self.put(key, value)
 
     def send_state(self, n: int, state: ModelState, *, checkpoint: bool, final: bool) -> None:
-        """worker:0's hand-over `n` of `state`: its notice, then its chunks streamed to the chief, both kept until
-        `confirmed`. A chief restarted meanwhile gets everything kept again, and the stream from its start."""
+        """worker:0's hand-over `n` of `state`, its chunks and its notice, kept until `confirmed`. A state of at most
+        WINDOW chunks goes whole before its notice; a larger one is streamed after it, the chief reading it as it
+        comes. A chief restarted meanwhile gets everything kept again, and the stream from its start."""
         chunks = allreduce_state.encode(state)
         notice = StateNotice(
-            step=state.step, num_chunks=len(chunks), scalars=state.scalars, checkpoint=checkpoint, final=final
+            step=state.step,
+            num_chunks=len(chunks),
+            scalars=state.scalars,
+            checkpoint=checkpoint,
+            final=final,
+            sender=os.getpid(),
         )
         key = job_keys.allreduce_checkpoint(n)
+        whole = len(chunks) <= allreduce_state.WINDOW
         with self._lock:
             self._state = (n, chunks)
             self._kept[key.name] = key.encode(notice)
-            self.role.control.put(key, notice)  # first: the chief reads the chunks as they come
-            self._stream(self.role.control)
+            if whole:  # no wait for the chief: a notice there says its state is whole (allreduce_worker.py `again`)
+                self._stream(self.role.control)
+            self.role.control.put(key, notice)
+            if not whole:
+                self._stream(self.role.control)
 
     def confirmed(self, n: int) -> None:
         """worker:0 read that the chief saved hand-over `n`: its state is no longer kept."""

@@ -6,6 +6,7 @@ of it are on the control plane at once, whatever its size (the control store hol
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -101,6 +102,10 @@ def stream(control: ControlPlane, name: str, chunks: list[bytes], *, reader_gone
     return True
 
 
+class StreamCut(RuntimeError):
+    """The sender of a streamed state was lost before it put all of it."""
+
+
 def forget(control: ControlPlane, name: str, num_chunks: int) -> None:
     """Remove what a `stream` of `num_chunks` under `name` left on the control plane."""
     for index in range(num_chunks):
@@ -117,15 +122,29 @@ def receive(
     scalars: dict[str, float],
     waiting_for: str,
     delete: bool,
+    sender_gone: Callable[[], bool] | None = None,
 ) -> ModelState:
     """The state of global step `step` with `scalars`, whose tensors `send` or `stream` put under `name`; with
-    `delete`, each chunk is removed once read, and its streaming sender told."""
+    `delete`, each chunk is removed once read, and its streaming sender told. `sender_gone()`, asked while a chunk
+    is awaited, says the sender was lost (StreamCut): the chunk would never come."""
     pieces = []
     for index in range(num_chunks):
         key = control_keys.state_chunk(name, index)
-        pieces.append(control.get_bytes(key, waiting_for=waiting_for))
+        pieces.append(_chunk(control, key, waiting_for, sender_gone))
         if delete:
             control.delete(key)
             if index + WINDOW < num_chunks:  # a streaming sender waits for it
                 control.set(control_keys.state_taken(name, index), "1")
     return from_bytes(b"".join(pieces), step=step, scalars=scalars)
+
+
+def _chunk(control: ControlPlane, key: str, waiting_for: str, sender_gone: Callable[[], bool] | None) -> bytes:
+    if sender_gone is None:
+        return control.get_bytes(key, waiting_for=waiting_for)
+    deadline = time.monotonic() + control.timeout_s
+    while (data := control.get_if_set(key)) is None:
+        if not control.set_within(key, 1.0, waiting_for=waiting_for) and sender_gone():
+            raise StreamCut(f"{waiting_for}: its sender was lost before it put {key!r}")
+        if time.monotonic() > deadline:
+            raise StreamCut(f"waited {control.timeout_s:.0f}s for {waiting_for} ({key!r})")
+    return data

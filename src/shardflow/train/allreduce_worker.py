@@ -310,7 +310,7 @@ class _Trainer:
         resume = ResumePoint(position=position, batches_applied=self.batches_applied[self.index])
         self.replay.put(job_keys.allreduce_resume(self.name), resume)
         # The chief deletes the notice only once it put `saved`: neither set, the notice was never put.
-        if not self.leader or (again and control.is_set(job_keys.allreduce_checkpoint(n).name)):
+        if not self.leader or (again and self._sent_whole(n)):
             return
         if n > 1:
             control.read(job_keys.allreduce_saved(n - 1), waiting_for="the chief to save the checkpoint before")
@@ -319,3 +319,17 @@ class _Trainer:
         self.replay.send_state(n, state, checkpoint=checkpoint, final=final)
         if final:
             control.read(job_keys.allreduce_saved(n), waiting_for="the chief to save the final checkpoint")
+
+    def _sent_whole(self, n: int) -> bool:
+        """Lost inside hand-over `n` and restarted: whether the chief has its whole state, so it is not sent again.
+        A notice there says so for a state put before it; for one streamed after it, the chief either read it all
+        (and saves it) or gives it up, seeing this worker's new process: wait for either."""
+        control = self.role.control
+        notice_key, saved_key = job_keys.allreduce_checkpoint(n), job_keys.allreduce_saved(n)
+        notice = control.read_if_set(notice_key)
+        if notice is None or notice.num_chunks <= allreduce_state.WINDOW:
+            return notice is not None
+        while control.is_set(notice_key):
+            if control.set_within(saved_key.name, 1.0, waiting_for=f"the chief to save or give up state {n}"):
+                return True
+        return control.is_set(saved_key)

@@ -126,6 +126,9 @@ class StateNotice(_Value, frozen=True, kw_only=True):
     """Saved as a checkpoint; else only evaluated (at a multiple of EvalSpec.every_n_steps)."""
     final: bool
     """The last state of training: the chief saves it, evaluates it and ends the job."""
+    sender: int
+    """worker:0's process id, as its heartbeat names it: a beat from another one while the chief waits for a chunk
+    says the sender was lost."""
 
 
 class InputState(_Value, frozen=True, kw_only=True):
