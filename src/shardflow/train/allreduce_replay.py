@@ -104,15 +104,13 @@ class Replay:
             sender=os.getpid(),
         )
         key = job_keys.allreduce_checkpoint(n)
-        whole = len(chunks) <= allreduce_state.WINDOW
         with self._lock:
             self._state = (n, chunks)
             self._kept[key.name] = key.encode(notice)
-            if whole:  # no wait for the chief: a notice there says its state is whole (allreduce_worker.py `again`)
-                self._stream(self.role.control)
+            if self._put_whole(self.role.control):
+                return
             self.role.control.put(key, notice)
-            if not whole:
-                self._stream(self.role.control)
+            self._stream(self.role.control)
 
     def confirmed(self, n: int) -> None:
         """worker:0 read that the chief saved hand-over `n`: its state is no longer kept."""
@@ -150,22 +148,40 @@ class Replay:
             if self._control.is_set(self._live_key):  # the training thread's stream found the restart first
                 return
             self._put_again_on(self._control)
-            if self._state is not None:
+            if self._state is not None and len(self._state[1]) > allreduce_state.WINDOW:
                 self._stream(self._control)
 
     def _put_again_on(self, control: ControlPlane) -> None:
         """Everything kept, on a restarted chief's control service, then this worker's `allreduce/live` key; the
-        lock held. What a stream cut short left there goes first: the chief reads nothing before that key."""
+        lock held. What a stream cut short left there goes first: the chief reads nothing before that key. A larger
+        state than a window is streamed after (`_stream`)."""
         log.warning("%s: the chief was restarted; it puts again what the chief needs of it", self.name)
+        notice = None
         if self._state is not None:
             n, chunks = self._state
             allreduce_state.forget(control, f"checkpoint/{n}", len(chunks))
+            notice = job_keys.allreduce_checkpoint(n).name
         for name, data in [*self._kept.items(), *self._forming.items()]:
-            control.set(name, data)
+            if name != notice:
+                control.set(name, data)
         report = self.role.last_report
         if report is not None:
             control.put(job_keys.progress(self.name), report)
+        if notice is not None and not self._put_whole(control):
+            control.set(notice, self._kept[notice])
         self._announce(control)
+
+    def _put_whole(self, control: ControlPlane) -> bool:
+        """Put the kept state whole, then its notice, where it fits the window (no wait for the chief: a notice
+        there says its state is whole, see allreduce_worker.py `_sent_whole`); whether it did. The lock held."""
+        assert self._state is not None
+        n, chunks = self._state
+        if len(chunks) > allreduce_state.WINDOW:
+            return False
+        allreduce_state.stream(control, f"checkpoint/{n}", chunks, reader_gone=lambda: False)
+        notice = job_keys.allreduce_checkpoint(n).name
+        control.set(notice, self._kept[notice])
+        return True
 
     def _stream(self, control: ControlPlane) -> None:
         """The kept state's chunks to the chief, from the first, again each time the chief is restarted meanwhile;

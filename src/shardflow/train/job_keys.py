@@ -22,8 +22,9 @@ Each entry reads `key`: writer -> readers. Meaning.
 - `allreduce/start`: chief -> workers. The global step training starts from, and the checkpoint in model_dir each
   worker loads itself (every process shares model_dir); none: the model's initial values.
 - `allreduce/checkpoint/<n>`: worker:0 -> chief. The n-th state to checkpoint or evaluate (from 1): its global
-  step, its chunks (`state/checkpoint/<n>/<i>`), whether it is the last of training; the chief saves or evaluates
-  it, then deletes them.
+  step, its chunks (`state/checkpoint/<n>/<i>`: put before it where they fit allreduce_state.WINDOW, else streamed
+  after it), whether it is the last of training, its sender's process; the chief saves or evaluates it, then
+  deletes them.
 - `allreduce/checkpoint/<n>/position/<role>`: each worker -> chief. Its input position after that step's batch.
 - `allreduce/checkpoint/<n>/saved`: chief -> worker:0. Checkpoint n is handled; worker:0 sends checkpoint n+1 only
   after it (so at most one state is on the control plane at a time), and ends after the last one's.
