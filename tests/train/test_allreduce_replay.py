@@ -1,5 +1,5 @@
 """What an all-reduce worker puts again on a restarted chief's control service (train/allreduce_replay.py): a new
-service on the chief's address starts empty, and the worker's replay finds it so."""
+service on the chief's address starts empty but for the new chief's id, which the worker's replay finds."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from shardflow.train.role_context import RoleContext
 @pytest.fixture
 def worker_0(plane: ControlPlane) -> Iterator[tuple[Replay, RoleContext]]:
     spec = ClusterSpec.local(num_workers=2, num_ps=0)
+    plane.set(control_keys.ALLREDUCE_CHIEF, "first")
     role = RoleContext(spec=spec, task=TaskSpec("worker", 0), control=ControlPlane(plane.address, timeout_s=10))
     replay = Replay(role)
     yield replay, role
@@ -32,7 +33,9 @@ def worker_0(plane: ControlPlane) -> Iterator[tuple[Replay, RoleContext]]:
 def _restart_chief(plane: ControlPlane) -> ControlPlane:
     """The chief's control service gone and a new, empty one on its address; the new chief's connection to it."""
     plane.close()
-    return ControlPlane.serve(plane.address, timeout_s=10)
+    chief = ControlPlane.serve(plane.address, timeout_s=10)
+    chief.set(control_keys.ALLREDUCE_CHIEF, "restarted")
+    return chief
 
 
 def _hand_over(replay: Replay, n: int) -> ModelState:
@@ -51,7 +54,7 @@ def test_a_restarted_chief_gets_the_start_the_generation_and_the_unsaved_hand_ov
     chief = _restart_chief(plane)
     try:
         live = chief.read(job_keys.allreduce_live("worker:0"), waiting_for="worker:0's replay", timeout_s=10)
-        assert (live.joined, live.next_hand_over) == (True, 1)
+        assert (live.chief, live.joined, live.next_hand_over) == ("restarted", True, 1)
         assert chief.read(job_keys.ALLREDUCE_START, waiting_for="the start").step == 5
         assert chief.get(control_keys.allreduce_joined("worker:0"), waiting_for="the generation") == "2"
         notice = chief.read(job_keys.allreduce_checkpoint(1), waiting_for="the notice")

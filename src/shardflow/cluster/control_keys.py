@@ -31,6 +31,8 @@ Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless
   the next one past the window may be put (train/allreduce_state.py `stream`); worker:0 deletes it.
 - `allreduce/joined/<role>`: that worker -> the other workers, in `sf.AllReduceStrategy`. The last generation of the
   workers' group it joined; a restarted worker joins the next one (train/allreduce_group.py).
+- `allreduce/chief`: chief -> workers, in `sf.AllReduceStrategy`. A fresh id of this chief's process, set as it
+  starts: a worker that finds another one than it knew puts again what a restarted chief needs of it.
 - `allreduce/stop`: chief -> worker:0, in `sf.AllReduceStrategy`. End training at the next global step (preempted),
   with a final checkpoint.
 - `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
@@ -82,6 +84,7 @@ def key_name(key: str | Key[Any]) -> str:
 
 
 READY = "ready"
+ALLREDUCE_CHIEF = "allreduce/chief"
 ALLREDUCE_STOP = "allreduce/stop"
 SHUTDOWN = "shutdown"
 CHIEF_CLOCK = "chief/clock"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from shardflow.train.checkpoints.manager import CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
 from shardflow.train.job import JobConfig, RoleFailedError
-from shardflow.train.job_keys import AllReduceStart, ProgressReport, RestoredPositions, Saved, StateNotice
+from shardflow.train.job_keys import AllReduceStart, LiveWorker, ProgressReport, RestoredPositions, Saved, StateNotice
 from shardflow.train.preemption import Preemption
 from shardflow.train.progress import ProgressDisplay
 from shardflow.train.role_context import RoleContext
@@ -239,11 +240,10 @@ def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model:
     run's start as the workers kept it, and worker:0's first hand-over not confirmed saved, which it puts again
     (train/allreduce_replay.py)."""
     timeout_s = job.strategy.startup_timeout_s
+    chief = uuid.uuid4().hex
+    role.control.set(control_keys.ALLREDUCE_CHIEF, chief)
     names = [f"worker:{index}" for index in range(role.num_workers)]
-    live = {
-        name: role.control.read(job_keys.allreduce_live(name), waiting_for=f"{name} to start", timeout_s=timeout_s)
-        for name in names
-    }
+    live = {name: _live(role, name, chief, timeout_s) for name in names}
     if not any(worker.joined for worker in live.values()):
         restored = restore_latest(job, model, role)
         _hand_out(job, role, restored)
@@ -262,6 +262,21 @@ def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model:
         leader.next_hand_over,
     )
     return _Start(step=start.step, next_hand_over=leader.next_hand_over)
+
+
+def _live(role: RoleContext, name: str, chief: str, timeout_s: float) -> LiveWorker:
+    """Worker `name`'s `allreduce/live` key once it was put for this chief (`chief`, its id): then everything else
+    the worker keeps for a chief is there too (train/allreduce_replay.py)."""
+    key = job_keys.allreduce_live(name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        live = role.control.read(key, waiting_for=f"{name} to start", timeout_s=left)
+        if live.chief == chief:
+            return live
+        if time.monotonic() > deadline:
+            raise RoleFailedError(f"{name} did not put again what the restarted chief needs within {timeout_s:g}s")
+        time.sleep(_WAIT_S)
 
 
 def _hand_out(job: JobConfig[AllReduceStrategy], role: RoleContext, restored: ModelState | None) -> None:

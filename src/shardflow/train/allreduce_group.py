@@ -15,7 +15,7 @@ from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
-from shardflow.train import allreduce_state
+from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.job_keys import RejoinState
 from shardflow.train.role_context import RoleContext
@@ -85,9 +85,16 @@ class Peers:
 
 
 def generation_to_join(role: RoleContext) -> int:
-    """0 at the job's start; for a restarted worker, the generation after the last one it joined."""
+    """0 at the job's start; for a restarted worker, the generation after the last one it joined. Restarted with
+    the chief, whose control service lost that, it learns it from the others' `allreduce/live` keys (put before the
+    job's start it read): the one they form, or the one after theirs."""
     joined = role.control.get_if_set(control_keys.allreduce_joined(role.task.name))
-    return 0 if joined is None else int(joined) + 1
+    if joined is not None:
+        return int(joined) + 1
+    others = [f"worker:{index}" for index in range(role.num_workers) if index != role.task.index]
+    live = [role.control.read_if_set(job_keys.allreduce_live(name)) for name in others]
+    trained = [worker for worker in live if worker is not None and worker.joined]
+    return max((worker.generation if worker.forming else worker.generation + 1 for worker in trained), default=0)
 
 
 def form(

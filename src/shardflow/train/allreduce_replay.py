@@ -1,6 +1,6 @@
 """What an all-reduce worker put on the chief's control plane and a restarted chief needs, kept and put again: a
-restarted chief's control service starts empty. A thread of the worker, on a connection of its own, finds its
-`allreduce/live/<role>` key gone, puts again the job's start, its group generation, its resume point, its input
+restarted chief's control service starts empty. A thread of the worker, on a connection of its own, finds a new
+chief's id (`allreduce/chief`), puts again the job's start, its group generation, its resume point, its input
 positions of the hand-overs still in flight, its last progress report and (worker:0) the state it handed over that
 the chief has not confirmed saved; then `allreduce/live/<role>`, from which the chief adopts the running group
 (train/allreduce_chief.py)."""
@@ -41,12 +41,15 @@ class Replay:
         """Hand-over number -> its kept position key: only the last two can be in flight."""
         self._state: tuple[int, list[bytes]] | None = None
         """worker:0's hand-over not confirmed saved, and its state's chunks (allreduce_state.encode)."""
-        self.joined = False
-        self.next_hand_over = 1
-        self.step = -1
-        """worker:0's global step, set as it trains: only for the restarted chief's log."""
+        self._joined = False
+        self._generation, self._forming_now = -1, False
+        self._next_hand_over = 1
+        self._step = -1
+        """worker:0's global step (`at_step`): only for the restarted chief's log."""
         self._control = ControlPlane(role.control.address, timeout_s=role.control.timeout_s)
         self._stopped = threading.Event()
+        self._chief = role.control.get(control_keys.ALLREDUCE_CHIEF, waiting_for="the chief to start")
+        """The chief for which everything kept was put."""
         with self._lock:
             self._announce(role.control)
         self._thread = threading.Thread(target=self._run, name="allreduce-replay", daemon=True)
@@ -63,9 +66,11 @@ class Replay:
         keys of the one before are no longer."""
         with self._lock:
             self._forming.clear()
+            self._generation, self._forming_now = generation, True
             name = control_keys.allreduce_joined(self.name)
             self._kept[name] = str(generation).encode()
             self.role.control.set(name, str(generation))
+            self._announce(self.role.control)
 
     def set_rendezvous(self, name: str, value: bytes) -> None:
         """A rendezvous key of the generation being formed, set and kept: a chief restarted amid the rendezvous
@@ -118,12 +123,16 @@ class Replay:
             if self._state is not None and self._state[0] == n:
                 self._state = None
             self._kept.pop(job_keys.allreduce_checkpoint(n).name, None)
-            self.next_hand_over = n + 1
+            self._next_hand_over = n + 1
+
+    def at_step(self, step: int) -> None:
+        """worker:0 trains at global step `step`, as a restarted chief logs it."""
+        self._step = step
 
     def mark_joined(self) -> None:
         """This worker trains in a formed group: a restarted chief must adopt it."""
         with self._lock:
-            self.joined = True
+            self._joined, self._forming_now = True, False
             self._announce(self.role.control)
 
     def stop(self) -> None:
@@ -132,20 +141,32 @@ class Replay:
         self._control.close()
 
     def _announce(self, control: ControlPlane) -> None:
-        live = LiveWorker(joined=self.joined, next_hand_over=self.next_hand_over, step=self.step)
+        live = LiveWorker(
+            chief=self._chief,
+            joined=self._joined,
+            generation=self._generation,
+            forming=self._forming_now,
+            next_hand_over=self._next_hand_over,
+            step=self._step,
+        )
         control.put(self._live_key, live)
 
     def _run(self) -> None:
         while not self._stopped.wait(_LOOK_EVERY_S):
             try:
-                if not self._control.is_set(self._live_key):
+                if self._new_chief(self._control):
                     self._put_again()
             except (RuntimeError, OSError, ValueError):  # the chief is gone for good, or stop() closed the connection
                 return
 
+    def _new_chief(self, control: ControlPlane) -> str | None:
+        """The id of a chief started since everything kept was put, if any (a restarted one sets it first)."""
+        chief = (control.get_if_set(control_keys.ALLREDUCE_CHIEF) or b"").decode()
+        return chief if chief and chief != self._chief else None
+
     def _put_again(self) -> None:
         with self._lock:
-            if self._control.is_set(self._live_key):  # the training thread's stream found the restart first
+            if not self._new_chief(self._control):  # the training thread's stream found the restart first
                 return
             self._put_again_on(self._control)
             if self._state is not None and len(self._state[1]) > allreduce_state.WINDOW:
@@ -155,14 +176,20 @@ class Replay:
         """Everything kept, on a restarted chief's control service, then this worker's `allreduce/live` key; the
         lock held. What a stream cut short left there goes first: the chief reads nothing before that key. A larger
         state than a window is streamed after (`_stream`)."""
+        chief = self._new_chief(control)
+        assert chief is not None
         log.warning("%s: the chief was restarted; it puts again what the chief needs of it", self.name)
+        self._chief = chief
         notice = None
         if self._state is not None:
             n, chunks = self._state
             allreduce_state.forget(control, f"checkpoint/{n}", len(chunks))
             notice = job_keys.allreduce_checkpoint(n).name
+        # The job's start last, after this worker's live key: a worker restarted with the chief reads the start
+        # first, then the live keys to learn the group's generation (allreduce_group.generation_to_join).
+        start = {job_keys.ALLREDUCE_START.name, job_keys.RESTORE_ITERATORS.name}
         for name, data in [*self._kept.items(), *self._forming.items()]:
-            if name != notice:
+            if name != notice and name not in start:
                 control.set(name, data)
         report = self.role.last_report
         if report is not None:
@@ -170,6 +197,8 @@ class Replay:
         if notice is not None and not self._put_whole(control):
             control.set(notice, self._kept[notice])
         self._announce(control)
+        for name in start & self._kept.keys():
+            control.set(name, self._kept[name])
 
     def _put_whole(self, control: ControlPlane) -> bool:
         """Put the kept state whole, then its notice, where it fits the window (no wait for the chief: a notice
@@ -190,7 +219,7 @@ class Replay:
         n, chunks = self._state
 
         def chief_restarted() -> bool:
-            return not control.is_set(self._live_key)
+            return self._new_chief(control) is not None
 
         while not allreduce_state.stream(control, f"checkpoint/{n}", chunks, reader_gone=chief_restarted):
             self._put_again_on(control)

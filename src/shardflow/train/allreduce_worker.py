@@ -284,7 +284,7 @@ class _Trainer:
         chief's end of training or of the job, asked for on the control plane."""
         if not self.leader:
             return [0.0, 0.0, 0.0]
-        self.replay.step = self.step
+        self.replay.at_step(self.step)
         now = time.monotonic()
         secs = None if self.job.save_checkpoints_steps else self.job.save_checkpoints_secs
         save = float(secs is not None and now - self.last_checkpoint >= secs)

@@ -30,10 +30,11 @@ Each entry reads `key`: writer -> readers. Meaning.
   after it (so at most one state is on the control plane at a time), and ends after the last one's.
 - `allreduce/resume/<role>`: that worker -> itself restarted. Its input position at its last hand-over, and how
   many of its batches had been applied then.
-- `allreduce/live/<role>`: that worker -> chief. Whether it trains in a formed group, and (worker:0) the first
-  hand-over the chief has not confirmed saved. Put at the worker's start, and again with everything else a
-  restarted chief needs when the worker finds it gone (train/allreduce_replay.py): a restarted chief adopts a live
-  group from it rather than restore a checkpoint over it.
+- `allreduce/live/<role>`: that worker -> chief, and the other workers. Whether it trains in a formed group, its
+  generation, and (worker:0) the first hand-over the chief has not confirmed saved. Put at the worker's start, and
+  again with everything else a restarted chief needs once the worker finds a new chief's id
+  (train/allreduce_replay.py): a restarted chief adopts a live group from it rather than restore a checkpoint over
+  it.
 """
 
 from __future__ import annotations
@@ -166,11 +167,18 @@ class RejoinState(_Value, frozen=True, kw_only=True):
 
 class LiveWorker(_Value, frozen=True, kw_only=True):
     joined: bool
-    """Whether the worker trains in a formed group (else it waits for the job's start)."""
+    """Whether the worker trained in a formed group (else it waits for the job's start)."""
+    generation: int
+    """The generation of the group it trains in, or forms (`forming`); -1: none yet."""
+    forming: bool
+    """Whether it forms that generation (a worker restarted meanwhile joins it) or trains in it (then the next)."""
     next_hand_over: int
     """worker:0's first hand-over the chief has not confirmed saved (its state is kept and put again)."""
     step: int
     """worker:0's global step when it last looked (-1: not known); for the chief's log."""
+    chief: str
+    """The chief's id (control_keys.ALLREDUCE_CHIEF) for which the worker put everything: the chief reads no
+    other."""
 
 
 class Saved(_Value, frozen=True, kw_only=True):
