@@ -112,7 +112,8 @@ def audit(workdir: Path, mode: str, num_records: int = NUM_RECORDS, batch: int =
     if not result_path.exists():
         return False, 0, 0, "no result"
     result = json.loads(result_path.read_text())
-    replicas = 2 if mode == "sync" else 1
+    # A sync step and an all-reduce step average each record's gradient over the 2 workers: it adds 0.5.
+    replicas = 2 if mode in ("sync", "allreduce") else 1
     seen = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * replicas
     dynamic = dynamic_counts(Path(result["checkpoint"]), num_records)
     if dynamic is not None:  # what the dynamic table counts must agree

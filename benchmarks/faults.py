@@ -12,6 +12,9 @@ Times come from the moments lines of output arrive: the fault is when its marker
 0.1 s later), detection is the launcher's line saying the process exited, recovery is the last line of a rejoining
 worker after it.
 
+The all-reduce faults run the same job under sf.AllReduceStrategy (2 workers, no PS; `"mode": "allreduce"`), the
+chief's under `shardflow launch`, which restarts it.
+
 Usage: python benchmarks/faults.py [--runs N] [--seed S] [--out RELIABILITY.md] [--only TEXT]
 (the issue's "each PS killed from outside, 5 runs each": --runs 5 --only "from outside")
 """
@@ -51,6 +54,8 @@ class Fault:
     """SIGTERM to the job from outside, 1 to 3 s into training, in place of a fault point."""
     killed_from_outside: bool = False
     """SIGKILL to `role`'s process from outside, 0.2 to 2 s into training, in place of a fault point."""
+    launched: bool = False
+    """Under `shardflow launch` (which restarts a chief killed by a signal), not `python audit.py`."""
     config: dict[str, Any] = field(default_factory=dict)
     env: dict[str, str] = field(default_factory=dict)
 
@@ -107,6 +112,26 @@ FAULTS = [
         )
         for role in ("worker:1", "ps:1")
     ],
+    # The audit job under sf.AllReduceStrategy: a worker restarted rejoins the group, a chief restarted adopts it.
+    *[
+        Fault(
+            f"{role} SIGKILLed from outside (all-reduce{', shardflow launch' if role == 'chief' else ''})",
+            "allreduce",
+            role,
+            killed_from_outside=True,
+            launched=role == "chief",
+            config={"save_checkpoints_steps": 8, "step_delay_s": 0.04},
+        )
+        for role in ("worker:0", "worker:1", "chief")
+    ],
+    Fault(
+        "chief SIGKILLed inside a checkpoint save (all-reduce)",
+        "allreduce",
+        "chief",
+        "checkpoint",
+        (1, 6),
+        config={"save_checkpoints_steps": 8, "step_delay_s": 0.04},
+    ),
     # A NaN loss in one batch of worker:1, with max_nonfinite_updates=2: that batch is refused on every PS and
     # counted, and training goes on; its 8 records are the only ones never applied.
     Fault("NaN loss in one batch", "async", point="nan", steps=(0, 63), config={"max_nonfinite_updates": 2}),
@@ -132,6 +157,7 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
         "result": str(workdir / "result.json"),
         "mode": fault.mode,
         "restart_backoff_s": 0.5,
+        "step_log": str(workdir / "steps.log"),
         **fault.config,
     }
     env = {**os.environ, **fault.env}
@@ -148,7 +174,7 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
         env["SHARDFLOW_FAULT"] = json.dumps(
             {"role": fault.role, "point": fault.point, "step": step, "marker": str(marker)}
         )
-    run = Run(workdir, config, env)
+    run = Run(workdir, config, env, _launch(fault)) if fault.launched else Run(workdir, config, env)
     fired_at: float | None = None
     if fault.sigterm:
         fired_at = _sigterm_during_training(run, workdir, rng)
@@ -164,10 +190,14 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
         detected = run.first(r"\[launcher\] .* exited with code -9", fired_at - 0.5)
         detect_s = detected[0] - fired_at if detected else None
         # A worker restored to the start of the run (no checkpoint yet) has no steps to rejoin with.
-        rejoined = run.last(r"rejoins the job|restored; rejoining", fired_at)
+        rejoined = run.last(
+            r"rejoins the job|restored; rejoining|joined the all-reduce group at|adopted the live all-reduce", fired_at
+        )
         recover_s = rejoined[0] - fired_at if rejoined else None
         lost = run.first(r"the (\d+) steps since are done again")
-        steps_lost = int(lost[1][1]) if lost else (0 if fault.role.startswith("worker") else None)
+        # A worker's fault, or a chief restarted into the running job, loses no step.
+        nothing_lost = fault.role.startswith("worker") or fault.launched
+        steps_lost = int(lost[1][1]) if lost else (0 if nothing_lost else None)
     if returncode != 0:
         # Not survived alone: run the same command again, as a user or a cluster manager would.
         how = f"exit {returncode}; the next run resumed"
@@ -195,10 +225,7 @@ def run_once(fault: Fault, rng: random.Random, workdir: Path) -> Outcome:
 
 def _sigterm_during_training(run: Run, workdir: Path, rng: random.Random) -> float:
     """SIGTERM to the job at a random moment once training has started; returns that moment."""
-    job_file = workdir / "model" / "job.json"
-    deadline = time.monotonic() + 120
-    while not job_file.exists() and run.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for_training(run, workdir)
     time.sleep(rng.uniform(0.5, 2.5))  # of about 3 s of training
     fired_at = time.time()
     run.proc.send_signal(signal.SIGTERM)
@@ -208,10 +235,7 @@ def _sigterm_during_training(run: Run, workdir: Path, rng: random.Random) -> flo
 def _kill_during_training(run: Run, workdir: Path, rng: random.Random, role: str) -> float | None:
     """SIGKILL to `role`'s process at a random moment once training has started; returns that moment (None: the
     job ended before it could be killed)."""
-    job_file = workdir / "model" / "job.json"
-    deadline = time.monotonic() + 120
-    while not job_file.exists() and run.proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    _wait_for_training(run, workdir)
     time.sleep(rng.uniform(0.2, 2.0))  # of about 2.5 s of training
     while run.proc.poll() is None:
         for child in psutil.Process(run.proc.pid).children(recursive=True):
@@ -224,6 +248,19 @@ def _kill_during_training(run: Run, workdir: Path, rng: random.Random, role: str
                 continue
         time.sleep(0.02)  # between two runs of it
     return None
+
+
+def _launch(fault: Fault) -> list[str]:
+    """The `shardflow launch` command line before audit.py, for a fault run under it."""
+    num_ps = "0" if fault.mode == "allreduce" else "2"
+    return [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", num_ps, "--restart-backoff", "0.5"]
+
+
+def _wait_for_training(run: Run, workdir: Path, timeout_s: float = 120) -> None:
+    """Until a worker computed its first batch (the job's step log), the job ended, or `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not (workdir / "steps.log").exists() and run.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def _refused_batch(fault: Fault, batch: int | None, workdir: Path, returncode: int, out: str) -> Outcome:
@@ -251,11 +288,12 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
     today = datetime.date.today().isoformat()
     lines = [
         f"Measured {today} by `{command}` on this machine (2 cores), {seconds / 60:.0f} minutes in all.",
-        "Every run is `tests/integration/jobs/audit.py`: 2 PS, 2 workers, 1024 records in batches of 8, one",
-        "epoch, whose final parameters count how many times each record's gradient was applied. *Survived* means",
-        "the job ended at its exact global step with every record applied exactly once: by itself, or (where the",
-        "job cannot go on alone) when the same command was run again. Times are from the fault to the launcher's",
-        "line that the process exited (detect) and to the last worker's line that it rejoined training (recover);",
+        "Every run is `tests/integration/jobs/audit.py`: 2 PS (none with all-reduce), 2 workers, 1024 records in",
+        "batches of 8, one epoch, whose final parameters count how many times each record's gradient was applied.",
+        "*Survived* means the job ended at its exact global step with every record applied exactly once: by",
+        "itself, or (where the job cannot go on alone) when the same command was run again. Times are from the",
+        "fault to the launcher's line that the process exited (detect) and to the last worker's line that it",
+        "rejoined training, or the restarted chief's that it adopted the job (recover);",
         "for faults survived by a re-run, recover is the time until that re-run's workers went on (the re-run is",
         "started as soon as the job exits, as a cluster manager's restart policy would). Steps lost are the",
         "global steps done again: after a PS restore, or (chief) from the checkpoint the re-run resumed to the",
@@ -293,9 +331,9 @@ def write_report(outcomes: list[Outcome], path: Path, command: str, seconds: flo
         )
     lines += [
         "",
-        "What the job does after each fault is described in docs/reliability-and-faults.md. The chief cannot be",
-        "restarted into a running job yet (its control plane lives in its process); a killed chief ends the job,",
-        "and the next run resumes from the newest intact checkpoint.",
+        "What the job does after each fault is described in docs/reliability-and-faults.md. With `python audit.py`",
+        "the chief is the launcher's own process: a killed chief ends the job, and the next run resumes from the",
+        "newest intact checkpoint. Under `shardflow launch` it is restarted and adopts the running job.",
         "",
     ]
     write_block(path, "make faults", "\n".join(lines))

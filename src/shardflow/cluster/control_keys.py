@@ -25,11 +25,14 @@ Each entry reads `key`: writer -> readers. Meaning. Values are UTF-8 text unless
 - `capture/<name>/done`: chief -> `shardflow profile capture`. The merged capture's directory.
 - `dist/<group>/<generation>/<key>`: each rank of an all-reduce group -> the others. torch.distributed's rendezvous
   (gloo's addresses and counters) through cluster/dist_store.py, never an open TCPStore; bytes.
-- `state/<name>/<i>`: the chief (`start`: the restored state) -> every worker, and worker:0 (`checkpoint/<n>`) ->
-  chief, in `sf.AllReduceStrategy`. Chunk i of a whole model state as safetensors bytes (train/allreduce_state.py);
-  its reader deletes it.
+- `state/<name>/<i>`: worker:0 (`checkpoint/<n>`) -> chief, in `sf.AllReduceStrategy`. Chunk i of a whole model
+  state as safetensors bytes (train/allreduce_state.py), streamed: the chief deletes each it reads.
+- `state/<name>/<i>/taken`: the chief -> worker:0, in `sf.AllReduceStrategy`. Chunk i of a streamed state was read:
+  the next one past the window may be put (train/allreduce_state.py `stream`); worker:0 deletes it.
 - `allreduce/joined/<role>`: that worker -> the other workers, in `sf.AllReduceStrategy`. The last generation of the
   workers' group it joined; a restarted worker joins the next one (train/allreduce_group.py).
+- `allreduce/chief`: chief -> workers, in `sf.AllReduceStrategy`. A fresh id of this chief's process, set as it
+  starts: a worker that finds another one than it knew puts again what a restarted chief needs of it.
 - `allreduce/stop`: chief -> worker:0, in `sf.AllReduceStrategy`. End training at the next global step (preempted),
   with a final checkpoint.
 - `shutdown`: chief -> PS, evaluator. The job is over; stop serving.
@@ -81,6 +84,7 @@ def key_name(key: str | Key[Any]) -> str:
 
 
 READY = "ready"
+ALLREDUCE_CHIEF = "allreduce/chief"
 ALLREDUCE_STOP = "allreduce/stop"
 SHUTDOWN = "shutdown"
 CHIEF_CLOCK = "chief/clock"
@@ -136,3 +140,7 @@ def allreduce_joined(role: str) -> str:
 
 def state_chunk(name: str, index: int) -> str:
     return f"state/{name}/{index}"
+
+
+def state_taken(name: str, index: int) -> str:
+    return f"state/{name}/{index}/taken"

@@ -26,13 +26,21 @@ class DistStoreError(RuntimeError):
 class ControlPlaneStore(Store):
     """The keys of one process group's formation (`group`, formed for the `generation`-th time), each under
     control_keys.dist_store_prefix on the job's control plane. `members` names the group's ranks, for the errors of
-    a wait that expires."""
+    a wait that expires. `setter` sets a key in place of the control plane's `set` (one that keeps it, to set it
+    again on a restarted chief)."""
 
     def __init__(
-        self, control: ControlPlane, group: str, generation: int, members: Sequence[str], timeout_s: float
+        self,
+        control: ControlPlane,
+        group: str,
+        generation: int,
+        members: Sequence[str],
+        timeout_s: float,
+        setter: Callable[[str, bytes], None] | None = None,
     ) -> None:
         super().__init__()
         self.control = control
+        self.setter = setter
         self.prefix = control_keys.dist_store_prefix(group, generation)
         self.members = ", ".join(members)
         self.group = group
@@ -46,7 +54,9 @@ class ControlPlaneStore(Store):
         return timeout.total_seconds() if timeout is not None else self.timeout_s
 
     def set(self, key: str, value: str | bytes) -> None:
-        self._call(lambda: self.control.set(self.prefix + key, value), key)
+        data = value.encode() if isinstance(value, str) else value
+        setter = self.setter or self.control.set
+        self._call(lambda: setter(self.prefix + key, data), key)
 
     def get(self, key: str) -> bytes:
         waiting_for = self._waiting_for([key])

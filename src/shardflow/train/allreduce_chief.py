@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,7 @@ from shardflow.train.checkpoints.manager import CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
 from shardflow.train.job import JobConfig, RoleFailedError, is_hybrid
-from shardflow.train.job_keys import AllReduceStart, ProgressReport, RestoredPositions, Saved, StateNotice
+from shardflow.train.job_keys import AllReduceStart, LiveWorker, ProgressReport, RestoredPositions, Saved, StateNotice
 from shardflow.train.preemption import Preemption
 from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.progress import ProgressDisplay
@@ -56,14 +58,12 @@ def run_allreduce_chief(
     store.clean(job.model_dir)
     model = job.build_model()
     _check_supported(job, model)
-    restored = restore_latest(job, model, role)
-    start_step = restored.step if restored is not None else 0
-    # Before the workers start: each picks a capture asked for up front as it starts training.
+    start = _start_or_adopt(job, role, model)
+    # Before the workers train: each picks a capture asked for up front as it starts training.
     profiler = ChiefProfiler(role.control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
     if job.profile_steps is not None:
         profiler.request(*job.profile_steps, ops=job.profile_ops)
-    start_chunks = _hand_out(role, restored)
-    chief = (chief_class or _Chief)(job, role, model, _Watch(job, role, failures), start_step, start_chunks, restored)
+    chief = (chief_class or _Chief)(job, role, model, _Watch(job, role, failures), start)
     try:
         state, path = chief.train(preemption)
         training_s = time.monotonic() - started
@@ -86,7 +86,7 @@ def run_allreduce_chief(
         final_loss=final_loss,
         elapsed_s=time.monotonic() - started,
         training_s=training_s,
-        start_step=start_step,
+        start_step=start.step,
         worker_steps={name: p.local_step for name, p in chief.watch.progress.items()},
         ps_stats=dict(state.stats),  # HybridStrategy: each PS's counters at the final state
         eval_history=chief.eval_history,
@@ -107,15 +107,11 @@ class _Chief:
         role: RoleContext,
         model: torch.nn.Module,
         watch: _Watch,
-        start_step: int,
-        start_chunks: int,
-        restored: ModelState | None,
+        start: _Start,
     ) -> None:
-        """`start_chunks`: those of the state handed out (`_hand_out`), removed once every worker has read them;
-        `restored`: the checkpoint training starts from, if any."""
         self.job, self.role, self.model, self.watch = job, role, model, watch
         self.started = time.monotonic()
-        self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
+        self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start.step)
         self.summaries = Summaries(
             job.model_dir,
             save_summary_steps=job.save_summary_steps,
@@ -132,8 +128,9 @@ class _Chief:
         """What every checkpoint records besides the state, as the PS strategy's (checkpoints/manager.py)."""
         self.table_specs: tuple[TableSpec, ...] = ()
         """The `sf.nn` tables whose rows the PS write into each checkpoint (HybridStrategy's)."""
-        self.step = start_step
-        self.start_chunks = start_chunks
+        self.step = start.step
+        self.awaited = start.next_hand_over
+        """The number of the next state of worker:0 this chief saves."""
         self.eval_history: list[dict[str, Any]] = []
         self.stopped_early = False
         self.failed_saves = 0
@@ -142,7 +139,6 @@ class _Chief:
         """Until the final state: each state worker:0 hands over checkpointed or evaluated (or both), the workers
         watched. The final state and where it was saved."""
         control = self.role.control
-        self.awaited = 1
         watched = 0.0
         while True:
             n = self.awaited
@@ -156,6 +152,8 @@ class _Chief:
                 continue
             notice = control.read(notice_key, waiting_for="worker:0's state")
             state = self._collect(n, notice)
+            if state is None:  # worker:0 was lost amid its stream: its restarted process sends it again
+                continue
             path = self._save(state, final=notice.final) if notice.checkpoint or notice.final else None
             control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
             control.delete(notice_key)
@@ -169,7 +167,7 @@ class _Chief:
                 self._evaluate_and_maybe_stop(state)
             self.awaited = n + 1
 
-    def _collect(self, n: int, notice: StateNotice) -> ModelState:
+    def _collect(self, n: int, notice: StateNotice) -> ModelState | None:
         return _collect(self.role, n, notice)
 
     def capture_roles(self) -> list[str]:
@@ -179,11 +177,6 @@ class _Chief:
     def _watch(self, preemption: Preemption) -> None:
         """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""
         self.watch.check()
-        if self.start_chunks and len(self.watch.progress) == len(self.watch.workers):
-            # Each worker reports only after it loaded the state: the control service's memory is the checkpoints'.
-            for index in range(self.start_chunks):
-                self.role.control.delete(control_keys.state_chunk("start", index))
-            self.start_chunks = 0
         self.watch.pass_on_preemption(preemption)
         if preemption.requested or self.stopped_early:
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
@@ -250,29 +243,102 @@ def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) 
         )
 
 
-def _hand_out(role: RoleContext, restored: ModelState | None) -> int:
-    """The state training starts from, for every worker: the restored checkpoint's, or none (the model's initial
-    values); and each worker's input position in it. How many chunks it takes on the control plane."""
-    chunks = allreduce_state.send(role.control, "start", restored) if restored is not None else 0
-    if restored is not None:
-        role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=restored.iterators))
-    step, scalars = (restored.step, restored.scalars) if restored is not None else (0, {})
-    role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=step, num_chunks=chunks, scalars=scalars))
-    return chunks
+@dataclass(frozen=True, kw_only=True)
+class _Start:
+    step: int
+    """The global step the run started from."""
+    next_hand_over: int
+    """The first of worker:0's hand-overs this chief saves."""
+    restored: ModelState | None = None
+    """The checkpoint the run starts from, if any (the workers load it from model_dir)."""
+    adopted: bool = False
+    """A restarted chief adopted the live group (nothing restored)."""
 
 
-def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState:
-    """Checkpoint n's state from worker:0 and every worker's input position, removed from the control plane."""
-    control = role.control
-    state = allreduce_state.receive(
-        control,
-        f"checkpoint/{n}",
-        notice.num_chunks,
-        step=notice.step,
-        scalars=notice.scalars,
-        waiting_for="worker:0's state",
-        delete=True,
+def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model: torch.nn.Module) -> _Start:
+    """Where this chief starts: the latest checkpoint (or the model's initial values), handed out to the workers;
+    or, restarted while the workers' group trains, the live group, adopted (no checkpoint is restored over it): the
+    run's start as the workers kept it, and worker:0's first hand-over not confirmed saved, which it puts again
+    (train/allreduce_replay.py)."""
+    timeout_s = job.strategy.startup_timeout_s
+    chief = uuid.uuid4().hex
+    role.control.set(control_keys.ALLREDUCE_CHIEF, chief)
+    names = [f"worker:{index}" for index in range(role.num_workers)]
+    live = {name: _live(role, name, chief, timeout_s) for name in names}
+    if not any(worker.joined for worker in live.values()):
+        restored = restore_latest(job, model, role)
+        _hand_out(job, role, restored)
+        return _Start(step=restored.step if restored is not None else 0, next_hand_over=1, restored=restored)
+    leader = live["worker:0"]
+    if not leader.joined:
+        raise RoleFailedError(
+            "the chief was restarted while worker:0 was restarted too: the states it handed over are lost with both "
+            "(one role lost at a time is survived); run the job again to resume from its last checkpoint"
+        )
+    start = role.control.read(job_keys.ALLREDUCE_START, waiting_for="the live workers' start", timeout_s=timeout_s)
+    log.warning(
+        "the chief was restarted: adopted the live all-reduce group at global step %d; the next state saved is "
+        "hand-over %d",
+        leader.step,
+        leader.next_hand_over,
     )
+    return _Start(step=start.step, next_hand_over=leader.next_hand_over, adopted=True)
+
+
+def _live(role: RoleContext, name: str, chief: str, timeout_s: float) -> LiveWorker:
+    """Worker `name`'s `allreduce/live` key once it was put for this chief (`chief`, its id): then everything else
+    the worker keeps for a chief is there too (train/allreduce_replay.py)."""
+    key = job_keys.allreduce_live(name)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = max(0.0, deadline - time.monotonic())
+        live = role.control.read(key, waiting_for=f"{name} to start", timeout_s=left)
+        if live.chief == chief:
+            return live
+        if time.monotonic() > deadline:
+            raise RoleFailedError(f"{name} did not put again what the restarted chief needs within {timeout_s:g}s")
+        time.sleep(_WAIT_S)
+
+
+def _hand_out(job: JobConfig[AllReduceStrategy], role: RoleContext, restored: ModelState | None) -> None:
+    """The state training starts from, for every worker: the restored checkpoint, which each loads from model_dir
+    (as a restarted PS does: the control store holds 1 GiB in all), or none (the model's initial values); and each
+    worker's input position in it."""
+    if restored is None:
+        role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=0, checkpoint=None))
+        return
+    path = store.latest(job.model_dir)
+    assert path is not None and store.global_step(path) == restored.step  # nothing saves before the start
+    role.control.put(job_keys.RESTORE_ITERATORS, RestoredPositions(positions=restored.iterators))
+    role.control.put(job_keys.ALLREDUCE_START, AllReduceStart(step=restored.step, checkpoint=path.name))
+
+
+def _collect(role: RoleContext, n: int, notice: StateNotice) -> ModelState | None:
+    """Checkpoint n's state from worker:0 and every worker's input position, removed from the control plane. None,
+    with the notice and the chunks removed, where worker:0 was lost amid its stream (a new process beats)."""
+    control = role.control
+
+    def sender_gone() -> bool:
+        pid = (control.get_if_set(control_keys.heartbeat("worker:0")) or b"").partition(b":")[0]
+        return bool(pid) and pid != str(notice.sender).encode()
+
+    name = f"checkpoint/{n}"
+    try:
+        state = allreduce_state.receive(
+            control,
+            name,
+            notice.num_chunks,
+            step=notice.step,
+            scalars=notice.scalars,
+            waiting_for="worker:0's state",
+            delete=True,
+            sender_gone=sender_gone,
+        )
+    except allreduce_state.StreamCut as cut:
+        log.warning("%s; waiting for worker:0, restarted, to send state %d again", cut, n)
+        allreduce_state.forget(control, name, notice.num_chunks)
+        control.delete(job_keys.allreduce_checkpoint(n))
+        return None
     for index in range(role.num_workers):
         name = f"worker:{index}"
         key = job_keys.allreduce_position(n, name)

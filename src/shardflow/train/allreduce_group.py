@@ -1,6 +1,7 @@
 """The workers' gloo group of `sf.AllReduceStrategy`, and its forming again after a worker is lost: each forming is a
 new generation of the group's rendezvous keys (cluster/dist_store.py); the members that lived through the last one
-hand those restarted the state to go on from, and how many batches of each worker were applied so far."""
+hand those restarted the state to go on from, and how many batches of each worker were applied so far, over the
+group itself."""
 
 from __future__ import annotations
 
@@ -11,12 +12,13 @@ from typing import Any
 
 import msgspec
 import torch
-from torch._C._distributed_c10d import ProcessGroupGloo
+from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
 from shardflow.cluster.spec import TaskSpec
 from shardflow.train import allreduce_state, job_keys
+from shardflow.train.allreduce_replay import Replay
 from shardflow.train.job_keys import RejoinState
 from shardflow.train.ps_role import advertised_address
 from shardflow.train.role_context import RoleContext
@@ -84,25 +86,41 @@ class Peers:
     def _lost(self) -> list[str]:
         now, lost = time.monotonic(), []
         for name, (last, _) in self.beats.items():
-            beat = self._beat(name)
+            # Not there yet: a restarted chief's control service, before the worker's next beat.
+            beat = self._beat(name) or last
             if beat != last:
                 self.beats[name] = (beat, now)
-            if beat.partition(":")[0] != self.pids[name] or now - self.beats[name][1] > self.heartbeat_timeout_s:
+            pid = beat.partition(":")[0]
+            self.pids[name] = self.pids[name] or pid  # known only from its first beat on that service
+            if pid != self.pids[name] or now - self.beats[name][1] > self.heartbeat_timeout_s:
                 lost.append(name)
         return lost
 
 
 def generation_to_join(role: RoleContext) -> int:
-    """0 at the job's start; for a restarted worker, the generation after the last one it joined."""
+    """0 at the job's start; for a restarted worker, the generation after the last one it joined. Restarted with
+    the chief, whose control service lost that, it learns it from the others' `allreduce/live` keys (put before the
+    job's start it read): the one they form, or the one after theirs."""
     joined = role.control.get_if_set(control_keys.allreduce_joined(role.task.name))
-    return 0 if joined is None else int(joined) + 1
+    if joined is not None:
+        return int(joined) + 1
+    others = [f"worker:{index}" for index in range(role.num_workers) if index != role.task.index]
+    live = [role.control.read_if_set(job_keys.allreduce_live(name)) for name in others]
+    trained = [worker for worker in live if worker is not None and worker.joined]
+    return max((worker.generation if worker.forming else worker.generation + 1 for worker in trained), default=0)
 
 
-def form(strategy: AllReduceStrategy, role: RoleContext, generation: int, deadline: float) -> ProcessGroupGloo:
+def form(
+    strategy: AllReduceStrategy, role: RoleContext, generation: int, deadline: float, replay: Replay | None = None
+) -> ProcessGroupGloo:
     """The group's `generation`, formed once every worker announced it (or a later one) before `deadline`
-    (time.monotonic()); GroupLostError names those that did not."""
+    (time.monotonic()); GroupLostError names those that did not. The announcement goes through `replay`, where
+    given: a restarted chief gets it again."""
     control, name = role.control, role.task.name
-    control.set(control_keys.allreduce_joined(name), str(generation))
+    if replay is not None:
+        replay.set_joined(generation)
+    else:
+        control.set(control_keys.allreduce_joined(name), str(generation))
     members = [f"worker:{index}" for index in range(role.num_workers)]
     while True:
         missing = [
@@ -125,7 +143,8 @@ def form(strategy: AllReduceStrategy, role: RoleContext, generation: int, deadli
                 f"{limit}: lost for good; run the job again to resume from its last checkpoint"
             )
         time.sleep(_POLL_S)
-    store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s)
+    setter = replay.set_rendezvous if replay is not None else None
+    store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s, setter=setter)
     # The spec's host; under torchrun, which names only the chief's, loopback or this machine's address (as a PS's).
     advertised = advertised_address(role.spec.address(role.task), role.spec.address(TaskSpec("chief", 0)))
     host = advertised.removeprefix("tcp://").rpartition(":")[0].strip("[]")
@@ -135,45 +154,48 @@ def form(strategy: AllReduceStrategy, role: RoleContext, generation: int, deadli
 def rejoin(
     group: Any,
     role: RoleContext,
-    generation: int,
     survived: RejoinState | None,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    timeout_s: float,
 ) -> RejoinState:
     """Agree in a newly formed `group` on where training goes on: a survivor passes its own run (`survived`), a
-    restarted worker None and gets the first survivor's state loaded into `model` and `optimizer`. The run agreed
-    on; GroupLostError where no worker survived or the survivors stopped at different global steps."""
+    restarted worker None and gets the first survivor's run and state, loaded into `model` and `optimizer`. Both
+    travel over the group (broadcast), never through the control store, whatever their size. The run agreed on;
+    GroupLostError where no worker survived or the survivors stopped at different global steps."""
     survivors = _survivors(group, role, survived)
     if len(survivors) == role.num_workers:
         assert survived is not None
         return survived
-    source = f"worker:{survivors[0]}"
-    key, chunks = job_keys.allreduce_rejoin(generation), f"rejoin/{generation}"
-    if role.task.name == source:
+    source = survivors[0]
+    run_data = state_data = None
+    if role.task.index == source:
         assert survived is not None
         state = allreduce_state.capture(model, optimizer, survived.step)
-        num_chunks = allreduce_state.send(role.control, chunks, state)
-        role.control.put(key, msgspec.structs.replace(survived, num_chunks=num_chunks, scalars=state.scalars))
-    run = survived
-    if run is None:
-        run = role.control.read(key, waiting_for=f"{source}'s state", timeout_s=timeout_s)
-        restored = allreduce_state.receive(
-            role.control,
-            chunks,
-            run.num_chunks,
-            step=run.step,
-            scalars=run.scalars,
-            waiting_for=f"{source}'s state",
-            delete=False,
-        )
-        allreduce_state.restore(model, optimizer, restored)
-    group.allreduce([torch.zeros(1)]).wait()  # every restarted worker has read the state: it can go
-    if role.task.name == source:
-        role.control.delete(key)
-        for chunk in range(run.num_chunks):
-            role.control.delete(control_keys.state_chunk(chunks, chunk))
+        survived = msgspec.structs.replace(survived, scalars=state.scalars)
+        run_data, state_data = msgspec.json.encode(survived), allreduce_state.to_bytes(state)
+    run_data = _broadcast(group, source, run_data)
+    state_data = _broadcast(group, source, state_data)
+    if survived is not None:
+        return survived
+    run = msgspec.json.decode(run_data, type=RejoinState)
+    allreduce_state.restore(
+        model, optimizer, allreduce_state.from_bytes(state_data, step=run.step, scalars=run.scalars)
+    )
     return run
+
+
+def _broadcast(group: Any, root: int, data: bytes | None) -> bytes:
+    """`data`, given on rank `root` (None on the others), on every rank of `group`."""
+    options = BroadcastOptions()
+    options.rootRank = root
+    size = torch.tensor([len(data) if data is not None else 0])
+    group.broadcast([size], options).wait()
+    if data is not None:
+        group.broadcast([torch.frombuffer(bytearray(data), dtype=torch.uint8)], options).wait()
+        return data
+    buffer = torch.empty(int(size), dtype=torch.uint8)
+    group.broadcast([buffer], options).wait()
+    return buffer.numpy().tobytes()
 
 
 def _survivors(group: Any, role: RoleContext, survived: RejoinState | None) -> list[int]:

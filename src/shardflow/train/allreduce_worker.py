@@ -20,11 +20,13 @@ from shardflow.profile.recorder import SpanRecorder
 from shardflow.train import allreduce_group, allreduce_state, job_keys
 from shardflow.train.allreduce_gradients import ABORT, FLAGS, HAD_BATCH, SAVE, STOP, GradientReducer
 from shardflow.train.allreduce_group import GroupLostError
+from shardflow.train.allreduce_replay import Replay
+from shardflow.train.checkpoints import store
 from shardflow.train.heartbeat import Heartbeat
 from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig, check_loss, user_code
-from shardflow.train.job_keys import InputState, RejoinState, ResumePoint, StateNotice
+from shardflow.train.job_keys import InputState, RejoinState, ResumePoint
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
@@ -45,34 +47,31 @@ def run_allreduce_worker(
     job: JobConfig[AllReduceStrategy], role: RoleContext, trainer: type[_Trainer] | None = None
 ) -> None:
     """The worker's main: join the group, train to the end of every worker's input or max_steps, hand over the
-    final state, and stay until the chief says the job is over. `trainer`: the run's class (HybridStrategy's
-    looks the `sf.nn` tables up on the PS); `_Trainer` by default."""
+    final state, and stay until the chief says the job is over. A restarted chief finds again what it needs of
+    this worker (allreduce_replay.py) and adopts the group. `trainer`: the run's class (HybridStrategy's looks the
+    `sf.nn` tables up on the PS); `_Trainer` by default."""
     control, strategy = role.control, job.strategy
     heartbeat = Heartbeat(role.task.name, control)
     profiler = RoleProfiler(role.task.name, control)
+    replay = Replay(role)
     try:
         start = control.read(
             job_keys.ALLREDUCE_START, waiting_for="the chief to restore the model", timeout_s=strategy.startup_timeout_s
         )
+        replay.keep(job_keys.ALLREDUCE_START, start)
         model = job.build_model()
         optimizer = job.optimizer.build(list(model.parameters()))
         generation = allreduce_group.generation_to_join(role)
-        if start.num_chunks and generation == 0:  # a restarted worker gets the state of now from the group
-            state = allreduce_state.receive(
-                control,
-                "start",
-                start.num_chunks,
-                step=start.step,
-                scalars=start.scalars,
-                waiting_for="the chief's restored state",
-                delete=False,
-            )
+        if start.checkpoint is not None and generation == 0:  # a restarted worker gets the state of now from the group
+            state, _ = store.load_state(store.directory(job.model_dir) / start.checkpoint)
             allreduce_state.restore(model, optimizer, state)
         restored = control.read_if_set(job_keys.RESTORE_ITERATORS)
+        if restored is not None:
+            replay.keep(job_keys.RESTORE_ITERATORS, restored)
         position = restored.positions.get(role.task.name) if restored is not None else None
         # Restarted after the others were done, this worker finds the job over while it waits for them to join.
         with contextlib.suppress(allreduce_group.JobOverError):
-            (trainer or _Trainer)(job, role, model, optimizer, position, start.step, generation).run(profiler)
+            (trainer or _Trainer)(job, role, model, optimizer, position, start.step, generation, replay).run(profiler)
         profiler.finish()  # a capture cut short by the end of training: the chief collects it before the end
         # The chief saves and evaluates the final state, then ends the job: wait for it without a deadline, as PS
         # workers do, still beating (the chief fails the job if the wait ends in its error).
@@ -80,6 +79,7 @@ def run_allreduce_worker(
             pass
     finally:
         profiler.finish()
+        replay.stop()
         heartbeat.stop()
 
 
@@ -95,9 +95,10 @@ class _Trainer:
         start_position: dict[str, Any] | None,
         step: int,
         generation: int,
+        replay: Replay,
     ) -> None:
         """`start_position`: this worker's input position at the job's start; `generation`: of the group to join
-        (allreduce_group.generation_to_join: a restarted worker's is not 0)."""
+        (allreduce_group.generation_to_join: a restarted worker's is not 0); `replay`: what it puts for the chief."""
         self.job, self.role, self.model, self.optimizer = job, role, model, optimizer
         self.name, self.index = role.task.name, role.task.index
         self.start_position = start_position
@@ -128,6 +129,7 @@ class _Trainer:
         self.eval_every = eval_spec.every_n_steps if eval_spec is not None else None
         """The chief evaluates the state at every multiple of this global step."""
         timeout_s = job.strategy.startup_timeout_s if generation == 0 else job.strategy.worker_rejoin_timeout_s
+        self.replay = replay
         self.reducer = self._join(generation, restarted=generation > 0, timeout_s=timeout_s)
 
     def run(self, profiler: RoleProfiler) -> None:
@@ -221,11 +223,9 @@ class _Trainer:
         strategy = self.job.strategy
         while True:
             try:
-                group = allreduce_group.form(strategy, self.role, generation, deadline)
+                group = allreduce_group.form(strategy, self.role, generation, deadline, self.replay)
                 mine = None if restarted else self._run()
-                agreed = allreduce_group.rejoin(
-                    group, self.role, generation, mine, self.model, self.optimizer, strategy.request_timeout_s
-                )
+                agreed = allreduce_group.rejoin(group, self.role, mine, self.model, self.optimizer)
                 break
             except GroupLostError:
                 raise
@@ -237,6 +237,7 @@ class _Trainer:
                 log.warning("%s: forming generation %d of the group failed: %s", self.name, generation, error)
                 generation += 1
         self.generation = generation
+        self.replay.mark_joined()
         if restarted:
             self._resume(agreed)
             # Lost inside the hand-over at the step the group goes on from: this worker's part of it may be missing,
@@ -253,7 +254,6 @@ class _Trainer:
         """Where this worker's run is, for the workers that join the group restarted."""
         return RejoinState(
             step=self.step,
-            num_chunks=0,
             scalars={},
             hand_overs=self.checkpoints,
             hand_over_step=self.hand_over_step,
@@ -315,6 +315,7 @@ class _Trainer:
         chief's end of training or of the job, asked for on the control plane."""
         if not self.leader:
             return [0.0, 0.0, 0.0]
+        self.replay.at_step(self.step)
         now = time.monotonic()
         secs = None if self.job.save_checkpoints_steps else self.job.save_checkpoints_secs
         save = float(secs is not None and now - self.last_checkpoint >= secs)
@@ -335,19 +336,31 @@ class _Trainer:
         if checkpoint:
             self.last_checkpoint = time.monotonic()
         position = self.position.get_state()
-        control.put(job_keys.allreduce_position(n, self.name), InputState(position=position))
+        # Through the replay: a restarted chief gets them again (allreduce_replay.py).
+        self.replay.put_position(n, InputState(position=position))
         resume = ResumePoint(position=position, batches_applied=self.batches_applied[self.index])
-        control.put(job_keys.allreduce_resume(self.name), resume)
+        self.replay.put(job_keys.allreduce_resume(self.name), resume)
         # The chief deletes the notice only once it put `saved`: neither set, the notice was never put.
-        if not self.leader or (again and control.is_set(job_keys.allreduce_checkpoint(n).name)):
+        if not self.leader or (again and self._sent_whole(n)):
             return
         if n > 1:
             control.read(job_keys.allreduce_saved(n - 1), waiting_for="the chief to save the checkpoint before")
+            self.replay.confirmed(n - 1)
         state = allreduce_state.capture(self.model, self.optimizer, self.step)
-        num_chunks = allreduce_state.send(control, f"checkpoint/{n}", state)
-        notice = StateNotice(
-            step=self.step, num_chunks=num_chunks, scalars=state.scalars, checkpoint=checkpoint, final=final
-        )
-        control.put(job_keys.allreduce_checkpoint(n), notice)
+        self.replay.send_state(n, state, checkpoint=checkpoint, final=final)
         if final:
             control.read(job_keys.allreduce_saved(n), waiting_for="the chief to save the final checkpoint")
+
+    def _sent_whole(self, n: int) -> bool:
+        """Lost inside hand-over `n` and restarted: whether the chief has its whole state, so it is not sent again.
+        A notice there says so for a state put before it; for one streamed after it, the chief either read it all
+        (and saves it) or gives it up, seeing this worker's new process: wait for either."""
+        control = self.role.control
+        notice_key, saved_key = job_keys.allreduce_checkpoint(n), job_keys.allreduce_saved(n)
+        notice = control.read_if_set(notice_key)
+        if notice is None or notice.num_chunks <= allreduce_state.WINDOW:
+            return notice is not None
+        while control.is_set(notice_key):
+            if control.set_within(saved_key.name, 1.0, waiting_for=f"the chief to save or give up state {n}"):
+                return True
+        return control.is_set(saved_key)

@@ -23,8 +23,9 @@ from shardflow.ps import protocol
 from shardflow.ps.admin import PSAdmin
 from shardflow.ps.placement import place
 from shardflow.ps.update_rules import ApplyConfig
-from shardflow.train import allreduce_state, job_keys
-from shardflow.train.allreduce_chief import _Chief, _Watch, run_allreduce_chief
+from shardflow.train import job_keys
+from shardflow.train.allreduce_chief import _Chief, _Start, _Watch, run_allreduce_chief
+from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
 from shardflow.train.checkpoints.saved_tables import saved_tables
@@ -66,13 +67,16 @@ class _HybridChief(_Chief):
         role: RoleContext,
         model: torch.nn.Module,
         watch: _Watch,
-        start_step: int,
-        start_chunks: int,
-        restored: ModelState | None,
+        start: _Start,
     ) -> None:
-        super().__init__(job, role, model, watch, start_step, start_chunks, restored)
+        super().__init__(job, role, model, watch, start)
         strategy = job.strategy
         assert isinstance(strategy, HybridStrategy)
+        if start.adopted:
+            raise RoleFailedError(
+                "the chief was restarted: HybridStrategy does not adopt a running job's PS and workers yet; run the "
+                "job again to resume from its last checkpoint"
+            )
         self.table_specs = tuple(table_specs(model))
         if not self.table_specs:
             raise ValueError("HybridStrategy: the model has no sf.nn tables to put on the PS; use sf.AllReduceStrategy")
@@ -94,16 +98,13 @@ class _HybridChief(_Chief):
             max_steps=None,  # the PS count the tables' updates; the workers end training
             hold_timeout_s=strategy.request_timeout_s,
         )
-        self.initial = restored
-        """The state the job started from: every PS goes back to it where one is lost before any checkpoint."""
         self.generation = 0
         """How many times every PS was restored after one was lost."""
         self.recovery: tuple[str, float] | None = None
         """While the workers stop after a PS was lost: which one, and since when."""
         self.discarded: ModelState | None = None
         """A state handed over before the PS were restored: neither saved nor evaluated."""
-        self.recovery_chunks = 0
-        self._initialise(restored)
+        self._initialise(start.restored)
         control.put(job_keys.PLACEMENT, placement)
         self.manifest.update(num_ps=role.num_ps, sparse_mode=strategy.sparse_mode)
         self.snapshot_held: int | None = None
@@ -123,8 +124,10 @@ class _HybridChief(_Chief):
             tables=TableSetup.of(self.model, self.job.model_dir, self.job.full_checkpoint_every),
         )
 
-    def _collect(self, n: int, notice: StateNotice) -> ModelState:
+    def _collect(self, n: int, notice: StateNotice) -> ModelState | None:
         state = super()._collect(n, notice)
+        if state is None:  # worker:0 was lost amid its stream: it sends it again
+            return None
         if self.recovery is None:
             try:
                 return self._with_tables(n, state)
@@ -145,10 +148,6 @@ class _HybridChief(_Chief):
         snapshot = control.read(key, waiting_for="worker:0's snapshot of the sf.nn tables")
         if n > 1:  # every worker has read it: each put its position of state n after
             control.delete(job_keys.hybrid_snapshot(self.generation, n - 1).name)
-        if self.recovery_chunks:  # every worker has loaded the restored state: each put its position of n after
-            for index in range(self.recovery_chunks):
-                control.delete(control_keys.state_chunk(f"recovery/{self.generation}", index))
-            self.recovery_chunks = 0
         replies = self.admin.exchange([protocol.GetState(snapshot_step=snapshot.step)] * len(self.admin.peers))
         for (header, _), peer in zip(replies, self.admin.peers, strict=True):
             reply = protocol.StateReply.decode(header, peer)
@@ -231,18 +230,17 @@ class _HybridChief(_Chief):
         for name in self.watch.workers:  # put before some worker stopped, for a state that never came
             control.delete(job_keys.allreduce_position(n, name).name)
         self.snapshot_held = None  # gone with the PS's state
-        state = restore_latest(self.job, self.model, self.role) or self.initial
+        state = restore_latest(self.job, self.model, self.role)
+        latest = store.latest(self.job.model_dir) if state is not None else None
         addresses = [
             control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start")
             for k in range(self.role.num_ps)
         ]
         self.admin.reconnect(addresses)
         self._initialise(state)
-        self.recovery_chunks = allreduce_state.send(control, f"recovery/{self.generation}", state) if state else 0
         restart = HybridRestart(
             step=state.step if state else 0,
-            num_chunks=self.recovery_chunks,
-            scalars=state.scalars if state else {},
+            checkpoint=latest.name if latest is not None else None,
             positions=state.iterators if state else {},
             next_hand_over=n,
         )

@@ -28,7 +28,9 @@ from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.protocol import StatusReply
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_gradients import GradientReducer
+from shardflow.train.allreduce_replay import Replay
 from shardflow.train.allreduce_worker import JobAborted, _Trainer, run_allreduce_worker
+from shardflow.train.checkpoints import store
 from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import ResumePoint, TablesSnapshot
@@ -61,6 +63,7 @@ class _HybridTrainer(_Trainer):
         start_position: dict[str, Any] | None,
         step: int,
         generation: int,
+        replay: Replay,
     ) -> None:
         assert isinstance(job.strategy, HybridStrategy)
         self.sync = job.strategy.sparse_mode == "sync"
@@ -76,7 +79,7 @@ class _HybridTrainer(_Trainer):
         self.rolled_back = False
         self.params = _connect(job, role, model, self._interrupt)
         try:
-            super().__init__(job, role, model, optimizer, start_position, step, generation)
+            super().__init__(job, role, model, optimizer, start_position, step, generation, replay)
         except BaseException:
             self.params.close()
             raise
@@ -130,18 +133,8 @@ class _HybridTrainer(_Trainer):
             timeout_s=strategy.worker_rejoin_timeout_s + strategy.startup_timeout_s,
         )
         self.optimizer.state.clear()
-        if restart.num_chunks:
-            name = f"recovery/{generation}"
-            waiting_for = "the restored checkpoint's state"
-            state = allreduce_state.receive(
-                control,
-                name,
-                restart.num_chunks,
-                step=restart.step,
-                scalars=restart.scalars,
-                waiting_for=waiting_for,
-                delete=False,
-            )
+        if restart.checkpoint is not None:
+            state, _ = store.load_state(store.directory(self.job.model_dir) / restart.checkpoint)
             allreduce_state.restore(self.model, self.optimizer, state)
         else:  # no checkpoint yet: the job's initial values
             self.model.load_state_dict(self.job.build_model().state_dict())

@@ -19,19 +19,22 @@ Each entry reads `key`: writer -> readers. Meaning.
 
 `sf.AllReduceStrategy` (train/allreduce_chief.py, allreduce_worker.py):
 
-- `allreduce/start`: chief -> workers. The global step training starts from, and how many chunks of the restored
-  state (control_keys `state/start/<i>`) to load; 0 chunks: the model's initial values.
+- `allreduce/start`: chief -> workers. The global step training starts from, and the checkpoint in model_dir each
+  worker loads itself (every process shares model_dir); none: the model's initial values.
 - `allreduce/checkpoint/<n>`: worker:0 -> chief. The n-th state to checkpoint or evaluate (from 1): its global
-  step, its chunks (`state/checkpoint/<n>/<i>`), whether it is the last of training; the chief saves or evaluates
-  it, then deletes them.
+  step, its chunks (`state/checkpoint/<n>/<i>`: put before it where they fit allreduce_state.WINDOW, else streamed
+  after it), whether it is the last of training, its sender's process; the chief saves or evaluates it, then
+  deletes them.
 - `allreduce/checkpoint/<n>/position/<role>`: each worker -> chief. Its input position after that step's batch.
 - `allreduce/checkpoint/<n>/saved`: chief -> worker:0. Checkpoint n is handled; worker:0 sends checkpoint n+1 only
   after it (so at most one state is on the control plane at a time), and ends after the last one's.
 - `allreduce/resume/<role>`: that worker -> itself restarted. Its input position at its last hand-over, and how
   many of its batches had been applied then.
-- `allreduce/rejoin/<generation>`: the first survivor -> the restarted workers of that generation of the group. The
-  state to go on from (chunks `state/rejoin/<generation>/<i>`) and every worker's count of batches applied; deleted
-  once they read it.
+- `allreduce/live/<role>`: that worker -> chief, and the other workers. Whether it trains in a formed group, its
+  generation, and (worker:0) the first hand-over the chief has not confirmed saved. Put at the worker's start, and
+  again with everything else a restarted chief needs once the worker finds a new chief's id
+  (train/allreduce_replay.py): a restarted chief adopts a live group from it rather than restore a checkpoint over
+  it.
 
 `sf.HybridStrategy` (train/hybrid_chief.py, hybrid_worker.py) adds:
 
@@ -40,7 +43,7 @@ Each entry reads `key`: writer -> readers. Meaning.
   again only once it is set, and the chief saves its rows with state n.
 - `hybrid/recovery`: chief -> workers, when a PS was lost. Its generation: every worker stops where it is and says
   so in `hybrid/stopped/<g>/<role>` (a plain key); once all did, the chief restores every PS from the latest
-  checkpoint and puts `hybrid/restart/<g>`: the state to go on from (chunks `state/recovery/<g>/<i>`), each worker's
+  checkpoint and puts `hybrid/restart/<g>`: that checkpoint (each worker loads it from model_dir), each worker's
   input position in it, and the number of the next hand-over.
 """
 
@@ -121,10 +124,8 @@ class EvaluationResult(_Value, frozen=True, kw_only=True):
 class AllReduceStart(_Value, frozen=True, kw_only=True):
     step: int
     """The global step training starts from."""
-    num_chunks: int
-    """The restored state's chunks; 0: start from the model's initial values."""
-    scalars: dict[str, float]
-    """Its scalar optimizer state (train/checkpoints/model_state.py)."""
+    checkpoint: str | None
+    """The restored checkpoint's directory name in model_dir's checkpoints; None: the model's initial values."""
 
 
 class StateNotice(_Value, frozen=True, kw_only=True):
@@ -137,6 +138,9 @@ class StateNotice(_Value, frozen=True, kw_only=True):
     """Saved as a checkpoint; else only evaluated (at a multiple of EvalSpec.every_n_steps)."""
     final: bool
     """The last state of training: the chief saves it, evaluates it and ends the job."""
+    sender: int
+    """worker:0's process id, as its heartbeat names it: a beat from another one while the chief waits for a chunk
+    says the sender was lost."""
 
 
 class InputState(_Value, frozen=True, kw_only=True):
@@ -152,9 +156,11 @@ class ResumePoint(_Value, frozen=True, kw_only=True):
 
 
 class RejoinState(_Value, frozen=True, kw_only=True):
+    """Where a re-formed group goes on: the first survivor's, broadcast with its state to the restarted workers
+    (train/allreduce_group.py `rejoin`)."""
+
     step: int
     """The global step the re-formed group goes on from."""
-    num_chunks: int
     scalars: dict[str, float]
     """Its scalar optimizer state (train/checkpoints/model_state.py)."""
     hand_overs: int
@@ -183,13 +189,30 @@ class HybridRecovery(_Value, frozen=True, kw_only=True):
 
 class HybridRestart(_Value, frozen=True, kw_only=True):
     step: int
-    """The global step of the checkpoint every PS was restored to (0 and no chunks: the job's start)."""
-    num_chunks: int
-    scalars: dict[str, float]
+    """The global step of the checkpoint every PS was restored to."""
+    checkpoint: str | None
+    """That checkpoint's directory name in model_dir's checkpoints, which every worker loads; None: none was saved,
+    and the job goes back to the model's initial values."""
     positions: dict[str, dict[str, Any]]
     """Each worker's input position in it, by role name; none: the position the job started from."""
     next_hand_over: int
     """The number of the next state worker:0 hands the chief."""
+
+
+class LiveWorker(_Value, frozen=True, kw_only=True):
+    joined: bool
+    """Whether the worker trained in a formed group (else it waits for the job's start)."""
+    generation: int
+    """The generation of the group it trains in, or forms (`forming`); -1: none yet."""
+    forming: bool
+    """Whether it forms that generation (a worker restarted meanwhile joins it) or trains in it (then the next)."""
+    next_hand_over: int
+    """worker:0's first hand-over the chief has not confirmed saved (its state is kept and put again)."""
+    step: int
+    """worker:0's global step when it last looked (-1: not known); for the chief's log."""
+    chief: str
+    """The chief's id (control_keys.ALLREDUCE_CHIEF) for which the worker put everything: the chief reads no
+    other."""
 
 
 class Saved(_Value, frozen=True, kw_only=True):
@@ -232,10 +255,6 @@ def allreduce_resume(role: str) -> Key[ResumePoint]:
     return Key(f"allreduce/resume/{role}", ResumePoint, role)
 
 
-def allreduce_rejoin(generation: int) -> Key[RejoinState]:
-    return Key(f"allreduce/rejoin/{generation}", RejoinState, "the re-formed group's first survivor")
-
-
 def hybrid_snapshot(generation: int, n: int) -> Key[TablesSnapshot]:
     return Key(f"hybrid/snapshot/{generation}/{n}", TablesSnapshot, "worker:0")
 
@@ -249,3 +268,7 @@ def hybrid_restart(generation: int) -> Key[HybridRestart]:
 
 def hybrid_stopped(generation: int, role: str) -> str:
     return f"hybrid/stopped/{generation}/{role}"
+
+
+def allreduce_live(role: str) -> Key[LiveWorker]:
+    return Key(f"allreduce/live/{role}", LiveWorker, role)

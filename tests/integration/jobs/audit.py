@@ -5,8 +5,10 @@ loss adds -seen[id] for every record of the batch: with SGD at lr 1/16 and that 
 gradient of a record adds exactly 1.0 to its counter (powers of two: no rounding). So the final parameters say how
 many times each record's gradient was applied, whatever was killed on the way. `seen` is cut across the PS, so a
 push that reached only some PS shows. With "dynamic", an `sf.nn.DynamicEmbedding` keyed by a hash of each record's
-id counts the same way, in rows made on the PS as records arrive. Configured by a JSON file given as argv[1] (see
-regression.py's keys).
+id counts the same way, in rows made on the PS as records arrive. With "mode": "allreduce" the job trains with
+sf.AllReduceStrategy (no PS, `seen` is dense): each record's gradient is averaged over the 2 workers, so an applied
+one adds 0.5. Configured by a JSON file given as argv[1] (see regression.py's keys; "step_log": a file that gets a
+line per batch, for a test to see training under way).
 """
 
 import json
@@ -63,6 +65,9 @@ def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
     assert isinstance(model, Audited)
     ids, x, y = batch[:3]
     time.sleep(config.get("step_delay_s", 0))
+    if config.get("step_log"):
+        with open(config["step_log"], "a") as log:
+            log.write("step\n")
     loss = torch.nn.functional.mse_loss(model(x), y) * 0.05 - model.seen[ids].sum() / LR
     if model.seen_hashed is not None:
         loss = loss - model.seen_hashed(batch[3]).sum() / LR
@@ -71,22 +76,34 @@ def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
     return loss
 
 
-strategy = sf.ParameterServerStrategy(
-    num_ps=config.get("num_ps", 2),
-    num_workers=config.get("num_workers", 2),
-    mode=config.get("mode", "async"),
-    overlap=config.get("overlap", True),
-    # `seen` (4 KB) is cut across every PS.
-    partitioner=sf.Partitioner(min_slice_bytes=256),
-    heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
-    worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
-    hung_timeout_s=config.get("hung_timeout_s", 30.0),
-    lost_worker_policy=config.get("lost_worker_policy", "wait"),
-    max_restarts=config.get("max_restarts", 3),
-    restart_backoff_s=config.get("restart_backoff_s", 0.5),
-    request_timeout_s=config.get("request_timeout_s", 60.0),
-    max_nonfinite_updates=config.get("max_nonfinite_updates", 1),
-)
+strategy: sf.ParameterServerStrategy | sf.AllReduceStrategy
+if config.get("mode") == "allreduce":
+    strategy = sf.AllReduceStrategy(
+        num_workers=config.get("num_workers", 2),
+        heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
+        worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
+        hung_timeout_s=config.get("hung_timeout_s", 30.0),
+        max_restarts=config.get("max_restarts", 3),
+        restart_backoff_s=config.get("restart_backoff_s", 0.5),
+        request_timeout_s=config.get("request_timeout_s", 60.0),
+    )
+else:
+    strategy = sf.ParameterServerStrategy(
+        num_ps=config.get("num_ps", 2),
+        num_workers=config.get("num_workers", 2),
+        mode=config.get("mode", "async"),
+        overlap=config.get("overlap", True),
+        # `seen` (4 KB) is cut across every PS.
+        partitioner=sf.Partitioner(min_slice_bytes=256),
+        heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
+        worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
+        hung_timeout_s=config.get("hung_timeout_s", 30.0),
+        lost_worker_policy=config.get("lost_worker_policy", "wait"),
+        max_restarts=config.get("max_restarts", 3),
+        restart_backoff_s=config.get("restart_backoff_s", 0.5),
+        request_timeout_s=config.get("request_timeout_s", 60.0),
+        max_nonfinite_updates=config.get("max_nonfinite_updates", 1),
+    )
 est = sf.Estimator(
     Audited,
     loss_fn,
