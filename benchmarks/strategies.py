@@ -1,4 +1,4 @@
-"""PS (async, sync) against all-reduce on the benchmark MLP and the click-through model: examples/s, and the winner.
+"""PS (async, sync), all-reduce and hybrid on the benchmark MLP and the click-through model: examples/s, the winner.
 
 PS: 2 workers + 1 PS; all-reduce: 2 workers; hybrid (HybridStrategy: the sf.nn tables on 1 PS, async, the head
 all-reduced by the 2 workers) on the click-through model; side by side in one run. The benchmark MLP has no sf.nn
