@@ -53,6 +53,31 @@ class JobRun:
         return done, result
 
 
+def kill_role_after(launcher: subprocess.Popen[str], steps_log: Path, role: str, count: int) -> None:
+    """SIGKILL `role`'s process under `launcher` once the workers wrote `count` lines to `steps_log` (one a
+    batch), within 90 s."""
+    deadline = time.monotonic() + 90
+    while not steps_log.exists() or len(steps_log.read_text().splitlines()) < count:
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate(timeout=5)[0]
+        time.sleep(0.02)
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        if role_of(child) == role:
+            child.kill()
+            return
+    pytest.fail(f"no {role} process under the launcher")
+
+
+def finish_launcher(launcher: subprocess.Popen[str], timeout_s: float) -> str:
+    """The launcher's output once it ended; the job killed, and the test failed, after `timeout_s`."""
+    try:
+        return launcher.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        _kill_tree(launcher.pid)
+        pytest.fail(f"the job did not end within {timeout_s}s:\n{launcher.communicate()[0]}")
+    finally:
+        _kill_tree(launcher.pid)
+
+
 def _kill_tree(pid: int) -> None:
     try:
         parent = psutil.Process(pid)

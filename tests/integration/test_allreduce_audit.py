@@ -9,17 +9,13 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardflow.cluster.zygote import role_of
-
-from .conftest import JOBS, _kill_tree
+from .conftest import JOBS, finish_launcher, kill_role_after
 
 NUM_RECORDS, BATCH, NUM_WORKERS = 1024, 8, 2
 NUM_BATCHES = NUM_RECORDS // BATCH
@@ -43,26 +39,7 @@ def _launch(tmp_path: Path, **config) -> subprocess.Popen[str]:
 
 def _kill_at_random(launcher: subprocess.Popen[str], steps_log: Path, role: str, seed: int) -> None:
     """SIGKILL `role`'s process once the workers computed a number of batches drawn from `seed`."""
-    count = random.Random(seed).randint(10, NUM_BATCHES - 30)
-    deadline = time.monotonic() + 90
-    while not steps_log.exists() or len(steps_log.read_text().splitlines()) < count:
-        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate(timeout=5)[0]
-        time.sleep(0.02)
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        if role_of(child) == role:
-            child.kill()
-            return
-    pytest.fail(f"no {role} process under the launcher")
-
-
-def _finish(launcher: subprocess.Popen[str], timeout_s: float = 180) -> str:
-    try:
-        return launcher.communicate(timeout=timeout_s)[0]
-    except subprocess.TimeoutExpired:
-        _kill_tree(launcher.pid)
-        pytest.fail(f"the job did not end within {timeout_s}s:\n{launcher.communicate()[0]}")
-    finally:
-        _kill_tree(launcher.pid)
+    kill_role_after(launcher, steps_log, role, random.Random(seed).randint(10, NUM_BATCHES - 30))
 
 
 def _assert_every_record_applied_once(tmp_path: Path, output: str) -> None:
@@ -78,7 +55,7 @@ def _assert_every_record_applied_once(tmp_path: Path, output: str) -> None:
 def test_a_worker_of_the_allreduce_audit_job_killed_at_random_every_record_is_applied_once(tmp_path, role, seed):
     launcher = _launch(tmp_path, save_checkpoints_steps=8)
     _kill_at_random(launcher, tmp_path / "steps.log", role, seed)
-    output = _finish(launcher)
+    output = finish_launcher(launcher, 180)
     assert launcher.returncode == 0, output
     assert f"{role} (pid" in output and "restarting it" in output, output
     _assert_every_record_applied_once(tmp_path, output)
@@ -90,7 +67,7 @@ def test_the_chief_of_the_allreduce_audit_job_killed_at_random_every_record_is_a
 ):
     launcher = _launch(tmp_path, save_checkpoints_steps=checkpoint_steps)
     _kill_at_random(launcher, tmp_path / "steps.log", "chief", seed)
-    output = _finish(launcher)
+    output = finish_launcher(launcher, 180)
     assert launcher.returncode == 0, output
     assert "adopted the live all-reduce group" in output, output
     _assert_every_record_applied_once(tmp_path, output)

@@ -9,16 +9,12 @@ import json
 import random
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
-from shardflow.cluster.zygote import role_of
-
-from .conftest import JOBS, _kill_tree
+from .conftest import JOBS, finish_launcher, kill_role_after
 from .test_allreduce_strategy import _one_process, _trained
 
 STEPS, BATCH = 40, 8
@@ -44,29 +40,6 @@ def _launch(tmp_path: Path, **config) -> subprocess.Popen[str]:
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _kill_chief_after(launcher: subprocess.Popen[str], steps_log: Path, count: int) -> None:
-    """SIGKILL the chief's process once the workers computed `count` batches."""
-    deadline = time.monotonic() + 90
-    while not steps_log.exists() or len(steps_log.read_text().splitlines()) < count:
-        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate(timeout=5)[0]
-        time.sleep(0.02)
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        if role_of(child) == "chief":
-            child.kill()
-            return
-    pytest.fail("no chief process under the launcher")
-
-
-def _finish(launcher: subprocess.Popen[str], timeout_s: float = 150) -> str:
-    try:
-        return launcher.communicate(timeout=timeout_s)[0]
-    except subprocess.TimeoutExpired:
-        _kill_tree(launcher.pid)
-        pytest.fail(f"the job did not end within {timeout_s}s:\n{launcher.communicate()[0]}")
-    finally:
-        _kill_tree(launcher.pid)
-
-
 def _assert_every_batch_applied_once(tmp_path: Path, output: str) -> None:
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == STEPS, output
@@ -80,8 +53,8 @@ def _assert_every_batch_applied_once(tmp_path: Path, output: str) -> None:
 @pytest.mark.parametrize("seed", [1, 2])
 def test_a_chief_killed_without_checkpoints_is_restarted_and_adopts_the_live_group(tmp_path, seed):
     launcher = _launch(tmp_path)
-    _kill_chief_after(launcher, tmp_path / "steps.log", random.Random(seed).randint(6, 2 * STEPS - 20))
-    output = _finish(launcher)
+    kill_role_after(launcher, tmp_path / "steps.log", "chief", random.Random(seed).randint(6, 2 * STEPS - 20))
+    output = finish_launcher(launcher, 150)
     assert launcher.returncode == 0, output
     assert "the chief was restarted: adopted the live all-reduce group at global step" in output, output
     _assert_every_batch_applied_once(tmp_path, output)
@@ -91,8 +64,8 @@ def test_a_chief_killed_without_checkpoints_is_restarted_and_adopts_the_live_gro
 def test_a_chief_killed_amid_hand_overs_saves_them_again_and_restores_no_checkpoint(tmp_path, seed):
     # A state handed over every 2 steps: the kill lands inside one or between two, each in flight put again.
     launcher = _launch(tmp_path, save_checkpoints_steps=2)
-    _kill_chief_after(launcher, tmp_path / "steps.log", random.Random(seed).randint(6, 2 * STEPS - 20))
-    output = _finish(launcher)
+    kill_role_after(launcher, tmp_path / "steps.log", "chief", random.Random(seed).randint(6, 2 * STEPS - 20))
+    output = finish_launcher(launcher, 150)
     assert launcher.returncode == 0, output
     assert "adopted the live all-reduce group" in output, output
     _assert_every_batch_applied_once(tmp_path, output)

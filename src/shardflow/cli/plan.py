@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 from shardflow.cli.tables import print_table
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from shardflow.planning.calibrate import Calibration
     from shardflow.planning.plan_model import PlanConfig, Prediction
 
@@ -131,31 +133,24 @@ def _calibration(args: argparse.Namespace) -> Calibration | None:
 
 def _ring(args: argparse.Namespace) -> Calibration | None:
     """The all-reduce run of --calibrate-allreduce, whose ring all-reduce and hybrid are predicted from."""
-    if args.calibrate_allreduce is None:
-        return None
-    from shardflow.planning.calibrate import calibrate
-
-    calibration = calibrate(args.calibrate_allreduce)
-    if calibration.ring is None:
-        raise ValueError(
-            f"--calibrate-allreduce {args.calibrate_allreduce}: its capture ({calibration.capture}) is not of an "
-            "all-reduce run of 2 or more workers"
-        )
-    return calibration
+    return _run_of("--calibrate-allreduce", args.calibrate_allreduce, "ring", "an all-reduce run of 2 or more workers")
 
 
 def _hybrid(args: argparse.Namespace) -> Calibration | None:
     """The hybrid run of --calibrate-hybrid, whose step hybrid is predicted from."""
-    if args.calibrate_hybrid is None:
+    what = "an sf.HybridStrategy run (no worker both all-reduced and pushed to a PS)"
+    return _run_of("--calibrate-hybrid", args.calibrate_hybrid, "hybrid", what)
+
+
+def _run_of(flag: str, model_dir: Path | None, part: str, what: str) -> Calibration | None:
+    """The calibration of `model_dir` given with `flag`, which must have `part` (its capture is of `what`)."""
+    if model_dir is None:
         return None
     from shardflow.planning.calibrate import calibrate
 
-    calibration = calibrate(args.calibrate_hybrid)
-    if calibration.hybrid is None:
-        raise ValueError(
-            f"--calibrate-hybrid {args.calibrate_hybrid}: its capture ({calibration.capture}) is not of an "
-            "sf.HybridStrategy run (no worker both all-reduced and pushed to a PS)"
-        )
+    calibration = calibrate(model_dir)
+    if getattr(calibration, part) is None:
+        raise ValueError(f"{flag} {model_dir}: its capture ({calibration.capture}) is not of {what}")
     return calibration
 
 
