@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -15,6 +17,8 @@ import torch
 
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.table_rows import CheckpointRows
+
+from .conftest import JOBS, finish_launcher, kill_role_after
 
 STEPS, BATCH = 30, 8
 
@@ -36,7 +40,13 @@ def _applied(model_dir: Path) -> torch.Tensor:
 
 @pytest.mark.parametrize(
     ("killed", "save_checkpoints_steps", "seed"),
-    [("worker:1", None, 1), ("worker:0", 2, 2), ("worker:1", 1, 3), ("ps:0", 4, 4), ("ps:1", None, 5)],
+    [
+        ("worker:1", None, 1),
+        ("worker:0", 2, 2),
+        ("worker:1", 1, 3),
+        ("ps:0", 4, 4),
+        ("ps:1", None, 5),
+    ],
     ids=[
         "worker1",
         "worker0-checkpoints-every-2",
@@ -79,3 +89,36 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     twice, never = (applied > 1).nonzero().view(-1), (applied < 1).nonzero().view(-1)
     assert not twice.numel() and not never.numel(), f"applied twice: {twice.tolist()}; never: {never.tolist()}"
     assert torch.equal(applied, torch.ones_like(applied))
+
+
+@pytest.mark.parametrize(("save_checkpoints_steps", "seed"), [(2, 6), (None, 7)], ids=["checkpoints-every-2", "none"])
+def test_a_killed_chief_is_restarted_and_adopts_the_live_workers_and_ps(tmp_path, save_checkpoints_steps, seed):
+    """Under `shardflow launch` (which restarts a chief killed by a signal): the restarted chief adopts the group and
+    the PS as they are, and every record still reaches the tables once."""
+    steps_log = tmp_path / "steps.log"
+    config = {
+        "strategy": "hybrid",
+        "mode": "async",
+        "audit": True,
+        "optimizer": "SGD",
+        "lr": 0.05,
+        "num_batches": 2 * STEPS,
+        "batch": BATCH,
+        "step_delay_s": 0.03,
+        "step_log": str(steps_log),
+        "save_checkpoints_steps": save_checkpoints_steps,
+        "model_dir": str(tmp_path / "model"),
+        "result": str(tmp_path / "result.json"),
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "2", "--max-restarts", "2"]
+    command += ["--restart-backoff", "0.1", str(JOBS / "tables.py"), str(path)]
+    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    kill_role_after(launcher, steps_log, "chief", random.Random(seed).randint(8, 40))
+    output = finish_launcher(launcher, 150)
+    assert launcher.returncode == 0, output
+    assert "adopted the live parameter servers" in output, output
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
+    applied = _applied(tmp_path / "model")
+    assert torch.equal(applied, torch.ones_like(applied)), f"applied 0, 1, 2.. times: {torch.bincount(applied.long())}"

@@ -72,11 +72,7 @@ class _HybridChief(_Chief):
         super().__init__(job, role, model, watch, start)
         strategy = job.strategy
         assert isinstance(strategy, HybridStrategy)
-        if start.adopted:
-            raise RoleFailedError(
-                "the chief was restarted: HybridStrategy does not adopt a running job's PS and workers yet; run the "
-                "job again to resume from its last checkpoint"
-            )
+
         self.table_specs = tuple(table_specs(model))
         if not self.table_specs:
             raise ValueError("HybridStrategy: the model has no sf.nn tables to put on the PS; use sf.AllReduceStrategy")
@@ -104,11 +100,29 @@ class _HybridChief(_Chief):
         """While the workers stop after a PS was lost: which one, and since when."""
         self.discarded: ModelState | None = None
         """A state handed over before the PS were restored: neither saved nor evaluated."""
-        self._initialise(start.restored)
+        if start.adopted:
+            self._adopt()
+        else:
+            self._initialise(start.restored)
         control.put(job_keys.PLACEMENT, placement)
         self.manifest.update(num_ps=role.num_ps, sparse_mode=strategy.sparse_mode)
         self.snapshot_held: int | None = None
         """The PS's snapshot of the last state collected, released once the next one is (it was evaluated)."""
+
+    def _adopt(self) -> None:
+        """A restarted chief over the live group: the PS hold its tables now, as every PS was last restored."""
+        replies = self.admin.status(timeout_s=self.job.strategy.startup_timeout_s)
+        if not all(reply.initialized for reply in replies):
+            lost = [peer for peer, reply in zip(self.admin.peers, replies, strict=True) if not reply.initialized]
+            raise RoleFailedError(
+                f"the chief was restarted while {', '.join(lost)} was too: the rows since the last checkpoint are lost "
+                "with it; run the job again to resume from its last checkpoint"
+            )
+        self.generation = max(reply.generation for reply in replies)
+        if self.generation:  # a worker restarted from now on names its snapshots in this generation
+            recovery = HybridRecovery(generation=self.generation, lost="a parameter server")
+            self.role.control.put(job_keys.HYBRID_RECOVERY, recovery)
+        log.warning("the chief was restarted: adopted the live parameter servers (recovery %d)", self.generation)
 
     def _initialise(self, state: ModelState | None) -> None:
         """Every PS with the tables of `state` (a checkpoint's), or made afresh (None)."""

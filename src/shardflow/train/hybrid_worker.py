@@ -207,7 +207,7 @@ class _HybridTrainer(_Trainer):
         control = self.role.control
         if self.leader and not control.is_set(key.name):
             try:
-                control.put(key, TablesSnapshot(step=_snapshot(self.params)))
+                self.replay.put(key, TablesSnapshot(step=_snapshot(self.params)))  # kept for a restarted chief
             except PSRecovery:
                 if final:
                     raise
