@@ -43,9 +43,10 @@ def test_a_state_with_adam_slots_goes_through_the_control_plane_and_restores_exa
     optimizer.step()
     state = allreduce_state.capture(model, optimizer, step=7)
     assert set(state.slots) == {"exp_avg", "exp_avg_sq"} and state.scalars == {"step": 1.0}
-    chunks = allreduce_state.send(plane, "units", state)
+    chunks = allreduce_state.encode(state)
+    assert allreduce_state.stream(plane, "units", chunks, reader_gone=lambda: False)
     received = allreduce_state.receive(
-        plane, "units", chunks, step=7, scalars=state.scalars, waiting_for="the test's state", delete=True
+        plane, "units", len(chunks), step=7, scalars=state.scalars, waiting_for="the test's state", delete=True
     )
     assert not plane.is_set("state/units/0")
     other = torch.nn.Linear(3, 2)

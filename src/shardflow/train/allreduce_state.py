@@ -78,15 +78,6 @@ def encode(state: ModelState) -> list[bytes]:
     return [data[start : start + CHUNK_BYTES] for start in range(0, len(data), CHUNK_BYTES)]
 
 
-def send(control: ControlPlane, name: str, state: ModelState) -> int:
-    """Put the tensors of `state` on the control plane under `name`, every chunk at once (for several readers);
-    the number of chunks."""
-    chunks = encode(state)
-    for index, chunk in enumerate(chunks):
-        control.set(control_keys.state_chunk(name, index), chunk)
-    return len(chunks)
-
-
 def stream(control: ControlPlane, name: str, chunks: list[bytes], *, reader_gone: Callable[[], bool]) -> bool:
     """Put `chunks` under `name` for one reader that deletes each (`receive` with `delete`): chunk i only once it
     took chunk i - WINDOW. False, with the rest not put, where `reader_gone()`, asked while it waits, says the reader
