@@ -20,14 +20,20 @@ import torch
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
 
-address, rank = sys.argv[1], int(sys.argv[2])
-control = ControlPlane(address, timeout_s=float(sys.argv[3]))
-store = ControlPlaneStore(control, "workers", 0, ["worker:0", "worker:1"], timeout_s=20)
-group = gloo_group(store, rank, 2, "127.0.0.1", timeout_s=20)
-tensor = torch.tensor([1.0, 2.0]) * (rank + 1)
-group.allreduce([tensor]).wait()
-print("sum", tensor.tolist(), flush=True)
-control.close()
+def main():
+    address, rank = sys.argv[1], int(sys.argv[2])
+    control = ControlPlane(address, timeout_s=float(sys.argv[3]))
+    store = ControlPlaneStore(control, "workers", 0, ["worker:0", "worker:1"], timeout_s=20)
+    group = gloo_group(store, rank, 2, "127.0.0.1", timeout_s=20)
+    tensor = torch.tensor([1.0, 2.0]) * (rank + 1)
+    group.allreduce([tensor]).wait()
+    print("sum", tensor.tolist(), flush=True)
+    control.close()
+
+
+# In a function, as a worker's run is: the group is destroyed when it returns, not by the interpreter's exit, where
+# gloo's threads may be torn down out of order ("terminate called without an active exception").
+main()
 """
 
 
