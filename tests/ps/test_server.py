@@ -97,13 +97,15 @@ def test_sync_averages_replicas_and_drops_a_stale_gradient(cluster):
     workers = [cluster.client(torch.nn.Linear(2, 1, bias=False), placement, worker_index=i) for i in range(3)]
     for w in workers:
         w.pull()  # every worker computes on the parameters of step 0
-    requests = []
     for i, w in enumerate(workers):
         w.begin_push(0)
         param = dict(w.named)["weight"]
         param.grad = torch.full_like(param, float(i + 1))
-        requests.append(w.push(PushRequest()))
-    replies = [w.wait_push(r) for w, r in zip(workers, requests, strict=True)]
+    # Worker 2 pushes once the first two were aggregated: each client has its own socket (or lane), so pushes sent
+    # together may reach the PS in any order.
+    requests = [w.push(PushRequest()) for w in workers[:2]]
+    replies = [w.wait_push(r) for w, r in zip(workers[:2], requests, strict=True)]
+    replies.append(workers[2].wait_push(workers[2].push(PushRequest())))
     # Workers 0 and 1 were aggregated: weight = 0 - mean(1, 2) = -1.5; worker 2 arrived late.
     assert [r.step for r in replies] == [1, 1, 1]
     for w in workers:
