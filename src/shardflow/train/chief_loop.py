@@ -222,6 +222,7 @@ class ChiefLoop:
                 self.progress[name] = progress
             report = self.progress.get(name)
             if report is not None and report.done and report.generation == self.generation:
+                self.heartbeats.finished(name)
                 continue
             all_done = False
             if name in self.handed_over:

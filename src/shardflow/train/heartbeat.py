@@ -80,6 +80,13 @@ class Heartbeats:
         beat = self.control.get_if_set(control_keys.heartbeat(name))
         return beat is not None and beat.decode().partition(":")[0] != last[0].partition(":")[0]
 
+    def finished(self, name: str) -> None:
+        """`name` reported its input done: one that was lost came back, even if it finished before a new beat."""
+        if name in self.lost:
+            log.warning(
+                "%s rejoined and finished, %.1fs after it went silent", name, time.monotonic() - self.lost.pop(name)
+            )
+
     def handed_over(self, name: str) -> None:
         """`name` was lost for good and another worker reads its shard: it is no longer awaited."""
         self.lost.pop(name, None)
