@@ -18,8 +18,6 @@ import torch
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.control_keys import Key
-from shardflow.comm.client import Client
-from shardflow.comm.security import job_credentials
 from shardflow.data.torch_edge import to_torch
 from shardflow.nn import backend
 from shardflow.profile.recorder import SpanRecorder
@@ -38,6 +36,7 @@ from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 from shardflow.train.strategy import AllReduceStrategy, HybridStrategy
+from shardflow.train.worker import connect_parameters
 
 log = logging.getLogger(__name__)
 
@@ -237,20 +236,7 @@ def _connect(
     job: JobConfig[AllReduceStrategy], role: RoleContext, model: torch.nn.Module, interrupt: Any
 ) -> ParameterClient:
     """A client to every PS for the model's `sf.nn` tables only (the chief places no dense variable on them)."""
-    control = role.control
-    placement = control.read(job_keys.PLACEMENT, waiting_for="the chief to initialise the parameter servers")
-    addresses = [
-        control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)
-    ]
-    params = ParameterClient(
-        Client(role.task.name, credentials=job_credentials()),
-        addresses,
-        placement,
-        model,
-        timeout_s=job.strategy.request_timeout_s,
-        worker_index=role.task.index,
-        interrupt=interrupt,
-    )
+    params = connect_parameters(job, role, model, interrupt, lanes=False)
     if params.tables is None:
         params.close()
         raise ValueError("HybridStrategy: the model has no sf.nn tables; train it with sf.AllReduceStrategy")

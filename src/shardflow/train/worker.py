@@ -36,11 +36,13 @@ from shardflow.train.worker_step import WorkerStep, batch_to_device
 log = logging.getLogger(__name__)
 
 
-def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module, generation: int) -> ParameterClient:
-    """Find the PS through the control plane and build a client that moves this model's variables; its waits end
-    once the chief restores the PS past recovery `generation` (the one this worker joined in), or ends the job."""
+def connect_parameters(
+    job: JobConfig, role: RoleContext, model: torch.nn.Module, interrupt: Callable[[], None], *, lanes: bool = True
+) -> ParameterClient:
+    """Find the PS through the control plane and build a client that moves this model's variables (under
+    HybridStrategy its sf.nn tables only); `interrupt` runs between slices of its waits and raises to end one. A
+    worker on the machine of a PS moves its pushes through shared memory where `lanes` (and the setting) allow."""
     control = role.control
-    strategy = job.strategy
     placement = control.read(job_keys.PLACEMENT, waiting_for="the chief to place the variables")
     addresses = [
         control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start") for k in range(placement.num_ps)
@@ -50,12 +52,12 @@ def connect_parameters(job: JobConfig, role: RoleContext, model: torch.nn.Module
         addresses,
         placement,
         model,
-        timeout_s=strategy.request_timeout_s,
+        timeout_s=job.strategy.request_timeout_s,
         worker_index=role.task.index if role.task.type == "worker" else -1,
-        interrupt=lambda: _check_restored(role, generation),
-        wire_dtype=strategy.wire_dtype,
+        interrupt=interrupt,
+        wire_dtype=getattr(job.strategy, "wire_dtype", None),
     )
-    if role.task.type == "worker" and _shared_memory():
+    if lanes and role.task.type == "worker" and _shared_memory():
         try:
             client.attach_lanes()  # a PS restarted meanwhile: it waits for the restore, then raises PSRestored
         except BaseException:
@@ -211,7 +213,7 @@ def run_worker(
     generation = recovery_generation(role)
     try:
         # A PS restarted from here on (even before this worker rejoined) ends in PSRestored once it is restored.
-        params = connect_parameters(job, role, model, generation)
+        params = connect_parameters(job, role, model, lambda: _check_restored(role, generation))
     except BaseException:
         profiler.finish()
         heartbeat.stop()
