@@ -112,12 +112,14 @@ def audit(workdir: Path, mode: str, num_records: int = NUM_RECORDS, batch: int =
     if not result_path.exists():
         return False, 0, 0, "no result"
     result = json.loads(result_path.read_text())
-    # A sync step and an all-reduce step average each record's gradient over the 2 workers: it adds 0.5.
-    replicas = 2 if mode in ("sync", "allreduce") else 1
+    # A sync step and an all-reduce step average each record's gradient over the 2 workers: it adds 0.5. Under
+    # hybrid the dense `seen` is all-reduced, and the PS apply each async push of the dynamic table's rows alone.
+    replicas = 2 if mode in ("sync", "allreduce", "hybrid") else 1
+    table_replicas = 1 if mode == "hybrid" else replicas
     seen = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * replicas
     dynamic = dynamic_counts(Path(result["checkpoint"]), num_records)
     if dynamic is not None:  # what the dynamic table counts must agree
-        seen = torch.where(dynamic * replicas == seen, seen, torch.full_like(seen, -1.0))
+        seen = torch.where(dynamic * table_replicas == seen, seen, torch.full_like(seen, -1.0))
     applied = seen.round().long()
     twice, never = int((applied >= 2).sum()), int((applied == 0).sum())
     exact_step = result["global_step"] == num_records // batch // replicas

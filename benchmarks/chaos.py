@@ -1,16 +1,18 @@
 """`make chaos`: kill and hang random roles of real jobs at random moments for a set time; writes its block of
 RELIABILITY.md.
 
-Jobs run back to back: tests/integration/jobs/audit.py (1 chief, 2 PS, 2 workers; each record's gradient counted in
-the final parameters), async and sync, under `shardflow launch` (which restarts a worker or PS that dies) or with
-every role under TF_CONFIG and this driver as their supervisor, restarting any role that fails, the chief included
-(benchmarks/chaos_jobs.py). In each job, a few seconds into training, a seeded random schedule fires 3 to 5 faults,
-8 to 15 s apart: SIGKILL a worker, a PS or (under TF_CONFIG) the chief; SIGSTOP one, for 5 to 15 s or for good; two
-roles SIGKILLed at once; a role SIGKILLed again during its recovery. Each job must end by itself before a generous
-deadline, exit 0, at its exact global step with every record applied once; a job that does not is killed with its
-whole process tree, and any process of it still alive after is counted as an orphan.
+Jobs run back to back: tests/integration/jobs/audit.py (1 chief, 2 PS, 2 workers; each record's gradient counted in the
+final parameters), the PS strategy async and sync and sf.HybridStrategy (its table on the PS), under `shardflow launch`
+(which restarts a worker or PS that dies) or with every role under TF_CONFIG and this driver as their supervisor,
+restarting any role that fails, the chief included (benchmarks/chaos_jobs.py). In each job, a few seconds into training,
+a seeded random schedule fires 3 to 5 faults, 8 to 15 s apart: SIGKILL a worker, a PS or (under TF_CONFIG) the chief;
+SIGSTOP one, for 5 to 15 s or for good; two roles SIGKILLed at once; a role SIGKILLed again during its recovery. Each
+job must end by itself before a generous deadline, exit 0, at its exact global step with every record applied once; a
+job that does not is killed with its whole process tree, and any process of it still alive after is counted as an
+orphan.
 
 Usage: python benchmarks/chaos.py [--minutes 10] [--seed S] [--out RELIABILITY.md] [--log-dir DIR] [--job-deadline S]
+       [--modes async,sync,hybrid]
 """
 
 from __future__ import annotations
@@ -39,7 +41,16 @@ from chaos_jobs import ChaosJob, LaunchedJob, SupervisedJob
 NUM_RECORDS, BATCH = 8192, 8
 JOB_CONFIG = {"num_records": NUM_RECORDS, "batch": BATCH, "step_delay_s": 0.05, "save_checkpoints_steps": 64}
 """About a minute of training when nothing goes wrong: 1024 global steps (async; 512 sync), a checkpoint every 64."""
-FLAVOURS = (("async", "launch"), ("sync", "TF_CONFIG"), ("sync", "launch"), ("async", "TF_CONFIG"))
+FLAVOURS = (
+    ("async", "launch"),
+    ("sync", "TF_CONFIG"),
+    ("sync", "launch"),
+    ("async", "TF_CONFIG"),
+    ("hybrid", "launch"),
+    ("hybrid", "TF_CONFIG"),
+)
+"""Jobs take turns in this order among the modes asked for (--modes): async and sync PS, and sf.HybridStrategy."""
+DEFAULT_MODES = ("async", "sync", "hybrid")
 WORKERS, SERVERS = ("worker:0", "worker:1"), ("ps:0", "ps:1")
 DEADLINE_S, DEADLINE_PER_FAULT_S = 180.0, 60.0
 """A job not ended by itself after DEADLINE_S + DEADLINE_PER_FAULT_S per fault has failed."""
@@ -89,10 +100,12 @@ class JobPlan:
     faults: tuple[Fault, ...]
 
 
-def plan_job(seed: int, index: int) -> JobPlan:
-    """The `index`th job of the soak with this seed: its flavour, and its faults with their moments and roles."""
+def plan_job(seed: int, index: int, modes: Sequence[str] = DEFAULT_MODES) -> JobPlan:
+    """The `index`th job of the soak with this seed: its flavour (of `modes`), and its faults with their moments
+    and roles."""
     rng = random.Random(f"chaos/{seed}/{index}")
-    mode, supervisor = FLAVOURS[index % len(FLAVOURS)]
+    flavours = [flavour for flavour in FLAVOURS if flavour[0] in modes]
+    mode, supervisor = flavours[index % len(flavours)]
     excluded = ONLY_LAUNCH if supervisor == "TF_CONFIG" else ONLY_TF_CONFIG
     kinds = [kind for kind in KINDS if kind not in excluded]
     faults = []
@@ -383,17 +396,25 @@ def main() -> int:
         metavar="SECONDS",
         help=f"a job not ended by itself after this long failed ({DEADLINE_S:g} + {DEADLINE_PER_FAULT_S:g} a fault)",
     )
+    parser.add_argument(
+        "--modes", default=",".join(DEFAULT_MODES), help="of async, sync, hybrid: the jobs' modes, in turns (all three)"
+    )
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    if not modes or any(mode not in {flavour[0] for flavour in FLAVOURS} for mode in modes):
+        parser.error(f"--modes {args.modes!r}: give some of async, sync, hybrid, comma-separated")
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     command = "make chaos" if args.minutes == 10 else f"python benchmarks/chaos.py --minutes {args.minutes:g}"
     if args.job_deadline is not None:
         command += f" --job-deadline {args.job_deadline:g}"
+    if modes != list(DEFAULT_MODES):
+        command += f" --modes {args.modes}"
     report = Report(seed=seed, minutes=args.minutes, seconds=0.0, commit=_commit(), load=[], command=command)
     print(f"chaos for {args.minutes:g} minutes, seed {seed}", flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shardflow-chaos-") as tmp:
         while time.monotonic() - started < args.minutes * 60:
-            plan = plan_job(seed, len(report.jobs))
+            plan = plan_job(seed, len(report.jobs), modes)
             report.load.append(os.getloadavg()[0])
             workdir = Path(tmp) / f"job-{plan.index}"
             workdir.mkdir()

@@ -18,9 +18,12 @@ def test_a_seed_gives_the_same_schedule_every_time_and_another_seed_another():
     assert [chaos.plan_job(7, index) for index in range(8)] != [chaos.plan_job(8, index) for index in range(8)]
 
 
-def test_jobs_alternate_async_and_sync_under_the_launcher_and_under_tf_config():
-    flavours = {(plan.mode, plan.supervisor) for plan in (chaos.plan_job(1, index) for index in range(4))}
-    assert flavours == {("async", "launch"), ("sync", "launch"), ("async", "TF_CONFIG"), ("sync", "TF_CONFIG")}
+def test_jobs_take_turns_in_every_mode_under_the_launcher_and_under_tf_config():
+    flavours = {(plan.mode, plan.supervisor) for plan in (chaos.plan_job(1, index) for index in range(6))}
+    modes = ("async", "sync", "hybrid")
+    assert flavours == {(mode, supervisor) for mode in modes for supervisor in ("launch", "TF_CONFIG")}
+    only_hybrid = [chaos.plan_job(1, index, ["hybrid"]) for index in range(4)]
+    assert [(plan.mode, plan.supervisor) for plan in only_hybrid] == [("hybrid", "launch"), ("hybrid", "TF_CONFIG")] * 2
 
 
 def test_every_fault_names_roles_its_supervisor_restarts_at_moments_in_range():

@@ -1,14 +1,16 @@
 """A real training job that audits its own data: which records' gradients were applied, and how many times.
 
-Each record has an id. Besides a small regression model, the model holds `seen`, one counter per record id, and the
-loss adds -seen[id] for every record of the batch: with SGD at lr 1/16 and that term scaled by 16, every applied
-gradient of a record adds exactly 1.0 to its counter (powers of two: no rounding). So the final parameters say how
-many times each record's gradient was applied, whatever was killed on the way. `seen` is cut across the PS, so a
-push that reached only some PS shows. With "dynamic", an `sf.nn.DynamicEmbedding` keyed by a hash of each record's
-id counts the same way, in rows made on the PS as records arrive. With "mode": "allreduce" the job trains with
-sf.AllReduceStrategy (no PS, `seen` is dense): each record's gradient is averaged over the 2 workers, so an applied
-one adds 0.5. Configured by a JSON file given as argv[1] (see regression.py's keys; "step_log": a file that gets a
-line per batch, for a test to see training under way).
+Each record has an id. Besides a small regression model, the model holds `seen`, one counter per record id, and the loss
+adds -seen[id] for every record of the batch: with SGD at lr 1/16 and that term scaled by 16, every applied gradient of
+a record adds exactly 1.0 to its counter (powers of two: no rounding). So the final parameters say how many times each
+record's gradient was applied, whatever was killed on the way. `seen` is cut across the PS, so a push that reached only
+some PS shows. With "dynamic", an `sf.nn.DynamicEmbedding` keyed by a hash of each record's id counts the same way, in
+rows made on the PS as records arrive. With "mode": "allreduce" the job trains with sf.AllReduceStrategy (no PS, `seen`
+is dense): each record's gradient is averaged over the 2 workers, so an applied one adds 0.5. With "mode": "hybrid",
+sf.HybridStrategy on 2 PS ("sparse_mode" async by default): `seen` is all-reduced (0.5 a record) and the dynamic table,
+always there, lives on the PS, whose async rows add 1.0 a record (sync: their mean over the workers with a batch, 0.5).
+Configured by a JSON file given as argv[1] (see regression.py's keys; "step_log": a file that gets a line per batch, for
+a test to see training under way).
 """
 
 import json
@@ -29,7 +31,7 @@ LR = 1.0 / 16
 generator = torch.Generator().manual_seed(7)
 X = torch.randn(NUM_RECORDS, 4, generator=generator)
 Y = X @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])
-DYNAMIC = config.get("dynamic", False)
+DYNAMIC = config.get("dynamic", False) or config.get("mode") == "hybrid"
 
 
 def hashed(ids: torch.Tensor) -> torch.Tensor:
@@ -77,7 +79,19 @@ def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
 
 
 strategy: sf.ParameterServerStrategy | sf.AllReduceStrategy
-if config.get("mode") == "allreduce":
+if config.get("mode") == "hybrid":
+    strategy = sf.HybridStrategy(
+        num_ps=config.get("num_ps", 2),
+        num_workers=config.get("num_workers", 2),
+        sparse_mode=config.get("sparse_mode", "async"),
+        heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
+        worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
+        hung_timeout_s=config.get("hung_timeout_s", 30.0),
+        max_restarts=config.get("max_restarts", 3),
+        restart_backoff_s=config.get("restart_backoff_s", 0.5),
+        request_timeout_s=config.get("request_timeout_s", 60.0),
+    )
+elif config.get("mode") == "allreduce":
     strategy = sf.AllReduceStrategy(
         num_workers=config.get("num_workers", 2),
         heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
