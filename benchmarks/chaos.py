@@ -196,8 +196,9 @@ def run_job(plan: JobPlan, workdir: Path, log: IO[str], deadline_s: float | None
 
 
 def _wait_for_training(job: ChaosJob, job_file: Path, timeout_s: float = 120) -> bool:
+    """Once the PS chief wrote its job file, or a chief (all-reduce's, hybrid's) reported a global step."""
     deadline = time.monotonic() + timeout_s
-    while not job_file.exists():
+    while not job_file.exists() and job.lines.first(r"\[chief\] global step \d+") is None:
         if job.ended() or time.monotonic() > deadline:
             return False
         time.sleep(0.1)
@@ -254,17 +255,19 @@ def _detected(role: str) -> str:
 def _recovered(role: str) -> str:
     if role == "chief":
         # With every PS alive it says so; with a PS restarted too, every PS is restored and the workers rejoin.
-        return r"the chief was restarted: resumed from|rejoins the job"
+        # Hybrid's chief adopts the live group and PS.
+        return r"the chief was restarted: (resumed from|adopted the live)|rejoins the job"
     if role.startswith("ps"):
         # A chief restarted with it restores every PS as it starts, and says nothing: then a worker rejoining tells.
-        return rf"{role} was lost and restarted: every PS restored|{role} rejoined|\] worker:\d+ rejoins the job"
-    return rf"\[{role}\] .*rejoins the job|{role} rejoined"
+        restored = rf"{role} was lost and restarted: every PS restored|PS restored to global step \d+ after {role}"
+        return rf"{restored}|{role} rejoined|\] worker:\d+ rejoins the job"
+    return rf"\[{role}\] .*rejoins the job|{role} rejoined|{role} joined the all-reduce group at global step"
 
 
 def measure(lines: Lines, outcome: JobOutcome, ended_at: float) -> None:
     """Each fault's detect and recover times and the steps done again after it (before the next fault), from the
     job's lines; whether the job survived it by itself."""
-    moments = [one.at for one in outcome.fired[1:]] + [ended_at]
+    moments = [one.at for one in outcome.fired[1:]] + [ended_at] if outcome.fired else []
     for one, until in zip(outcome.fired, moments, strict=True):
         detected = [lines.first(_detected(role), one.at - 0.05) for role in one.fault.roles]
         if one.fault.stop_s is not None:
