@@ -5,6 +5,8 @@ formed through a real control service)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -14,6 +16,7 @@ from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
 from shardflow.train import allreduce_group
+from shardflow.train.job_keys import RejoinState
 from shardflow.train.role_context import RoleContext
 
 
@@ -28,26 +31,85 @@ def test_a_worker_joins_generation_0_at_the_start_and_the_one_after_its_last_onc
     assert allreduce_group.generation_to_join(role) == 3
 
 
-def test_a_collective_waiting_for_a_worker_restarted_meanwhile_is_given_up_naming_it(plane):
-    strategy = sf.AllReduceStrategy(num_workers=2, request_timeout_s=5)
-    groups: dict[int, object] = {}
-    # A connection of its own for each rank, as each worker process has: a held wait of one rank on a shared
-    # connection would hold back the other's keys, and the group's connect could time out under load.
+def _in_threads(plane: ControlPlane, work: Callable[[int, ControlPlane], Any]) -> dict[int, Any]:
+    """`work(index, plane)` of each rank at once, each on a connection of its own as each worker process has: a held
+    wait of one rank on a shared connection would hold back the other's keys (a group's connect could time out)."""
     planes = [plane, ControlPlane(plane.address, timeout_s=5)]
-    formers = [
-        threading.Thread(
-            target=lambda i=i: groups.update({i: allreduce_group.form(strategy, _role(planes[i], i), 0, 1e18)})
-        )
-        for i in range(2)
-    ]
-    for former in formers:
-        former.start()
-    for former in formers:
-        former.join()
+    results: dict[int, Any] = {}
+    threads = [threading.Thread(target=lambda i=i: results.update({i: work(i, planes[i])})) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
     planes[1].close()
+    return results
+
+
+def _formed(plane: ControlPlane, generation: int = 0) -> dict[int, Any]:
+    strategy = sf.AllReduceStrategy(num_workers=2, request_timeout_s=5)
+    return _in_threads(plane, lambda i, p: allreduce_group.form(strategy, _role(p, i), generation, 1e18))
+
+
+def test_a_collective_waiting_for_a_worker_restarted_meanwhile_is_given_up_naming_it(plane):
+    groups = _formed(plane)
     plane.set(control_keys.heartbeat("worker:1"), "111:5")
-    peers = allreduce_group.Peers(_role(plane, 0), heartbeat_timeout_s=30)
-    work = groups[0].allreduce([torch.ones(4)])  # type: ignore[attr-defined]  # worker:1 never takes part
+    peers = allreduce_group.Peers(_role(plane, 0), heartbeat_timeout_s=30, generation=0)
+    work = groups[0].allreduce([torch.ones(4)])  # worker:1 never takes part
     plane.set(control_keys.heartbeat("worker:1"), "222:0")  # its process is another: it was restarted
     with pytest.raises(allreduce_group.PeerLostError, match="worker:1 lost"):
         peers.wait(work)
+
+
+def test_a_collective_is_given_up_once_the_other_worker_forms_a_later_generation(plane):
+    """A slow worker (stopped past the heartbeat deadline, then woken) that the others took for lost: they form the
+    next generation, alive, and it gives up its collective at once rather than at gloo's deadline."""
+    groups = _formed(plane)
+    plane.set(control_keys.heartbeat("worker:1"), "111:5")
+    peers = allreduce_group.Peers(_role(plane, 0), heartbeat_timeout_s=30, generation=0)
+    work = groups[0].allreduce([torch.ones(4)])  # worker:1 never takes part
+    plane.set(control_keys.allreduce_joined("worker:1"), "1")
+    with pytest.raises(allreduce_group.PeerLostError, match=r"worker:1 \(forming generation 1\)"):
+        peers.wait(work)
+
+
+def _run(step: int) -> RejoinState:
+    return RejoinState(
+        step=step,
+        scalars={},
+        hand_overs=0,
+        hand_over_step=-1,
+        hand_over_saves=False,
+        batches_applied=[step, step],
+        had_batch=[True, True],
+    )
+
+
+def test_a_survivor_one_step_behind_takes_the_state_of_the_one_that_applied_the_step(plane):
+    """Worker:1 completed the collective of step 4 and applied it; worker:0 gave the same collective up (it took
+    worker:1 for lost): in the next generation worker:0 takes worker:1's run and parameters."""
+    groups = _formed(plane, generation=1)
+    models = [torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+    runs = _in_threads(
+        plane,
+        lambda i, p: allreduce_group.rejoin(groups[i], _role(p, i), _run(4 + i), models[i], optimizers[i]),
+    )
+    assert runs[0].step == runs[1].step == 5
+    assert runs[0].batches_applied == [5, 5]
+    assert all(torch.equal(a, b) for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True))
+
+
+def test_survivors_more_than_one_step_apart_fail_the_group_naming_the_steps(plane):
+    groups = _formed(plane, generation=1)
+    models = [torch.nn.Linear(2, 1), torch.nn.Linear(2, 1)]
+    optimizers = [torch.optim.SGD(model.parameters(), lr=0.1) for model in models]
+
+    def rejoin(i: int, p: ControlPlane) -> Exception | None:
+        try:
+            allreduce_group.rejoin(groups[i], _role(p, i), _run(4 + 2 * i), models[i], optimizers[i])
+        except allreduce_group.GroupLostError as error:
+            return error
+        return None
+
+    errors = _in_threads(plane, rejoin)
+    assert all("stopped at global steps [4, 6], more than one apart" in str(errors[i]) for i in range(2)), errors

@@ -49,9 +49,11 @@ class Peers:
     `heartbeat_timeout_s` is lost: a collective waiting for it is given up, rather than waiting out its deadline,
     as gloo does where a lost peer's connection closes while this worker waits to send to it."""
 
-    def __init__(self, role: RoleContext, heartbeat_timeout_s: float) -> None:
+    def __init__(self, role: RoleContext, heartbeat_timeout_s: float, generation: int) -> None:
         self.control = role.control
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.generation = generation
+        """This group's: another worker that announced a later one gave it up (it will wait for this one there)."""
         others = [f"worker:{index}" for index in range(role.num_workers) if index != role.task.index]
         now = time.monotonic()
         self.beats = {name: (self._beat(name), now) for name in others}
@@ -86,6 +88,11 @@ class Peers:
     def _lost(self) -> list[str]:
         now, lost = time.monotonic(), []
         for name, (last, _) in self.beats.items():
+            joined = self.control.get_if_set(control_keys.allreduce_joined(name))
+            if joined is not None and int(joined) > self.generation:
+                # Alive, but it gave this group up (it took this worker for lost, and this one was only slow).
+                lost.append(f"{name} (forming generation {int(joined)})")
+                continue
             # Not there yet: a restarted chief's control service, before the worker's next beat.
             beat = self._beat(name) or last
             if beat != last:
@@ -111,11 +118,17 @@ def generation_to_join(role: RoleContext) -> int:
 
 
 def form(
-    strategy: AllReduceStrategy, role: RoleContext, generation: int, deadline: float, replay: Replay | None = None
+    strategy: AllReduceStrategy,
+    role: RoleContext,
+    generation: int,
+    deadline: float,
+    replay: Replay | None = None,
+    interrupt: Callable[[], None] | None = None,
 ) -> ProcessGroupGloo:
     """The group's `generation`, formed once every worker announced it (or a later one) before `deadline`
     (time.monotonic()); GroupLostError names those that did not. The announcement goes through `replay`, where
-    given: a restarted chief gets it again."""
+    given: a restarted chief gets it again. `interrupt` is called while others are awaited, and raises to give the
+    wait up (HybridStrategy: a PS was lost, and every worker goes back to a checkpoint first)."""
     control, name = role.control, role.task.name
     if replay is not None:
         replay.set_joined(generation)
@@ -142,6 +155,8 @@ def form(
                 f"{name}: {', '.join(missing)} did not join generation {generation} of the all-reduce group within "
                 f"{limit}: lost for good; run the job again to resume from its last checkpoint"
             )
+        if interrupt is not None:
+            interrupt()
         time.sleep(_POLL_S)
     setter = replay.set_rendezvous if replay is not None else None
     store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s, setter=setter)
@@ -163,10 +178,13 @@ def rejoin(
     travel over the group (broadcast), never through the control store, whatever their size. The run agreed on;
     GroupLostError where no worker survived or the survivors stopped at different global steps."""
     survivors = _survivors(group, role, survived)
-    if len(survivors) == role.num_workers:
+    step = max(survivors.values())
+    if len(survivors) == role.num_workers and min(survivors.values()) == step:
         assert survived is not None
         return survived
-    source = survivors[0]
+    # A survivor one step behind gave up a collective that the others completed (it was slow, or its peer died
+    # after the others took their part): it takes their state, as a restarted worker does.
+    source = min(worker for worker, at in survivors.items() if at == step)
     run_data = state_data = None
     if role.task.index == source:
         assert survived is not None
@@ -175,7 +193,7 @@ def rejoin(
         run_data, state_data = msgspec.json.encode(survived), allreduce_state.to_bytes(state)
     run_data = _broadcast(group, source, run_data)
     state_data = _broadcast(group, source, state_data)
-    if survived is not None:
+    if survived is not None and survived.step == step:
         return survived
     run = msgspec.json.decode(run_data, type=RejoinState)
     allreduce_state.restore(
@@ -198,24 +216,24 @@ def _broadcast(group: Any, root: int, data: bytes | None) -> bytes:
     return buffer.numpy().tobytes()
 
 
-def _survivors(group: Any, role: RoleContext, survived: RejoinState | None) -> list[int]:
-    """The indexes of the workers that lived through the last generation, all at one global step."""
+def _survivors(group: Any, role: RoleContext, survived: RejoinState | None) -> dict[int, int]:
+    """The workers that lived through the last generation, each with the global step it stopped at: one step apart
+    at the most (a collective one of them completed included every worker's part)."""
     num_workers, index = role.num_workers, role.task.index
     who = torch.zeros(2 * num_workers, dtype=torch.float64)
     if survived is not None:
         who[index], who[num_workers + index] = 1.0, survived.step + 1.0
     group.allreduce([who]).wait()
-    survivors = [worker for worker in range(num_workers) if who[worker]]
-    steps = {int(who[num_workers + worker]) - 1 for worker in survivors}
+    survivors = {worker: int(who[num_workers + worker]) - 1 for worker in range(num_workers) if who[worker]}
     if not survivors:
         raise GroupLostError(
             f"{role.task.name}: every worker of the all-reduce group was lost at once; run the job again to resume "
             "from its last checkpoint"
         )
-    if len(steps) > 1:
+    steps = sorted(set(survivors.values()))
+    if steps[-1] - steps[0] > 1:
         raise GroupLostError(
-            f"{role.task.name}: the surviving workers {survivors} stopped at different global steps {sorted(steps)} "
-            "(the lost worker died inside a collective); the group cannot go on: run the job again to resume from "
-            "its last checkpoint"
+            f"{role.task.name}: the surviving workers {sorted(survivors)} stopped at global steps {steps}, more than "
+            "one apart; the group cannot go on: run the job again to resume from its last checkpoint"
         )
     return survivors

@@ -149,9 +149,11 @@ class _Trainer:
             batch = self._next_batch()
             recorder.end(spans.INPUT_WAIT, self.step, step_started)
             loss = self._forward_backward(batch, recorder) if batch is not None else None
+            step = self.step
             flags = self._reduce(batch is not None, recorder)
             if flags is None:  # the group broke and was formed again: the same step, with the same batch
-                self.retry = [batch]
+                # unless the others applied it (with this batch) and this worker took their state (`_catch_up`).
+                self.retry = [batch] if self.step == step else None
                 continue
             if flags[ABORT]:
                 raise JobAborted(f"{self.name}: the chief ended the job at global step {self.step}")
@@ -223,7 +225,7 @@ class _Trainer:
         strategy = self.job.strategy
         while True:
             try:
-                group = allreduce_group.form(strategy, self.role, generation, deadline, self.replay)
+                group = allreduce_group.form(strategy, self.role, generation, deadline, self.replay, self._forming)
                 mine = None if restarted else self._run()
                 agreed = allreduce_group.rejoin(group, self.role, mine, self.model, self.optimizer)
                 break
@@ -238,8 +240,11 @@ class _Trainer:
                 generation += 1
         self.generation = generation
         self.replay.mark_joined()
-        if restarted:
-            self._resume(agreed)
+        if restarted or agreed.step != self.step:
+            if restarted:
+                self._resume(agreed)
+            else:
+                self._catch_up(agreed)
             # Lost inside the hand-over at the step the group goes on from: this worker's part of it may be missing,
             # and the chief waits for it.
             saved = self.checkpoints and self.role.control.is_set(job_keys.allreduce_saved(self.checkpoints).name)
@@ -247,8 +252,11 @@ class _Trainer:
                 log.warning("%s does its part of hand-over %d again", self.name, self.checkpoints)
                 self._hand_over(final=False, checkpoint=agreed.hand_over_saves, again=True)
         num_flags = len(FLAGS) + self.role.num_workers
-        self.peers = allreduce_group.Peers(self.role, strategy.heartbeat_timeout_s)
+        self.peers = allreduce_group.Peers(self.role, strategy.heartbeat_timeout_s, generation)
         return GradientReducer(group, self.parameters, strategy.bucket_bytes, num_flags, self.peers.wait)
+
+    def _forming(self) -> None:
+        """Called while the group waits for the other workers to form it; raises to give the wait up."""
 
     def _run(self) -> RejoinState:
         """Where this worker's run is, for the workers that join the group restarted."""
@@ -280,6 +288,19 @@ class _Trainer:
                     "called again"
                 )
         log.warning("%s joined the all-reduce group at global step %d, restarted", self.name, self.step)
+
+    def _catch_up(self, run: RejoinState) -> None:
+        """A survivor one step behind: the others applied the step it gave up, its batch included, and it took
+        their state (allreduce_group.rejoin); its input goes on after that batch."""
+        log.warning(
+            "%s: the others applied global step %d, which it gave up; it took their state and goes on from %d",
+            self.name,
+            self.step,
+            run.step,
+        )
+        self.step, self.checkpoints = run.step, run.hand_overs
+        self.batches_applied, self.had_batch = list(run.batches_applied), list(run.had_batch)
+        self.hand_over_step, self.hand_over_saves = run.hand_over_step, run.hand_over_saves
 
     def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
         started = time.perf_counter_ns()

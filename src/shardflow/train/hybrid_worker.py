@@ -45,6 +45,10 @@ class PSRecovery(RuntimeError):
     """A PS was lost: the chief restores every PS from the latest checkpoint, and the workers go back to it."""
 
 
+class _RecoveryWhileForming(Exception):
+    """A PS was lost while the group waited for workers to form it: this worker goes back first, then forms it."""
+
+
 def run_hybrid_worker(job: JobConfig[AllReduceStrategy], role: RoleContext) -> None:
     """The worker's main, as an all-reduce worker's with its tables on the PS."""
     run_allreduce_worker(job, role, _HybridTrainer)
@@ -113,12 +117,24 @@ class _HybridTrainer(_Trainer):
             raise PSRecovery(f"{self.name}: {recovery.lost} was lost; the job goes back to its latest checkpoint")
 
     def _join(self, generation: int, *, restarted: bool, timeout_s: float) -> GradientReducer:
-        """As an all-reduce worker's; where a PS was lost, first back to the state every PS is restored to."""
-        if self.recovering and not restarted:
-            self._roll_back()
-        reducer = super()._join(generation, restarted=restarted, timeout_s=timeout_s)
+        """As an all-reduce worker's; where a PS was lost, first back to the state every PS is restored to, also
+        when the loss comes while the group waits for a worker to form it (which waits for the restore)."""
+        while True:
+            if self.recovering:
+                self._roll_back()
+            try:
+                reducer = super()._join(generation, restarted=restarted, timeout_s=timeout_s)
+                break
+            except _RecoveryWhileForming:
+                continue
         self.peers.interrupt = self._check_recovery  # a collective waiting for a worker that rolled back ends
         return reducer
+
+    def _forming(self) -> None:
+        try:
+            self._check_recovery()
+        except PSRecovery as recovery:  # not a RuntimeError: the all-reduce worker's _join must not retry on it
+            raise _RecoveryWhileForming(str(recovery)) from None
 
     def _roll_back(self) -> None:
         """Say this worker stopped, then load the state the chief restored every PS to, and its input position."""

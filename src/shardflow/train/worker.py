@@ -37,7 +37,12 @@ log = logging.getLogger(__name__)
 
 
 def connect_parameters(
-    job: JobConfig, role: RoleContext, model: torch.nn.Module, interrupt: Callable[[], None], *, lanes: bool = True
+    job: JobConfig[Any],
+    role: RoleContext,
+    model: torch.nn.Module,
+    interrupt: Callable[[], None],
+    *,
+    lanes: bool = True,
 ) -> ParameterClient:
     """Find the PS through the control plane and build a client that moves this model's variables (under
     HybridStrategy its sf.nn tables only); `interrupt` runs between slices of its waits and raises to end one. A
