@@ -51,6 +51,7 @@ FLAVOURS = (
 )
 """Jobs take turns in this order among the modes asked for (--modes): async and sync PS, and sf.HybridStrategy."""
 DEFAULT_MODES = ("async", "sync", "hybrid")
+MODE_NAMES = {"async": "the PS strategy async", "sync": "sync", "hybrid": "sf.HybridStrategy (its table on the PS)"}
 WORKERS, SERVERS = ("worker:0", "worker:1"), ("ps:0", "ps:1")
 DEADLINE_S, DEADLINE_PER_FAULT_S = 180.0, 60.0
 """A job not ended by itself after DEADLINE_S + DEADLINE_PER_FAULT_S per fault has failed."""
@@ -307,6 +308,7 @@ class Report:
     """The 1-minute load average at each job's start."""
     jobs: list[JobOutcome] = field(default_factory=list)
     command: str = "make chaos"
+    modes: Sequence[str] = DEFAULT_MODES
     date: str = field(default_factory=lambda: datetime.date.today().isoformat())
     cores: int = field(default_factory=lambda: os.cpu_count() or 1)
 
@@ -323,7 +325,8 @@ def render(report: Report) -> str:
             f"machine ({report.cores} cores, 1-minute load average {load} as the jobs started). Jobs run back to "
             "back, each `tests/integration/jobs/audit.py` (1 chief, 2 PS, 2 workers, "
             f"{NUM_RECORDS} records in batches of {BATCH}, a checkpoint every {JOB_CONFIG['save_checkpoints_steps']} "
-            "steps), async and sync, under `shardflow launch` or with every role under TF_CONFIG and the driver "
+            f"steps), in turns {' and '.join(MODE_NAMES[mode] for mode in report.modes)}, under `shardflow launch` "
+            "or with every role under TF_CONFIG and the driver "
             "restarting any role that fails (the chief too). Each job gets 3 to 5 faults from a seeded schedule, "
             "8 to 15 s apart. A fault is *survived by itself* when the job went on from it (its roles recovered, or "
             "nothing noticed it) and, if it was the job's last, the job ended by itself, exit 0, at its exact global "
@@ -412,7 +415,9 @@ def main() -> int:
         command += f" --job-deadline {args.job_deadline:g}"
     if modes != list(DEFAULT_MODES):
         command += f" --modes {args.modes}"
-    report = Report(seed=seed, minutes=args.minutes, seconds=0.0, commit=_commit(), load=[], command=command)
+    report = Report(
+        seed=seed, minutes=args.minutes, seconds=0.0, commit=_commit(), load=[], command=command, modes=modes
+    )
     print(f"chaos for {args.minutes:g} minutes, seed {seed}", flush=True)
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="shardflow-chaos-") as tmp:

@@ -91,10 +91,15 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     assert torch.equal(applied, torch.ones_like(applied))
 
 
-@pytest.mark.parametrize(("save_checkpoints_steps", "seed"), [(2, 6), (None, 7)], ids=["checkpoints-every-2", "none"])
-def test_a_killed_chief_is_restarted_and_adopts_the_live_workers_and_ps(tmp_path, save_checkpoints_steps, seed):
+@pytest.mark.parametrize(
+    ("killed", "save_checkpoints_steps", "seed"),
+    [(("chief",), 2, 6), (("chief",), None, 7), (("chief", "ps:0"), 2, 8)],
+    ids=["checkpoints-every-2", "none", "with-ps0-checkpoints-every-2"],
+)
+def test_a_killed_chief_is_restarted_and_adopts_the_live_workers_and_ps(tmp_path, killed, save_checkpoints_steps, seed):
     """Under `shardflow launch` (which restarts a chief killed by a signal): the restarted chief adopts the group and
-    the PS as they are, and every record still reaches the tables once."""
+    the PS as they are, and every record still reaches the tables once. Killed with a PS, the restarted chief finds
+    that PS empty and every PS and worker go back to the latest checkpoint, as after a PS lost alone."""
     steps_log = tmp_path / "steps.log"
     config = {
         "strategy": "hybrid",
@@ -115,10 +120,16 @@ def test_a_killed_chief_is_restarted_and_adopts_the_live_workers_and_ps(tmp_path
     command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "2", "--max-restarts", "2"]
     command += ["--restart-backoff", "0.1", str(JOBS / "tables.py"), str(path)]
     launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    kill_role_after(launcher, steps_log, "chief", random.Random(seed).randint(8, 40))
+    count = random.Random(seed).randint(8, 40)
+    for role in killed:
+        kill_role_after(launcher, steps_log, role, count)
     output = finish_launcher(launcher, 150)
     assert launcher.returncode == 0, output
-    assert "adopted the live parameter servers" in output, output
+    if "ps:0" in killed:
+        assert "the chief was restarted while ps:0 was too" in output, output
+        assert "every PS restored to global step" in output, output
+    else:
+        assert "adopted the live parameter servers" in output, output
     assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
     applied = _applied(tmp_path / "model")
     assert torch.equal(applied, torch.ones_like(applied)), f"applied 0, 1, 2.. times: {torch.bincount(applied.long())}"

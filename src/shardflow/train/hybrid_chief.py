@@ -112,13 +112,12 @@ class _HybridChief(_Chief):
     def _adopt(self) -> None:
         """A restarted chief over the live group: the PS hold its tables now, as every PS was last restored."""
         replies = self.admin.status(timeout_s=self.job.strategy.startup_timeout_s)
-        if not all(reply.initialized for reply in replies):
-            lost = [peer for peer, reply in zip(self.admin.peers, replies, strict=True) if not reply.initialized]
-            raise RoleFailedError(
-                f"the chief was restarted while {', '.join(lost)} was too: the rows since the last checkpoint are lost "
-                "with it; run the job again to resume from its last checkpoint"
-            )
         self.generation = max(reply.generation for reply in replies)
+        lost = [peer for peer, reply in zip(self.admin.peers, replies, strict=True) if not reply.initialized]
+        if lost:  # restarted with this chief: as a PS lost alone, every PS and worker go back to the checkpoint
+            log.warning("the chief was restarted while %s was too", ", ".join(lost))
+            self._begin_recovery(lost[0])
+            return
         if self.generation:  # a worker restarted from now on names its snapshots in this generation
             recovery = HybridRecovery(generation=self.generation, lost="a parameter server")
             self.role.control.put(job_keys.HYBRID_RECOVERY, recovery)

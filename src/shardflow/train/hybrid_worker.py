@@ -120,12 +120,12 @@ class _HybridTrainer(_Trainer):
         """As an all-reduce worker's; where a PS was lost, first back to the state every PS is restored to, also
         when the loss comes while the group waits for a worker to form it (which waits for the restore)."""
         while True:
-            if self.recovering:
-                self._roll_back()
             try:
+                if self.recovering:
+                    self._roll_back()
                 reducer = super()._join(generation, restarted=restarted, timeout_s=timeout_s)
                 break
-            except _RecoveryWhileForming:
+            except (_RecoveryWhileForming, PSRecovery):  # (another) PS lost meanwhile: back to its restore
                 continue
         self.peers.interrupt = self._check_recovery  # a collective waiting for a worker that rolled back ends
         return reducer
