@@ -40,6 +40,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+JOB_FILE = "job.json"
+"""In model_dir while the job runs: where a tool of the same user finds it (`write_job_file`)."""
+
 
 class RoleProfiler:
     """The always-on recorder of one role, and its side of captures."""
@@ -279,9 +282,6 @@ def _global_step(control: ControlPlane, credentials: Credentials, strategy: str)
         address = control.endpoint(control_keys.ps_endpoint(0), waiting_for="ps:0's address")
         client.connect("ps:0", address)
         return read_global_step(client, "ps:0", timeout_s=10.0)
-
-
-JOB_FILE = "job.json"
 
 
 def write_job_file(job: JobConfig[Strategy], role: RoleContext) -> Path:
