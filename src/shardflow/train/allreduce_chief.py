@@ -25,9 +25,17 @@ from shardflow.train.checkpoints.manager import CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
 from shardflow.train.job import JobConfig, RoleFailedError, is_hybrid
-from shardflow.train.job_keys import AllReduceStart, LiveWorker, ProgressReport, RestoredPositions, Saved, StateNotice
+from shardflow.train.job_keys import (
+    AllReduceStart,
+    GlobalStep,
+    LiveWorker,
+    ProgressReport,
+    RestoredPositions,
+    Saved,
+    StateNotice,
+)
 from shardflow.train.preemption import Preemption
-from shardflow.train.profiling import ChiefProfiler
+from shardflow.train.profiling import ChiefProfiler, remove_job_file, write_job_file
 from shardflow.train.progress import ProgressDisplay
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
@@ -63,8 +71,9 @@ def run_allreduce_chief(
     profiler = ChiefProfiler(role.control, role.spec.address(role.task).rpartition(":")[0], job.model_dir)
     if job.profile_steps is not None:
         profiler.request(*job.profile_steps, ops=job.profile_ops)
-    chief = (chief_class or _Chief)(job, role, model, _Watch(job, role, failures), start)
+    chief = (chief_class or _Chief)(job, role, model, _Watch(job, role, failures), start, profiler)
     try:
+        write_job_file(job, role)  # once the chief put the global step that `shardflow profile capture` reads
         state, path = chief.train(preemption)
         training_s = time.monotonic() - started
         metrics: dict[str, float] = {}
@@ -72,8 +81,9 @@ def run_allreduce_chief(
             last = chief.eval_history[-1] if chief.eval_history else None
             metrics = last["metrics"] if last and last["global_step"] == state.step else chief.evaluate(state)
         timeout_s = min(30.0, preemption.remaining_s() / 4)
-        captures = profiler.collect(chief.capture_roles(), timeout_s=timeout_s, final=True)
+        profiler.collect(chief.capture_roles(), timeout_s=timeout_s, final=True)
     finally:
+        remove_job_file(job.model_dir)
         chief.close()
         profiler.close()
     chief.watch.read_progress()
@@ -93,13 +103,14 @@ def run_allreduce_chief(
         stopped_early=chief.stopped_early,
         preempted=preemption.requested,
         failed_checkpoint_saves=chief.failed_saves,
-        profile_dir=str(captures[-1]) if captures else None,
+        profile_dir=str(profiler.completed[-1]) if profiler.completed else None,
     )
 
 
 class _Chief:
     """The chief while the workers train: it checkpoints and evaluates each state worker:0 hands over, writes the
-    summaries, shows the progress and passes a preemption or an early stop on to worker:0."""
+    summaries, shows the progress, passes a preemption or an early stop on to worker:0, and merges each capture
+    once its roles sent their parts."""
 
     def __init__(
         self,
@@ -108,8 +119,9 @@ class _Chief:
         model: torch.nn.Module,
         watch: _Watch,
         start: _Start,
+        profiler: ChiefProfiler,
     ) -> None:
-        self.job, self.role, self.model, self.watch = job, role, model, watch
+        self.job, self.role, self.model, self.watch, self.profiler = job, role, model, watch, profiler
         self.started = time.monotonic()
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start.step)
         self.summaries = Summaries(
@@ -129,6 +141,7 @@ class _Chief:
         self.table_specs: tuple[TableSpec, ...] = ()
         """The `sf.nn` tables whose rows the PS write into each checkpoint (HybridStrategy's)."""
         self.step = start.step
+        role.control.put(job_keys.GLOBAL_STEP, GlobalStep(step=self.step))
         self.awaited = start.next_hand_over
         """The number of the next state of worker:0 this chief saves."""
         self.eval_history: list[dict[str, Any]] = []
@@ -175,12 +188,16 @@ class _Chief:
         return ["chief", *self.watch.workers]
 
     def _watch(self, preemption: Preemption) -> None:
-        """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on."""
+        """The workers' failures, heartbeats, preemptions and progress; an end asked for is passed on; a capture
+        asked for from outside the job is asked of every role, and merged once their parts arrived."""
         self.watch.check()
         self.watch.pass_on_preemption(preemption)
         if preemption.requested or self.stopped_early:
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
         self.step = _global_step(self.watch.progress, self.display.start_step)
+        self.role.control.put(job_keys.GLOBAL_STEP, GlobalStep(step=self.step))
+        self.profiler.pick_up_request()
+        self.profiler.collect(self.capture_roles(), timeout_s=10.0)
         self.display.update(self.step, self.watch.progress)
         self.summaries.training(self.step, self.watch.progress, [])
 

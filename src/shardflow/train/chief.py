@@ -5,9 +5,7 @@ and evaluation, the end of the job)."""
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,7 +16,7 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.client import Client
-from shardflow.comm.security import SECRET_FILE, is_loopback, job_credentials, write_secret
+from shardflow.comm.security import job_credentials
 from shardflow.nn.modules import table_specs
 from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.ps.connection import PSConnection
@@ -37,7 +35,7 @@ from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import RecoveryNotice
 from shardflow.train.preemption import Preemption
-from shardflow.train.profiling import ChiefProfiler
+from shardflow.train.profiling import ChiefProfiler, remove_job_file, write_job_file
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
 
@@ -76,7 +74,7 @@ def run_chief(
     if job.profile_steps is not None:
         profiler.request(*job.profile_steps, ops=job.profile_ops)
     apply = _initialise(job, role, start)
-    job_file = _write_job_file(job, role)
+    write_job_file(job, role)
     loop = _chief_loop(job, role, start, apply, profiler, heartbeats, failures)
     role.control.set(control_keys.READY, "1")
     try:
@@ -84,8 +82,7 @@ def run_chief(
         _say_why_it_ended(job, loop, restored_from, start.step, final[0].step)
         finished = _finish(job, role, start.admin, loop, profiler, preemption, final)
     finally:
-        _remove(job_file)
-        _remove(job.model_dir / SECRET_FILE)  # the job is over: so is its secret
+        remove_job_file(job.model_dir)
         loop.summaries.close()
         profiler.close()
         on_connect(None)
@@ -306,30 +303,6 @@ def _result(finished: _Finished, loop: ChiefLoop, start: _Start, started: float,
         preempted=loop.preempted,
         failed_checkpoint_saves=loop.checkpoints.num_failed_saves,
     )
-
-
-def _write_job_file(job: JobConfig, role: RoleContext) -> Path:
-    """Where a tool of the same user finds the running job (`shardflow profile capture MODEL_DIR`)."""
-    job.model_dir.mkdir(parents=True, exist_ok=True)
-    path = job.model_dir / "job.json"
-    # Readable by this user only (mode 0600, written atomically), as the secret beside it: it names the job's
-    # control address and the chief's pid.
-    write_secret(path, json.dumps({"control": role.control.address, "pid": os.getpid()}))
-    secret = job_credentials().secret
-    if secret is not None and is_loopback(f"tcp://{role.control.address}"):
-        # A local job's secret is made by its launcher; a tool of the same user reads it here (mode 0600). A real
-        # cluster's secret is never written into model_dir, which may be shared storage.
-        write_secret(job.model_dir / SECRET_FILE, secret)
-    return path
-
-
-def _remove(path: Path) -> None:
-    """Remove a file of the running job from model_dir. One that cannot be (a read-only disk) is logged: raised, it
-    would hide why the job ended."""
-    try:
-        path.unlink(missing_ok=True)
-    except OSError as error:
-        log.warning("could not remove %s at the end of the job: %s", path, error)
 
 
 def _since_process_start(fallback_started: float) -> float:

@@ -11,7 +11,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shardflow.cluster import control_keys
-from shardflow.cluster.control_keys import ControlValueError
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.launcher import RoleExit
 from shardflow.comm.errors import DeadlineExceeded
@@ -85,7 +84,6 @@ class ChiefLoop:
         ends, and _watch_servers restores every PS."""
         self.handed_over: dict[str, str] = {}
         """Workers lost for good whose remaining shards another worker reads (see _hand_over), to whom."""
-        self._refused_request: str | None = None
         self.training_s = 0.0
         """Seconds from the start of training until the workers were done, the final checkpoint aside."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
@@ -116,7 +114,7 @@ class ChiefLoop:
                     self._poll_servers()
                 if now >= next_slow:
                     next_slow = now + _SLOW_POLL_S
-                    self._pick_up_capture()
+                    self.profiler.pick_up_request()
                     self.profiler.collect(self.capture_roles, timeout_s=10.0)
                     self.summaries.training(self.global_step, self.progress, self._ps_stats)
                     self.display.update(self.global_step, self.progress)
@@ -333,21 +331,3 @@ class ChiefLoop:
         )
         self.summaries.evaluation(step, metrics)
         return metrics
-
-    # -- captures -----------------------------------------------------------------------------------
-
-    def _pick_up_capture(self) -> None:
-        """A tool asked for a capture of the running job through the control plane. A request that is not valid
-        (anyone on the control plane can write it) is refused with one warning, never raised."""
-        try:
-            request = self.control.read_if_set(job_keys.CAPTURE_REQUEST)
-        except ControlValueError as error:
-            if str(error) != self._refused_request:  # one warning per request, not one per poll
-                self._refused_request = str(error)
-                log.warning("refused a capture request on the control plane: %s", error)
-            return
-        if request is None:
-            return
-        known = any(p.name == request.name for p in self.profiler.pending)
-        if not known and not self.control.is_set(control_keys.capture_done(request.name)):
-            self.profiler.request(request.first, request.last, ops=request.ops, name=request.name)

@@ -33,6 +33,7 @@ from shardflow.train.checkpoints.servers import TableSetup, init_servers
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import HybridRecovery, HybridRestart, StateNotice
 from shardflow.train.preemption import Preemption
+from shardflow.train.profiling import ChiefProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import TrainResult
 from shardflow.train.strategy import AllReduceStrategy, HybridStrategy
@@ -68,8 +69,9 @@ class _HybridChief(_Chief):
         model: torch.nn.Module,
         watch: _Watch,
         start: _Start,
+        profiler: ChiefProfiler,
     ) -> None:
-        super().__init__(job, role, model, watch, start)
+        super().__init__(job, role, model, watch, start, profiler)
         strategy = job.strategy
         assert isinstance(strategy, HybridStrategy)
 

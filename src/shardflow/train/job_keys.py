@@ -19,6 +19,8 @@ Each entry reads `key`: writer -> readers. Meaning.
 
 `sf.AllReduceStrategy` (train/allreduce_chief.py, allreduce_worker.py):
 
+- `global_step`: chief, about once a second -> `shardflow profile capture`. The job's global step as the workers'
+  progress reports last told it (a PS job's is ps:0's; a hybrid job's PS count their tables' updates instead).
 - `allreduce/start`: chief -> workers. The global step training starts from, and the checkpoint in model_dir each
   worker loads itself (every process shares model_dir); none: the model's initial values.
 - `allreduce/checkpoint/<n>`: worker:0 -> chief. The n-th state to checkpoint or evaluate (from 1): its global
@@ -119,6 +121,11 @@ class EvaluationResult(_Value, frozen=True, kw_only=True):
     checkpoint: str | None = None
     """The last checkpoint evaluated; None when the evaluator evaluated none."""
     metrics: dict[str, float]
+
+
+class GlobalStep(_Value, frozen=True, kw_only=True):
+    step: int
+    """The global step the job is at (or a second or two behind it)."""
 
 
 class AllReduceStart(_Value, frozen=True, kw_only=True):
@@ -236,6 +243,7 @@ def handover(role: str) -> Key[Handover]:
     return Key(f"handover/{role}", Handover, "the chief")
 
 
+GLOBAL_STEP = Key("global_step", GlobalStep, "the chief")
 ALLREDUCE_START = Key("allreduce/start", AllReduceStart, "the chief")
 
 

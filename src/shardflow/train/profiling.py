@@ -1,5 +1,6 @@
 """Capture in a running job: each role records spans always; on request it cuts out the requested global
-steps, aligns its clock with the chief's and hands its trace to the chief, which merges them."""
+steps, aligns its clock with the chief's and hands its trace to the chief, which merges them. A tool asks from
+outside the job (`shardflow profile capture`) through the job file the chief keeps in model_dir while it runs."""
 
 from __future__ import annotations
 
@@ -11,14 +12,15 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.control_keys import ControlValueError
 from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.comm.client import Client
-from shardflow.comm.security import job_credentials
+from shardflow.comm.security import SECRET_FILE, Credentials, is_loopback, job_credentials, write_secret
 from shardflow.comm.server import secure_server
 from shardflow.profile import ClockEstimate, estimate_offset, set_recorder
 from shardflow.profile.capture import check_capture_name, check_steps, write_capture
@@ -31,7 +33,15 @@ from shardflow.ps.connection import read_global_step
 from shardflow.train import job_keys
 from shardflow.train.job_keys import Capture
 
+if TYPE_CHECKING:
+    from shardflow.train.job import JobConfig
+    from shardflow.train.role_context import RoleContext
+    from shardflow.train.strategy import Strategy
+
 log = logging.getLogger(__name__)
+
+JOB_FILE = "job.json"
+"""In model_dir while the job runs: where a tool of the same user finds it (`write_job_file`)."""
 
 
 class RoleProfiler:
@@ -150,6 +160,7 @@ class ChiefProfiler(RoleProfiler):
         """The chief's own part of each capture it cut, by capture name, until it is merged."""
         self.completed: list[Path] = []
         """Every capture merged in this job, during training or at its end."""
+        self._refused_request: str | None = None
 
     def _serve_clock(self) -> None:
         while not self._stop.is_set():
@@ -171,6 +182,23 @@ class ChiefProfiler(RoleProfiler):
         self.capture = capture
         self.pending.append(capture)
         return capture
+
+    def pick_up_request(self) -> None:
+        """A tool asked for a capture of the running job through the control plane (`request_capture`): ask every
+        role for it. A request that is not valid (anyone on the control plane can write it) is refused with one
+        warning, never raised."""
+        try:
+            request = self.control.read_if_set(job_keys.CAPTURE_REQUEST)
+        except ControlValueError as error:
+            if str(error) != self._refused_request:  # one warning per request, not one per poll
+                self._refused_request = str(error)
+                log.warning("refused a capture request on the control plane: %s", error)
+            return
+        if request is None:
+            return
+        known = any(p.name == request.name for p in self.pending)
+        if not known and not self.control.is_set(control_keys.capture_done(request.name)):
+            self.request(request.first, request.last, ops=request.ops, name=request.name)
 
     def collect(self, roles: list[str], timeout_s: float, final: bool = False) -> list[Path]:
         """Merge every pending capture whose roles all reported; with `final`, wait for them."""
@@ -222,17 +250,15 @@ def request_capture(
     """Ask the job running in `model_dir` to capture its next `num_steps` global steps on every role; returns the
     capture's directory once the chief has merged it. `on_request` is called with the request as soon as it is
     made, before the wait for the steps to run."""
-    job_file = Path(model_dir) / "job.json"
+    job_file = Path(model_dir) / JOB_FILE
     if not job_file.exists():
         raise FileNotFoundError(f"no running job in {model_dir}: {job_file} is written by the chief while it trains")
     job = json.loads(job_file.read_text())
     credentials = job_credentials(Path(model_dir))
     control = ControlPlane(job["control"], timeout_s=10.0, credentials=credentials)
     try:
-        with Client("profile-capture", credentials=credentials) as client:
-            address = control.endpoint(control_keys.ps_endpoint(0), waiting_for="ps:0's address")
-            client.connect("ps:0", address)
-            first = read_global_step(client, "ps:0", timeout_s=10.0) + 1
+        # A job file of before the strategy was written in it is a PS job's: only its chief wrote one.
+        first = _global_step(control, credentials, job.get("strategy", "ParameterServerStrategy")) + 1
         first, last = check_steps((first, first + num_steps), what=f"--steps {num_steps}: the capture's global steps")
         name = f"on-demand-{first}-{last}"
         capture = Capture(name=name, first=first, last=last, ops=ops)
@@ -245,3 +271,41 @@ def request_capture(
     finally:
         control.close()
     return Path(done)
+
+
+def _global_step(control: ControlPlane, credentials: Credentials, strategy: str) -> int:
+    """The job's global step now: ps:0's in a PS job; in an all-reduce or hybrid job the chief's, from the workers'
+    progress (a hybrid job's PS count their tables' updates, not global steps)."""
+    if strategy != "ParameterServerStrategy":
+        return control.read(job_keys.GLOBAL_STEP, waiting_for="the chief's global step").step
+    with Client("profile-capture", credentials=credentials) as client:
+        address = control.endpoint(control_keys.ps_endpoint(0), waiting_for="ps:0's address")
+        client.connect("ps:0", address)
+        return read_global_step(client, "ps:0", timeout_s=10.0)
+
+
+def write_job_file(job: JobConfig[Strategy], role: RoleContext) -> Path:
+    """Where a tool of the same user finds the running job (`shardflow profile capture MODEL_DIR`): its control
+    address, the chief's pid and the strategy's name; removed with `remove_job_file` at the job's end."""
+    job.model_dir.mkdir(parents=True, exist_ok=True)
+    path = job.model_dir / JOB_FILE
+    # Readable by this user only (mode 0600, written atomically), as the secret beside it: it names the job's
+    # control address and the chief's pid.
+    fields = {"control": role.control.address, "pid": os.getpid(), "strategy": type(job.strategy).__name__}
+    write_secret(path, json.dumps(fields))
+    secret = job_credentials().secret
+    if secret is not None and is_loopback(f"tcp://{role.control.address}"):
+        # A local job's secret is made by its launcher; a tool of the same user reads it here (mode 0600). A real
+        # cluster's secret is never written into model_dir, which may be shared storage.
+        write_secret(job.model_dir / SECRET_FILE, secret)
+    return path
+
+
+def remove_job_file(model_dir: Path) -> None:
+    """The job is over: so are its job file and its secret. One that cannot be removed (a read-only disk) is logged:
+    raised, it would hide why the job ended."""
+    for path in (model_dir / JOB_FILE, model_dir / SECRET_FILE):
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as error:
+            log.warning("could not remove %s at the end of the job: %s", path, error)
