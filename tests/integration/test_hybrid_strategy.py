@@ -1,6 +1,7 @@
 """sf.HybridStrategy under faults: a worker SIGKILLed at a random moment is restarted, the group formed again, and
-the job ends at its exact global step with every record applied exactly once to the tables on the PS. A PS killed:
-every PS and every worker go back to the latest checkpoint (or the start), and the same holds. The job's
+the job ends at its exact global step with every record applied exactly once to the tables on the PS. A PS killed,
+or both workers at once (the dense state is gone with them): every PS and every worker go back to the latest
+checkpoint (or the start), and the same holds. The job's
 audit table (jobs/tables.py "audit") has a row per record that each applied push of the record adds 1.0 to."""
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def _applied(model_dir: Path) -> torch.Tensor:
         ("worker:1", 1, 3),
         ("ps:0", 4, 4),
         ("ps:1", None, 5),
+        ("worker:0+worker:1", 2, 9),
     ],
     ids=[
         "worker1",
@@ -53,6 +55,7 @@ def _applied(model_dir: Path) -> torch.Tensor:
         "worker1-checkpoints-every-step",
         "ps0-checkpoints-every-4",
         "ps1-no-checkpoint",
+        "both-workers-checkpoints-every-2",
     ],
 )
 def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
@@ -76,10 +79,14 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
         save_checkpoints_steps=save_checkpoints_steps,
     )
     _wait_for_batches(job, steps_log, random.Random(seed).randint(8, 40))
-    job.roles()[killed].kill()
+    for role in killed.split("+"):
+        job.roles()[role].kill()
     code, output = job.finish(120)
     assert code == 0, output
-    if killed.startswith("ps"):  # every worker and PS went back to the latest checkpoint (or the start)
+    if "+" in killed:  # the dense state is gone with them: as for a PS, back to the latest checkpoint
+        assert "every worker was lost: the dense state" in output, output
+        assert "every PS restored to global step" in output, output
+    elif killed.startswith("ps"):  # every worker and PS went back to the latest checkpoint (or the start)
         assert "restarting it" in output and "every PS restored to global step" in output, output
     else:
         assert "restarting it" in output and "joined the all-reduce group at global step" in output, output

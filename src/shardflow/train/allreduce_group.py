@@ -35,6 +35,11 @@ class GroupLostError(RuntimeError):
     """The workers' group cannot be formed again: a worker did not come back in time, or the survivors disagree."""
 
 
+class NoSurvivorsError(GroupLostError):
+    """Every worker of the group was lost at once: the state they held is gone (HybridStrategy: its chief goes back
+    to the latest checkpoint with every PS)."""
+
+
 class JobOverError(Exception):
     """The chief ended the job while this worker waited for the others to form the group."""
 
@@ -226,7 +231,7 @@ def _survivors(group: Any, role: RoleContext, survived: RejoinState | None) -> d
     group.allreduce([who]).wait()
     survivors = {worker: int(who[num_workers + worker]) - 1 for worker in range(num_workers) if who[worker]}
     if not survivors:
-        raise GroupLostError(
+        raise NoSurvivorsError(
             f"{role.task.name}: every worker of the all-reduce group was lost at once; run the job again to resume "
             "from its last checkpoint"
         )

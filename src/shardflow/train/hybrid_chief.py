@@ -203,6 +203,8 @@ class _HybridChief(_Chief):
                 self._raise_if_lost()
             except _PSLost as lost:
                 self._begin_recovery(lost.name)
+        if self.recovery is None and self.role.control.is_set(job_keys.hybrid_workers_lost(self.generation)):
+            self._begin_recovery("every worker")
         if self.recovery is not None:
             self._restart_when_stopped()
         super()._watch(preemption)
@@ -222,9 +224,9 @@ class _HybridChief(_Chief):
         self.generation += 1
         self.recovery = (lost, time.monotonic())
         self.role.control.put(job_keys.HYBRID_RECOVERY, HybridRecovery(generation=self.generation, lost=lost))
+        gone = "the dense state" if lost == "every worker" else "its rows"
         log.warning(
-            "%s was lost: its rows since the latest checkpoint are gone; every worker and every PS go back to it",
-            lost,
+            "%s was lost: %s since the latest checkpoint are gone; every worker and every PS go back to it", lost, gone
         )
 
     def _restart_when_stopped(self) -> None:

@@ -24,8 +24,9 @@ from shardflow.profile.recorder import SpanRecorder
 from shardflow.ps import protocol
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.protocol import StatusReply
-from shardflow.train import allreduce_state, job_keys
+from shardflow.train import allreduce_group, allreduce_state, job_keys
 from shardflow.train.allreduce_gradients import GradientReducer
+from shardflow.train.allreduce_group import GroupLostError, NoSurvivorsError
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.allreduce_worker import JobAborted, _Trainer, run_allreduce_worker
 from shardflow.train.checkpoints import store
@@ -123,12 +124,35 @@ class _HybridTrainer(_Trainer):
             try:
                 if self.recovering:
                     self._roll_back()
+                    restarted = False  # with the checkpoint's state, as every other worker
                 reducer = super()._join(generation, restarted=restarted, timeout_s=timeout_s)
                 break
             except (_RecoveryWhileForming, PSRecovery):  # (another) PS lost meanwhile: back to its restore
                 continue
+            except NoSurvivorsError:  # the dense state is gone with every worker: back to the checkpoint too
+                self._ask_recovery()
+                generation = allreduce_group.generation_to_join(self.role)
         self.peers.interrupt = self._check_recovery  # a collective waiting for a worker that rolled back ends
         return reducer
+
+    def _ask_recovery(self) -> None:
+        """Every worker was lost at once: ask the chief to go back to the latest checkpoint, every PS and worker, as
+        after a PS loss, and wait until it began (then `_check_recovery` raised)."""
+        strategy = self.job.strategy
+        self.role.control.set(job_keys.hybrid_workers_lost(self.recovery), "1")
+        log.warning("%s: every worker was lost at once; the job goes back to its latest checkpoint", self.name)
+        deadline = time.monotonic() + strategy.request_timeout_s
+        while not self.recovering:
+            if time.monotonic() > deadline:
+                raise GroupLostError(
+                    f"{self.name}: every worker was lost at once, and the chief did not go back to the latest "
+                    f"checkpoint within request_timeout_s={strategy.request_timeout_s:g}s"
+                )
+            try:
+                self._check_recovery()
+            except PSRecovery:
+                return
+            time.sleep(0.05)
 
     def _forming(self) -> None:
         try:

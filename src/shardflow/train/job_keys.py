@@ -191,7 +191,7 @@ class HybridRecovery(_Value, frozen=True, kw_only=True):
     generation: int
     """How many times the PS of this hybrid job were restored after one was lost, this time included."""
     lost: str
-    """The PS whose loss caused it."""
+    """The PS whose loss caused it, or "every worker" (lost at once, with the dense state)."""
 
 
 class HybridRestart(_Value, frozen=True, kw_only=True):
@@ -276,6 +276,11 @@ def hybrid_restart(generation: int) -> Key[HybridRestart]:
 
 def hybrid_stopped(generation: int, role: str) -> str:
     return f"hybrid/stopped/{generation}/{role}"
+
+
+def hybrid_workers_lost(generation: int) -> str:
+    """Set by a restarted worker that found no other survived recovery `generation`: the chief restores every PS."""
+    return f"hybrid/workers_lost/{generation}"
 
 
 def allreduce_live(role: str) -> Key[LiveWorker]:
