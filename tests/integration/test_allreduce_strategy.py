@@ -93,6 +93,17 @@ def test_the_chief_evaluates_at_every_n_steps_and_the_final_state(run_job, tmp_p
     assert (tmp_path / "model" / "tensorboard" / "eval").is_dir()
 
 
+def test_the_chief_evaluates_every_n_secs_while_training_and_the_final_state(run_job):
+    # 40 steps of at least 0.05 s each: 2 s or more of training, evaluated at most every 0.4 s.
+    proc, result = run_job(
+        "allreduce.py", num_workers=2, max_steps=40, eval_every_secs=0.4, num_batches=100, step_delay_s=0.05
+    )
+    assert proc.returncode == 0, proc.stdout
+    steps = result["eval_steps"]
+    assert len(steps) >= 3 and steps[-1] == 40, steps
+    assert steps == sorted(set(steps)), steps  # each state evaluated once, in order
+
+
 def test_early_stopping_ends_training_before_max_steps(run_job):
     # A loss that must fall by 1e9 to count as better: training stops after the second evaluation.
     proc, result = run_job(

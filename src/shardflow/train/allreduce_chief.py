@@ -176,7 +176,7 @@ class _Chief:
                 self.summaries.training(state.step, self.watch.progress, [], final=True)
                 return state, path
             every = self.job.eval_spec.every_n_steps if self.job.eval_spec is not None else None
-            if every and state.step % every == 0 and not self.stopped_early:
+            if (notice.evaluate or (every and state.step % every == 0)) and not self.stopped_early:
                 self._evaluate_and_maybe_stop(state)
             self.awaited = n + 1
 
@@ -241,11 +241,6 @@ class _Chief:
 
 def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) -> None:
     """Raise ValueError for what the all-reduce strategy cannot do yet, naming it and what can."""
-    if job.eval_spec is not None and job.eval_spec.every_n_secs is not None:
-        raise ValueError(
-            "EvalSpec.every_n_secs is not offered with AllReduceStrategy yet: use every_n_steps, which the chief "
-            "evaluates exactly"
-        )
     tables = [spec.name for spec in table_specs(model)]
     if tables and not is_hybrid(job):
         raise ValueError(

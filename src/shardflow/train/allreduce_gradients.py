@@ -12,9 +12,10 @@ import torch
 from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
 
-FLAGS = HAD_BATCH, SAVE, STOP, ABORT = range(4)
+FLAGS = HAD_BATCH, SAVE, STOP, ABORT, EVALUATE = range(5)
 """The flags every step all-reduces beside the gradients: how many workers had a batch, and worker:0's requests
-(a checkpoint at this step, the last step, the end of the job), so that every worker decides alike. Then one per
+(a checkpoint at this step, the last step, the end of the job, an evaluation by EvalSpec.every_n_secs), so that
+every worker decides alike. Then one per
 worker: whether that worker had a batch, so that every worker counts the batches of each one that were applied."""
 
 

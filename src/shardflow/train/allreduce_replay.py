@@ -95,7 +95,7 @@ class Replay:
             self._positions[n] = key.name
         self.put(key, value)
 
-    def send_state(self, n: int, state: ModelState, *, checkpoint: bool, final: bool) -> None:
+    def send_state(self, n: int, state: ModelState, *, checkpoint: bool, final: bool, evaluate: bool = False) -> None:
         """worker:0's hand-over `n` of `state`, its chunks and its notice, kept until `confirmed`. A state of at most
         WINDOW chunks goes whole before its notice; a larger one is streamed after it, the chief reading it as it
         comes. A chief restarted meanwhile gets everything kept again, and the stream from its start."""
@@ -107,6 +107,7 @@ class Replay:
             checkpoint=checkpoint,
             final=final,
             sender=os.getpid(),
+            evaluate=evaluate,
         )
         key = job_keys.allreduce_checkpoint(n)
         with self._lock:

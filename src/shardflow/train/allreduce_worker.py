@@ -18,7 +18,7 @@ from shardflow.data.torch_edge import to_torch
 from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
 from shardflow.train import allreduce_group, allreduce_state, job_keys
-from shardflow.train.allreduce_gradients import ABORT, FLAGS, HAD_BATCH, SAVE, STOP, GradientReducer
+from shardflow.train.allreduce_gradients import ABORT, EVALUATE, FLAGS, HAD_BATCH, SAVE, STOP, GradientReducer
 from shardflow.train.allreduce_group import GroupLostError
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.checkpoints import store
@@ -128,6 +128,9 @@ class _Trainer:
         eval_spec = job.eval_spec
         self.eval_every = eval_spec.every_n_steps if eval_spec is not None else None
         """The chief evaluates the state at every multiple of this global step."""
+        self.eval_secs = eval_spec.every_n_secs if eval_spec is not None else None
+        """worker:0 hands a state over to evaluate once this long passed since the last one it evaluated."""
+        self.last_evaluation = time.monotonic()
         timeout_s = job.strategy.startup_timeout_s if generation == 0 else job.strategy.worker_rejoin_timeout_s
         self.replay = replay
         self.reducer = self._join(generation, restarted=generation > 0, timeout_s=timeout_s)
@@ -177,9 +180,9 @@ class _Trainer:
                 break
             every = self.job.save_checkpoints_steps
             save = bool(flags[SAVE]) or bool(every and self.step % every == 0)
-            evaluate = bool(self.eval_every and self.step % self.eval_every == 0)
+            evaluate = bool(flags[EVALUATE]) or bool(self.eval_every and self.step % self.eval_every == 0)
             if save or evaluate:
-                self._hand_over(final=False, checkpoint=save)
+                self._hand_over(final=False, checkpoint=save, evaluate=evaluate)
         self.hooks.end(self.report.local_step, self.step)
         self.report.send(done=True)  # before the final state: the chief reads every report once it has that
         self._hand_over(final=True, checkpoint=True)
@@ -335,27 +338,31 @@ class _Trainer:
         """worker:0's flags for this step (see allreduce_gradients.py): a time-based checkpoint due, and the
         chief's end of training or of the job, asked for on the control plane."""
         if not self.leader:
-            return [0.0, 0.0, 0.0]
+            return [0.0] * (len(FLAGS) - 1)
         self.replay.at_step(self.step)
         now = time.monotonic()
         secs = None if self.job.save_checkpoints_steps else self.job.save_checkpoints_secs
         save = float(secs is not None and now - self.last_checkpoint >= secs)
+        evaluate = float(self.eval_secs is not None and now - self.last_evaluation >= self.eval_secs)
         if now - self.last_poll >= _POLL_EVERY_S:
             self.last_poll = now
             self.stop = float(self.role.control.is_set(control_keys.ALLREDUCE_STOP))
             self.abort = float(self.role.control.is_set(control_keys.SHUTDOWN))
-        return [save, self.stop, self.abort]
+        return [save, self.stop, self.abort, evaluate]
 
-    def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False) -> None:
+    def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False, evaluate: bool = False) -> None:
         """State n of this run, to checkpoint (or only to evaluate): every worker's input position, and worker:0's
         state once the chief handled the one before (one state at a time on the control plane). `again`: the last
-        one once more, where this worker was lost inside it (what the chief has already is not sent again)."""
+        one once more, where this worker was lost inside it (what the chief has already is not sent again).
+        `evaluate`: the chief evaluates it, as EvalSpec.every_n_secs asked (at every_n_steps it knows itself)."""
         control = self.role.control
         self.checkpoints += 0 if again else 1
         n = self.checkpoints
         self.hand_over_step, self.hand_over_saves = self.step, checkpoint
         if checkpoint:
             self.last_checkpoint = time.monotonic()
+        if evaluate:
+            self.last_evaluation = time.monotonic()
         position = self.position.get_state()
         # Through the replay: a restarted chief gets them again (allreduce_replay.py).
         self.replay.put_position(n, InputState(position=position))
@@ -368,7 +375,7 @@ class _Trainer:
             control.read(job_keys.allreduce_saved(n - 1), waiting_for="the chief to save the checkpoint before")
             self.replay.confirmed(n - 1)
         state = allreduce_state.capture(self.model, self.optimizer, self.step)
-        self.replay.send_state(n, state, checkpoint=checkpoint, final=final)
+        self.replay.send_state(n, state, checkpoint=checkpoint, final=final, evaluate=evaluate)
         if final:
             control.read(job_keys.allreduce_saved(n), waiting_for="the chief to save the final checkpoint")
 

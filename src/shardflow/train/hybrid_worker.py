@@ -238,7 +238,7 @@ class _HybridTrainer(_Trainer):
             self.told_done = True
         return super()._collective(had_batch, mine, recorder)
 
-    def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False) -> None:
+    def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False, evaluate: bool = False) -> None:
         """As an all-reduce worker's, with the tables' rows of the same step: worker:0 has every PS snapshot them
         first, and the others push again only once they are."""
         n = self.checkpoints + (0 if again else 1)
@@ -251,7 +251,7 @@ class _HybridTrainer(_Trainer):
                 if final:
                     raise
                 return  # not handed over: the next step's collective gives up, and the chief awaits state n again
-        super()._hand_over(final=final, checkpoint=checkpoint, again=again)
+        super()._hand_over(final=final, checkpoint=checkpoint, again=again, evaluate=evaluate)
         if not self.leader:
             self.snapshot_due = key
 

@@ -148,6 +148,8 @@ class StateNotice(_Value, frozen=True, kw_only=True):
     sender: int
     """worker:0's process id, as its heartbeat names it: a beat from another one while the chief waits for a chunk
     says the sender was lost."""
+    evaluate: bool = False
+    """Evaluated by the chief, as EvalSpec.every_n_secs asked (by worker:0's clock)."""
 
 
 class InputState(_Value, frozen=True, kw_only=True):

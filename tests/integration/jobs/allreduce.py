@@ -63,13 +63,14 @@ est = sf.Estimator(
     keep_checkpoint_max=None,
 )
 eval_spec = None
-if config.get("eval_every") is not None:
+if config.get("eval_every") is not None or config.get("eval_every_secs") is not None:
     # Evaluated on worker:0's first 4 batches; early stopping once the loss stops falling by min_delta.
     stopping = config.get("early_stopping_min_delta")
     eval_spec = sf.EvalSpec(
         lambda ctx: input_fn(sf.InputContext(2, 0)),
         steps=4,
-        every_n_steps=config["eval_every"],
+        every_n_steps=config.get("eval_every"),
+        every_n_secs=config.get("eval_every_secs"),
         early_stopping=sf.EarlyStopping(patience=1, min_delta=stopping) if stopping is not None else None,
     )
 
