@@ -53,6 +53,19 @@ def test_two_workers_of_batch_b_equal_one_process_on_batches_of_2b(run_job, tmp_
         torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
 
 
+def test_bf16_mixed_precision_computes_the_forward_in_bfloat16_and_trains(run_job, tmp_path):
+    steps_log = tmp_path / "steps.log"
+    proc, result = run_job(
+        "allreduce.py", num_workers=2, max_steps=20, num_batches=100, mixed_precision="bf16", step_log=str(steps_log)
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == 20
+    dtypes = {line.split()[1] for line in steps_log.read_text().splitlines()}
+    assert dtypes == {"torch.bfloat16"}, dtypes
+    assert all(value.dtype == torch.float32 for value in _trained(tmp_path / "model").values())
+    assert result["final_loss"] < result["first_loss"], result
+
+
 def test_max_steps_is_exact(run_job):
     proc, result = run_job("allreduce.py", num_workers=2, max_steps=7, num_batches=100)
     assert proc.returncode == 0, proc.stdout

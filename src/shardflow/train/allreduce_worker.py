@@ -27,6 +27,7 @@ from shardflow.train.hooks import StepHooks
 from shardflow.train.input import InputPosition, Lookahead
 from shardflow.train.job import JobConfig, check_loss, user_code
 from shardflow.train.job_keys import InputState, RejoinState, ResumePoint
+from shardflow.train.precision import autocast
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
@@ -307,7 +308,7 @@ class _Trainer:
 
     def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
         started = time.perf_counter_ns()
-        with user_code("loss_fn", self.name, self.step):
+        with autocast(self.job.strategy.mixed_precision), user_code("loss_fn", self.name, self.step):
             loss = self.job.loss_fn(self.model, to_torch(batch))
         recorder.end(spans.FORWARD, self.step, started)
         check_loss(loss, self.name)

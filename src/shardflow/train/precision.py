@@ -10,16 +10,16 @@ import torch
 MIXED_PRECISIONS = ("bf16",)
 
 
-def check_mixed_precision(mixed_precision: str | None) -> None:
-    """Raise ValueError, naming the option, for a mixed precision the workers cannot run."""
+def check_mixed_precision(mixed_precision: str | None, strategy: str = "ParameterServerStrategy") -> None:
+    """Raise ValueError, naming the option of `strategy`, for a mixed precision the workers cannot run."""
     if mixed_precision is None or mixed_precision in MIXED_PRECISIONS:
         return
     if mixed_precision == "fp16":
         raise ValueError(
-            "ParameterServerStrategy.mixed_precision='fp16' needs a GradScaler, which shardflow workers do not run: "
+            f"{strategy}.mixed_precision='fp16' needs a GradScaler, which shardflow workers do not run: "
             "use mixed_precision='bf16', which needs no loss scaling"
         )
-    raise ValueError(f"ParameterServerStrategy.mixed_precision must be None or one of {MIXED_PRECISIONS}")
+    raise ValueError(f"{strategy}.mixed_precision must be None or one of {MIXED_PRECISIONS}")
 
 
 def autocast(mixed_precision: str | None, device_type: str = "cpu") -> contextlib.AbstractContextManager[object]:

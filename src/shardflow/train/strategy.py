@@ -172,6 +172,9 @@ class AllReduceStrategy:
     worker_rejoin_timeout_s: float = 120.0
     """How long the workers wait for a lost one to join the group again (restarted) before they fail the job,
     naming it."""
+    mixed_precision: str | None = None
+    """"bf16": the workers' forward runs under torch.autocast in bfloat16; parameters, gradients, the all-reduce and
+    the optimizer stay float32. None: float32 throughout."""
 
     @property
     def num_ps(self) -> int:
@@ -181,6 +184,7 @@ class AllReduceStrategy:
     def __post_init__(self) -> None:
         _check_int(self, "num_workers", 1)
         _check_int(self, "bucket_bytes", 1)
+        check_mixed_precision(self.mixed_precision, type(self).__name__)
         _check_roles(
             self,
             timeouts=(

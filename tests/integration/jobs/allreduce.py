@@ -33,10 +33,11 @@ def model_fn() -> torch.nn.Module:
 def loss_fn(model, batch):
     x, y = batch
     time.sleep(config.get("step_delay_s", 0))
-    if config.get("step_log"):  # one line per batch: a test waits for training to be under way
+    out = model(x)
+    if config.get("step_log"):  # one line per batch (a test waits for training to be under way), with its dtype
         with open(config["step_log"], "a") as log:
-            log.write("step\n")
-    return torch.nn.functional.mse_loss(model(x), y)
+            log.write(f"step {out.dtype}\n")
+    return torch.nn.functional.mse_loss(out.float(), y)
 
 
 num_workers = config.get("num_workers", 2)
@@ -51,6 +52,7 @@ else:
         restart_backoff_s=config.get("restart_backoff_s", 1.0),
         request_timeout_s=config.get("request_timeout_s", 60.0),
         worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
+        mixed_precision=config.get("mixed_precision"),
     )
 optimizers = {"sgd": sf.optim.SGD(lr=config.get("lr", 0.05)), "adam": sf.optim.Adam(lr=config.get("lr", 0.05))}
 est = sf.Estimator(
@@ -100,6 +102,8 @@ with open(config["result"], "w") as f:
             "eval_steps": [entry["global_step"] for entry in trained.eval_history],
             "stopped_early": trained.stopped_early,
             "preempted": trained.preempted,
+            "first_loss": trained.first_loss,
+            "final_loss": trained.final_loss,
             "state_dict": {name: value.tolist() for name, value in est.state_dict().items()},
         },
         f,
