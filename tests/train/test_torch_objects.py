@@ -135,5 +135,7 @@ def test_strategy_options_are_checked():
         sf.ParameterServerStrategy(gradient_accumulation_steps=0)
     with pytest.raises(ValueError, match="use mixed_precision='bf16'"):
         sf.ParameterServerStrategy(mixed_precision="fp16")
+    with pytest.raises(ValueError, match=r"HybridStrategy.mixed_precision='fp16' needs a GradScaler"):
+        sf.HybridStrategy(mixed_precision="fp16")
     with pytest.raises(ValueError, match="save_summary_steps"):
         sf.Estimator(torch.nn.Linear(1, 1), _loss, save_summary_steps=0)
