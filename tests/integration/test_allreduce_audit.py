@@ -42,23 +42,28 @@ def _kill_at_random(launcher: subprocess.Popen[str], steps_log: Path, role: str,
     kill_role_after(launcher, steps_log, role, random.Random(seed).randint(10, NUM_BATCHES - 30))
 
 
-def _assert_every_record_applied_once(tmp_path: Path, output: str) -> None:
+def _assert_every_record_applied_once(tmp_path: Path, output: str, accumulation: int = 1) -> None:
     result = json.loads((tmp_path / "result.json").read_text())
-    assert result["global_step"] == NUM_BATCHES // NUM_WORKERS, output
-    # Each step averages a record's gradient over the workers: an applied record adds 1 / NUM_WORKERS.
-    applied = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * NUM_WORKERS
+    assert result["global_step"] == NUM_BATCHES // NUM_WORKERS // accumulation, output
+    # Each step averages a record's gradient over the workers and the batches each accumulated: an applied record
+    # adds 1 / (NUM_WORKERS x accumulation), a power of two (exact).
+    applied = load_file(str(Path(result["checkpoint"]) / "model.safetensors"))["seen"] * NUM_WORKERS * accumulation
     counts = torch.bincount(applied.round().long().clamp(min=0), minlength=3)
     assert torch.equal(applied, torch.ones_like(applied)), f"records applied 0, 1, 2.. times: {counts.tolist()}"
 
 
-@pytest.mark.parametrize(("role", "seed"), [("worker:0", 11), ("worker:1", 12)])
-def test_a_worker_of_the_allreduce_audit_job_killed_at_random_every_record_is_applied_once(tmp_path, role, seed):
-    launcher = _launch(tmp_path, save_checkpoints_steps=8)
+@pytest.mark.parametrize(
+    ("role", "seed", "accumulation"), [("worker:0", 11, 1), ("worker:1", 12, 1), ("worker:1", 13, 2)]
+)
+def test_a_worker_of_the_allreduce_audit_job_killed_at_random_every_record_is_applied_once(
+    tmp_path, role, seed, accumulation
+):
+    launcher = _launch(tmp_path, save_checkpoints_steps=8, accumulation=accumulation)
     _kill_at_random(launcher, tmp_path / "steps.log", role, seed)
     output = finish_launcher(launcher, 180)
     assert launcher.returncode == 0, output
     assert f"{role} (pid" in output and "restarting it" in output, output
-    _assert_every_record_applied_once(tmp_path, output)
+    _assert_every_record_applied_once(tmp_path, output, accumulation)
 
 
 @pytest.mark.parametrize(("checkpoint_steps", "seed"), [(None, 21), (4, 22)])

@@ -66,6 +66,22 @@ def test_bf16_mixed_precision_computes_the_forward_in_bfloat16_and_trains(run_jo
     assert result["final_loss"] < result["first_loss"], result
 
 
+def test_two_workers_accumulating_2_batches_of_b_equal_one_process_on_batches_of_4b(run_job, tmp_path):
+    steps, batch = 6, 8
+    proc, result = run_job(
+        "allreduce.py", num_workers=2, epochs=1, num_batches=4 * steps, batch=batch, lr=0.1, accumulation=2
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == steps
+    # Worker w reads batches w, w + 2, ...: step s holds batches 4s to 4s + 3, on the two workers together.
+    expected = _one_process(
+        [slice(4 * s * batch, (4 * s + 4) * batch) for s in range(steps)], "sgd", 0.1, 4 * steps * batch
+    )
+    trained = _trained(tmp_path / "model")
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
+
+
 def test_max_steps_is_exact(run_job):
     proc, result = run_job("allreduce.py", num_workers=2, max_steps=7, num_batches=100)
     assert proc.returncode == 0, proc.stdout

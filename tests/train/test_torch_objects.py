@@ -137,5 +137,9 @@ def test_strategy_options_are_checked():
         sf.ParameterServerStrategy(mixed_precision="fp16")
     with pytest.raises(ValueError, match=r"HybridStrategy.mixed_precision='fp16' needs a GradScaler"):
         sf.HybridStrategy(mixed_precision="fp16")
+    with pytest.raises(ValueError, match=r"AllReduceStrategy.gradient_accumulation_steps must be an int >= 1"):
+        sf.AllReduceStrategy(gradient_accumulation_steps=0)
+    with pytest.raises(ValueError, match=r"HybridStrategy.gradient_accumulation_steps is not offered yet"):
+        sf.HybridStrategy(gradient_accumulation_steps=2)
     with pytest.raises(ValueError, match="save_summary_steps"):
         sf.Estimator(torch.nn.Linear(1, 1), _loss, save_summary_steps=0)

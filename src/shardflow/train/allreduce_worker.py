@@ -114,7 +114,9 @@ class _Trainer:
         self.had_batch = [True] * role.num_workers
         """Per worker: whether it had a batch in the last global step."""
         self.retry: list[Any] | None = None
-        """The batch of a step dropped when the group broke, to train on again (None: read the next one)."""
+        """The batches of a step dropped when the group broke, to train on again (None or empty: read on)."""
+        self.accumulation = job.strategy.gradient_accumulation_steps
+        """Batches per worker step, their gradients summed (each loss divided by it) before the all-reduce."""
         self.generation = generation
         self.abandoned: list[GradientReducer] = []
         self.report = Report(role, 0, job.save_summary_steps)
@@ -150,14 +152,17 @@ class _Trainer:
             step_started = time.perf_counter_ns()
             for param in self.parameters:  # the last step's are views of the reducer's buffers
                 param.grad = None
-            batch = self._next_batch()
+            batches = self._next_batches()
             recorder.end(spans.INPUT_WAIT, self.step, step_started)
-            loss = self._forward_backward(batch, recorder) if batch is not None else None
+            # Each loss divided by the accumulation: the worker's gradient is their mean, as one batch k times larger.
+            scale = 1.0 / self.accumulation
+            losses = [self._forward_backward(batch, recorder, scale) for batch in batches]
+            loss = sum(losses) / len(losses) if losses else None
             step = self.step
-            flags = self._reduce(batch is not None, recorder)
-            if flags is None:  # the group broke and was formed again: the same step, with the same batch
-                # unless the others applied it (with this batch) and this worker took their state (`_catch_up`).
-                self.retry = [batch] if self.step == step else None
+            flags = self._reduce(len(batches), recorder)
+            if flags is None:  # the group broke and was formed again: the same step, with the same batches
+                # unless the others applied it (with them) and this worker took their state (`_catch_up`).
+                self.retry = batches if self.step == step else None
                 continue
             if flags[ABORT]:
                 raise JobAborted(f"{self.name}: the chief ended the job at global step {self.step}")
@@ -167,8 +172,9 @@ class _Trainer:
             recorder.end(spans.STEP, self.step - 1, step_started)
             profiler.at_step(self.step)
             for worker in range(self.role.num_workers):
-                self.had_batch[worker] = bool(flags[len(FLAGS) + worker])
-                self.batches_applied[worker] += self.had_batch[worker]
+                count = round(flags[len(FLAGS) + worker])  # the batches it accumulated
+                self.had_batch[worker] = count > 0
+                self.batches_applied[worker] += count
             if loss is not None:
                 self.report.step(loss, self.position.epoch, self.step - 1)
                 # A hook's stop ends this worker's input: it goes on taking part with nothing, as one whose shard
@@ -188,19 +194,26 @@ class _Trainer:
         self.report.send(done=True)  # before the final state: the chief reads every report once it has that
         self._hand_over(final=True, checkpoint=True)
 
+    def _next_batches(self) -> list[Any]:
+        """This step's batches: up to gradient_accumulation_steps of them, fewer where the input ends."""
+        batches: list[Any] = []
+        while len(batches) < self.accumulation and (batch := self._next_batch()) is not None:
+            batches.append(batch)
+        return batches
+
     def _next_batch(self) -> Any | None:
-        if self.retry is not None:
-            batch, self.retry = self.retry[0], None
-            return batch
+        if self.retry:  # those of a step dropped, again
+            return self.retry.pop(0)
         batch = None if self.input_done else self.position.next()
         self.input_done = batch is None
         return batch
 
-    def _reduce(self, had_batch: bool, recorder: SpanRecorder) -> list[float] | None:
-        """This step's flags summed over the group, the gradients' sums kept for `_apply`; None where the group
-        broke (nothing of the step is applied anywhere) and was formed again."""
+    def _reduce(self, num_batches: int, recorder: SpanRecorder) -> list[float] | None:
+        """This step's flags summed over the group (`num_batches`: this worker's), the gradients' sums kept for
+        `_apply`; None where the group broke (nothing of the step is applied anywhere) and was formed again."""
         mine = [0.0] * self.role.num_workers
-        mine[self.index] = float(had_batch)
+        mine[self.index] = float(num_batches)
+        had_batch = num_batches > 0
         try:
             return self._collective(had_batch, mine, recorder)
         except RuntimeError as error:  # gloo's (a peer closed its connection, the deadline passed), or PeerLostError
@@ -306,7 +319,7 @@ class _Trainer:
         self.batches_applied, self.had_batch = list(run.batches_applied), list(run.had_batch)
         self.hand_over_step, self.hand_over_saves = run.hand_over_step, run.hand_over_saves
 
-    def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
+    def _forward_backward(self, batch: Any, recorder: SpanRecorder, scale: float = 1.0) -> float:
         started = time.perf_counter_ns()
         with autocast(self.job.strategy.mixed_precision), user_code("loss_fn", self.name, self.step):
             loss = self.job.loss_fn(self.model, to_torch(batch))
@@ -314,7 +327,7 @@ class _Trainer:
         check_loss(loss, self.name)
         started = time.perf_counter_ns()
         with user_code("backward of the loss", self.name, self.step):
-            loss.backward()
+            (loss * scale if scale != 1.0 else loss).backward()
         recorder.end(spans.BACKWARD, self.step, started)
         return float(loss.detach())
 

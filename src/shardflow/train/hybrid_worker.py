@@ -204,7 +204,7 @@ class _HybridTrainer(_Trainer):
             self.retry, self.rolled_back = None, False
         return super()._next_batch()
 
-    def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
+    def _forward_backward(self, batch: Any, recorder: SpanRecorder, scale: float = 1.0) -> float:
         params = self.params
         params.local_step = self.step  # begin_push counts this step's: global step + 1, the same when trained again
         if self.sync:
@@ -218,7 +218,7 @@ class _HybridTrainer(_Trainer):
             # Sync: the rows once this step's are applied; async: as they are when the lookup arrives.
             tables.prefetch(upcoming, [self.step + 1 if self.sync else 0] * len(params.peers))
         try:
-            return super()._forward_backward(batch, recorder)
+            return super()._forward_backward(batch, recorder, scale)
         except PSRecovery:  # a lookup found the PS lost: given up at the step's collective
             return float("nan")
 

@@ -175,6 +175,9 @@ class AllReduceStrategy:
     mixed_precision: str | None = None
     """"bf16": the workers' forward runs under torch.autocast in bfloat16; parameters, gradients, the all-reduce and
     the optimizer stay float32. None: float32 throughout."""
+    gradient_accumulation_steps: int = 1
+    """Each worker step sums the gradients of this many batches (each loss divided by it: their mean) before the
+    all-reduce: the same as batches this many times larger. Not offered with HybridStrategy yet."""
 
     @property
     def num_ps(self) -> int:
@@ -184,6 +187,7 @@ class AllReduceStrategy:
     def __post_init__(self) -> None:
         _check_int(self, "num_workers", 1)
         _check_int(self, "bucket_bytes", 1)
+        _check_int(self, "gradient_accumulation_steps", 1)
         check_mixed_precision(self.mixed_precision, type(self).__name__)
         _check_roles(
             self,
@@ -227,6 +231,11 @@ class HybridStrategy(AllReduceStrategy):
         _check_int(self, "max_staleness", 0)
         if self.sparse_mode not in SPARSE_MODES:
             raise ValueError(f"HybridStrategy.sparse_mode must be one of {SPARSE_MODES}, got {self.sparse_mode!r}")
+        if self.gradient_accumulation_steps != 1:
+            raise ValueError(
+                "HybridStrategy.gradient_accumulation_steps is not offered yet (the tables' rows go to the PS batch "
+                "by batch): use larger batches, or AllReduceStrategy or ParameterServerStrategy, which offer it"
+            )
 
 
 Strategy = ParameterServerStrategy | AllReduceStrategy

@@ -53,6 +53,7 @@ else:
         request_timeout_s=config.get("request_timeout_s", 60.0),
         worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
         mixed_precision=config.get("mixed_precision"),
+        gradient_accumulation_steps=config.get("accumulation", 1),
     )
 optimizers = {"sgd": sf.optim.SGD(lr=config.get("lr", 0.05)), "adam": sf.optim.Adam(lr=config.get("lr", 0.05))}
 est = sf.Estimator(

@@ -94,6 +94,7 @@ if config.get("mode") == "hybrid":
 elif config.get("mode") == "allreduce":
     strategy = sf.AllReduceStrategy(
         num_workers=config.get("num_workers", 2),
+        gradient_accumulation_steps=config.get("accumulation", 1),
         heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
         worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
         hung_timeout_s=config.get("hung_timeout_s", 30.0),
