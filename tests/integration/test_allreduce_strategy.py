@@ -133,6 +133,18 @@ def test_the_chief_evaluates_every_n_secs_while_training_and_the_final_state(run
     assert steps == sorted(set(steps)), steps  # each state evaluated once, in order
 
 
+def test_a_side_car_evaluator_follows_checkpoints_and_reports_the_final_metrics(run_job, tmp_path):
+    proc, result = run_job(
+        "allreduce.py", num_workers=2, max_steps=20, save_checkpoints_steps=5, eval_every=5, evaluator=True
+    )
+    assert proc.returncode == 0, proc.stdout
+    history = [json.loads(line) for line in (tmp_path / "model" / "eval" / "history.jsonl").read_text().splitlines()]
+    assert history[-1]["global_step"] == 20
+    assert result["metrics"] == history[-1]["metrics"]
+    assert result["eval_steps"] == []  # the chief left every evaluation to the evaluator
+    assert (tmp_path / "model" / "logs" / "evaluator.log").exists()
+
+
 def test_early_stopping_ends_training_before_max_steps(run_job):
     # A loss that must fall by 1e9 to count as better: training stops after the second evaluation.
     proc, result = run_job(

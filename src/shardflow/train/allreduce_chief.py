@@ -77,11 +77,13 @@ def run_allreduce_chief(
         state, path = chief.train(preemption)
         training_s = time.monotonic() - started
         metrics: dict[str, float] = {}
-        if job.eval_spec is not None and not preemption.requested:  # no time for it within the grace period
+        if chief.eval_spec is not None and not preemption.requested:  # no time for it within the grace period
             last = chief.eval_history[-1] if chief.eval_history else None
             metrics = last["metrics"] if last and last["global_step"] == state.step else chief.evaluate(state)
         timeout_s = min(30.0, preemption.remaining_s() / 4)
         profiler.collect(chief.capture_roles(), timeout_s=timeout_s, final=True)
+        if role.spec.num("evaluator") and job.eval_spec is not None and not preemption.requested:
+            metrics = _side_car_metrics(role)
     finally:
         remove_job_file(job.model_dir)
         chief.close()
@@ -122,6 +124,8 @@ class _Chief:
         profiler: ChiefProfiler,
     ) -> None:
         self.job, self.role, self.model, self.watch, self.profiler = job, role, model, watch, profiler
+        self.eval_spec = None if role.spec.num("evaluator") else job.eval_spec
+        """What the chief evaluates while training; None with a side-car evaluator, which follows checkpoints."""
         self.started = time.monotonic()
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start.step)
         self.summaries = Summaries(
@@ -175,7 +179,7 @@ class _Chief:
                 self.watch.read_progress()
                 self.summaries.training(state.step, self.watch.progress, [], final=True)
                 return state, path
-            every = self.job.eval_spec.every_n_steps if self.job.eval_spec is not None else None
+            every = self.eval_spec.every_n_steps if self.eval_spec is not None else None
             if (notice.evaluate or (every and state.step % every == 0)) and not self.stopped_early:
                 self._evaluate_and_maybe_stop(state)
             self.awaited = n + 1
@@ -237,6 +241,12 @@ class _Chief:
     def close(self) -> None:
         self.display.close()
         self.summaries.close()
+
+
+def _side_car_metrics(role: RoleContext) -> dict[str, float]:
+    """The side-car evaluator's evaluation of the final checkpoint, once it learns the job is over."""
+    role.control.set(control_keys.SHUTDOWN, "1")  # the final checkpoint is saved: it is the last one
+    return role.control.read(job_keys.EVAL_FINAL, waiting_for="the evaluator's last evaluation", timeout_s=600).metrics
 
 
 def _check_supported(job: JobConfig[AllReduceStrategy], model: torch.nn.Module) -> None:

@@ -128,7 +128,7 @@ class _Trainer:
         self.stop = self.abort = 0.0
         """worker:0's view of the chief's requests: the last step (preempted), the end of the job (a failure)."""
         self.input_done = False
-        eval_spec = job.eval_spec
+        eval_spec = None if role.spec.num("evaluator") else job.eval_spec  # a side-car evaluator follows checkpoints
         self.eval_every = eval_spec.every_n_steps if eval_spec is not None else None
         """The chief evaluates the state at every multiple of this global step."""
         self.eval_secs = eval_spec.every_n_secs if eval_spec is not None else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import Any
 
 from shardflow.cluster import control_keys
 from shardflow.train import job_keys
@@ -18,7 +19,7 @@ from shardflow.train.summaries import Summaries
 log = logging.getLogger(__name__)
 
 
-def run_evaluator(job: JobConfig, role: RoleContext) -> None:
+def run_evaluator(job: JobConfig[Any], role: RoleContext) -> None:
     """The side-car evaluator: evaluate each new checkpoint as the chief writes it, until the job ends."""
     eval_spec = job.eval_spec
     evaluated: str | None = None

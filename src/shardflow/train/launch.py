@@ -247,14 +247,13 @@ def _run_other_role(job: JobConfig[Strategy], spec: ClusterSpec, task: TaskSpec,
     try:
         if task.type == "worker" and is_hybrid(job):
             run_hybrid_worker(job, role)
-        elif is_all_reduce(job) and not is_hybrid(job):
-            if task.type == "worker":  # the only other role of an all-reduce job
-                run_allreduce_worker(job, role)
+        elif task.type == "worker" and is_all_reduce(job) and not is_hybrid(job):
+            run_allreduce_worker(job, role)
         elif task.type == "ps":
             run_ps(role)
         elif task.type == "worker" and is_parameter_server(job):
             run_worker_role(job, role, on_connect)
-        elif task.type == "evaluator" and is_parameter_server(job):
+        elif task.type == "evaluator":
             run_evaluator(job, role)
     except Exception as error:
         if task.type != "worker" or isinstance(error, ControlPlaneError):  # the chief cannot hear the latter

@@ -143,7 +143,6 @@ class AllReduceStrategy:
     (train/allreduce_group.py); one not back within worker_rejoin_timeout_s fails the job, naming it."""
 
     mode: ClassVar[str] = "allreduce"
-    evaluator: ClassVar[bool] = False
 
     num_workers: int = 2
     """Workers started by the embedded local cluster; a cluster spec in the environment overrides it."""
@@ -178,6 +177,9 @@ class AllReduceStrategy:
     gradient_accumulation_steps: int = 1
     """Each worker step sums the gradients of this many batches (each loss divided by it: their mean) before the
     all-reduce: the same as batches this many times larger. Not offered with HybridStrategy yet."""
+    evaluator: bool = False
+    """The embedded local cluster also starts an evaluator process that follows checkpoints (then the chief does not
+    evaluate while training: the evaluator's last evaluation is the job's metrics)."""
 
     @property
     def num_ps(self) -> int:

@@ -54,6 +54,7 @@ else:
         worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
         mixed_precision=config.get("mixed_precision"),
         gradient_accumulation_steps=config.get("accumulation", 1),
+        evaluator=config.get("evaluator", False),
     )
 optimizers = {"sgd": sf.optim.SGD(lr=config.get("lr", 0.05)), "adam": sf.optim.Adam(lr=config.get("lr", 0.05))}
 est = sf.Estimator(
