@@ -48,6 +48,7 @@ def _applied(model_dir: Path) -> torch.Tensor:
         ("ps:0", 4, 4),
         ("ps:1", None, 5),
         ("worker:0+worker:1", 2, 9),
+        ("ps:0>worker:1", 2, 10),
     ],
     ids=[
         "worker1",
@@ -56,6 +57,7 @@ def _applied(model_dir: Path) -> torch.Tensor:
         "ps0-checkpoints-every-4",
         "ps1-no-checkpoint",
         "both-workers-checkpoints-every-2",
+        "ps0-then-worker1-checkpoints-every-2",
     ],
 )
 def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
@@ -78,12 +80,17 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
         max_restarts=2,
         save_checkpoints_steps=save_checkpoints_steps,
     )
-    _wait_for_batches(job, steps_log, random.Random(seed).randint(8, 40))
-    for role in killed.split("+"):
-        job.roles()[role].kill()
+    count = random.Random(seed).randint(8, 40)
+    for kill, at_once in enumerate(killed.split(">")):  # one fault after the other, 12 batches apart
+        _wait_for_batches(job, steps_log, count + 12 * kill)
+        for role in at_once.split("+"):
+            job.roles()[role].kill()
     code, output = job.finish(120)
     assert code == 0, output
-    if "+" in killed:  # the dense state is gone with them: as for a PS, back to the latest checkpoint
+    if ">" in killed:  # a worker restarted after every PS was restored: they take its pushes once it rejoined
+        assert "every PS restored to global step" in output, output
+        assert "joined the all-reduce group at global step" in output, output
+    elif "+" in killed:  # the dense state is gone with them: as for a PS, back to the latest checkpoint
         assert "every worker was lost: the dense state" in output, output
         assert "every PS restored to global step" in output, output
     elif killed.startswith("ps"):  # every worker and PS went back to the latest checkpoint (or the start)
