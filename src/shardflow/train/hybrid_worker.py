@@ -83,9 +83,9 @@ class _HybridTrainer(_Trainer):
         self.rolled_back = False
         self.params = _connect(job, role, model, self._interrupt)
         try:
+            super().__init__(job, role, model, optimizer, start_position, step, generation, replay)
             if self.recovery:  # the PS were restored since the job began: they take a new process's pushes once it
                 self.params.rejoin()  # rejoined (a worker of before rejoined as it rolled back)
-            super().__init__(job, role, model, optimizer, start_position, step, generation, replay)
         except BaseException:
             self.params.close()
             raise
