@@ -58,6 +58,8 @@ class StatusReply(_Answer, frozen=True):
     """Counters: updates applied, pushes dropped (stale, after max steps), requests malformed or failed, ..."""
     generation: Count = 0
     """How many times this PS was restored after a PS was lost (protocol `Init`): a restarted chief goes on with it."""
+    pid: Count = 0
+    """The PS's process, as its heartbeat names it: the chief knows which process a restore reached."""
 
 
 class RejoinReply(_Answer, frozen=True):

@@ -4,6 +4,7 @@ handler (one per request type), whose pushes and pulls go to the update rule (ps
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -311,6 +312,7 @@ class ParameterServer:
             snapshots=tuple(sorted(self.snapshots.held)),
             stats=self._stats(),
             generation=self.generation,
+            pid=os.getpid(),
         )
         self.server.reply(request, reply.header())
 

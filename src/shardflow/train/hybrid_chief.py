@@ -86,6 +86,8 @@ class _HybridChief(_Chief):
         client = Client("chief", credentials=job_credentials())
         self.ps_pids: dict[str, str] = {}
         """Each PS's process as its heartbeat names it: another one there is a PS lost and restarted."""
+        self.retired_pids: set[str] = set()
+        """Processes of PS replaced before a restore reached their successors: their beats are stale."""
         self.admin = PSAdmin(
             client, addresses, placement, model, timeout_s=strategy.request_timeout_s, interrupt=self._raise_if_lost
         )
@@ -138,6 +140,12 @@ class _HybridChief(_Chief):
             generation=self.generation,
             tables=TableSetup.of(self.model, self.job.model_dir, self.job.full_checkpoint_every),
         )
+        # The processes it reached: one restarted meanwhile (beating from a new pid since) was initialised by it, and
+        # is not lost.
+        replies = self.admin.status(timeout_s=self.job.strategy.request_timeout_s)
+        reached = {f"ps:{k}": str(reply.pid) for k, reply in enumerate(replies)}
+        self.retired_pids |= set(self.ps_pids.values()) - set(reached.values())
+        self.ps_pids = reached
 
     def _collect(self, n: int, notice: StateNotice) -> ModelState | None:
         state = super()._collect(n, notice)
@@ -215,6 +223,8 @@ class _HybridChief(_Chief):
             name = f"ps:{k}"
             beat = self.role.control.get_if_set(control_keys.heartbeat(name))
             pid = (beat or b"").decode().partition(":")[0]
+            if pid in self.retired_pids:
+                continue  # the last beat of a process replaced before the last restore reached its successor
             if pid and self.ps_pids.setdefault(name, pid) != pid:
                 self.ps_pids[name] = pid
                 raise _PSLost(name)

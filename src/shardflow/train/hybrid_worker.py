@@ -10,6 +10,7 @@ its `hybrid/snapshot/<n>` before their next push); the chief saves those rows wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from typing import Any
@@ -40,6 +41,11 @@ from shardflow.train.strategy import AllReduceStrategy, HybridStrategy
 from shardflow.train.worker import connect_parameters
 
 log = logging.getLogger(__name__)
+
+
+_RECOVERY_CHECK_S = 0.2
+"""How often a step looks for a PS recovery that its waits did not meet: the chief may begin one while every PS
+answers on time (a PS restarted, then restored, before a request found it empty)."""
 
 
 class PSRecovery(RuntimeError):
@@ -81,6 +87,8 @@ class _HybridTrainer(_Trainer):
         self.recovering = False
         """A wait for a PS found a newer recovery: the step in progress is given up at its collective."""
         self.rolled_back = False
+        self.recovery_checked = time.monotonic()
+        """When the step's collective last looked for a recovery itself."""
         self.params = _connect(job, role, model, self._interrupt)
         try:
             super().__init__(job, role, model, optimizer, start_position, step, generation, replay)
@@ -227,6 +235,11 @@ class _HybridTrainer(_Trainer):
     def _collective(self, had_batch: bool, mine: list[float], recorder: SpanRecorder) -> list[float]:
         """The rows' gradients to every PS, taken, before the dense all-reduce. A worker without a batch pushes
         nothing; in sync mode it tells the PS once that its input is done, so that they apply the others' rows."""
+        now = time.monotonic()
+        if now - self.recovery_checked >= _RECOVERY_CHECK_S:  # one the waits did not meet (its PS answer on time)
+            self.recovery_checked = now
+            with contextlib.suppress(PSRecovery):
+                self._check_recovery()
         if self.recovering:
             raise PSRecovery(f"{self.name}: the step of global step {self.step} is given up: a PS was lost")
         if had_batch:
