@@ -259,12 +259,7 @@ class _HybridChief(_Chief):
         self.snapshot_held = None  # gone with the PS's state
         state = restore_latest(self.job, self.model, self.role)
         latest = store.latest(self.job.model_dir) if state is not None else None
-        addresses = [
-            control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start")
-            for k in range(self.role.num_ps)
-        ]
-        self.admin.reconnect(addresses)
-        self._initialise(state)
+        self._restore(state)
         restart = HybridRestart(
             step=state.step if state else 0,
             checkpoint=latest.name if latest is not None else None,
@@ -274,6 +269,21 @@ class _HybridChief(_Chief):
         control.put(job_keys.hybrid_restart(self.generation), restart)
         self.recovery = None
         log.warning("every PS restored to global step %d after %s was lost; the workers go on", restart.step, lost)
+
+    def _restore(self, state: ModelState | None) -> None:
+        """Every PS initialised with `state`; again, while one is lost meanwhile (restarted: another process)."""
+        control = self.role.control
+        while True:
+            addresses = [
+                control.endpoint(control_keys.ps_endpoint(k), waiting_for=f"ps:{k} to start")
+                for k in range(self.role.num_ps)
+            ]
+            self.admin.reconnect(addresses)  # a restarted PS serves elsewhere
+            try:
+                self._initialise(state)
+                return
+            except _PSLost as again:
+                log.warning("%s was lost again during the restore; every PS is restored again", again)
 
     def close(self) -> None:
         try:
