@@ -78,29 +78,26 @@ def loss_fn(model: torch.nn.Module, batch) -> torch.Tensor:
     return loss
 
 
+# Every strategy's settings for its roles' loss, hang and restart.
+ROLES = {
+    "heartbeat_timeout_s": config.get("heartbeat_timeout_s", 10.0),
+    "worker_rejoin_timeout_s": config.get("worker_rejoin_timeout_s", 120.0),
+    "hung_timeout_s": config.get("hung_timeout_s", 30.0),
+    "max_restarts": config.get("max_restarts", 3),
+    "restart_backoff_s": config.get("restart_backoff_s", 0.5),
+    "request_timeout_s": config.get("request_timeout_s", 60.0),
+}
 strategy: sf.ParameterServerStrategy | sf.AllReduceStrategy
 if config.get("mode") == "hybrid":
     strategy = sf.HybridStrategy(
         num_ps=config.get("num_ps", 2),
         num_workers=config.get("num_workers", 2),
         sparse_mode=config.get("sparse_mode", "async"),
-        heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
-        worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
-        hung_timeout_s=config.get("hung_timeout_s", 30.0),
-        max_restarts=config.get("max_restarts", 3),
-        restart_backoff_s=config.get("restart_backoff_s", 0.5),
-        request_timeout_s=config.get("request_timeout_s", 60.0),
+        **ROLES,
     )
 elif config.get("mode") == "allreduce":
     strategy = sf.AllReduceStrategy(
-        num_workers=config.get("num_workers", 2),
-        gradient_accumulation_steps=config.get("accumulation", 1),
-        heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
-        worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
-        hung_timeout_s=config.get("hung_timeout_s", 30.0),
-        max_restarts=config.get("max_restarts", 3),
-        restart_backoff_s=config.get("restart_backoff_s", 0.5),
-        request_timeout_s=config.get("request_timeout_s", 60.0),
+        num_workers=config.get("num_workers", 2), gradient_accumulation_steps=config.get("accumulation", 1), **ROLES
     )
 else:
     strategy = sf.ParameterServerStrategy(
@@ -110,14 +107,9 @@ else:
         overlap=config.get("overlap", True),
         # `seen` (4 KB) is cut across every PS.
         partitioner=sf.Partitioner(min_slice_bytes=256),
-        heartbeat_timeout_s=config.get("heartbeat_timeout_s", 10.0),
-        worker_rejoin_timeout_s=config.get("worker_rejoin_timeout_s", 120.0),
-        hung_timeout_s=config.get("hung_timeout_s", 30.0),
         lost_worker_policy=config.get("lost_worker_policy", "wait"),
-        max_restarts=config.get("max_restarts", 3),
-        restart_backoff_s=config.get("restart_backoff_s", 0.5),
-        request_timeout_s=config.get("request_timeout_s", 60.0),
         max_nonfinite_updates=config.get("max_nonfinite_updates", 1),
+        **ROLES,
     )
 est = sf.Estimator(
     Audited,
