@@ -282,15 +282,15 @@ class _Trainer:
         log.warning("%s joined the all-reduce group at global step %d, restarted", self.name, self.step)
 
     def _forward_backward(self, batch: Any, recorder: SpanRecorder) -> float:
-        started = time.perf_counter_ns()
+        started, cpu = time.perf_counter_ns(), time.thread_time_ns()
         with user_code("loss_fn", self.name, self.step):
             loss = self.job.loss_fn(self.model, to_torch(batch))
-        recorder.end(spans.FORWARD, self.step, started)
+        recorder.end(spans.FORWARD, self.step, started, time.thread_time_ns() - cpu)
         check_loss(loss, self.name)
-        started = time.perf_counter_ns()
+        started, cpu = time.perf_counter_ns(), time.thread_time_ns()
         with user_code("backward of the loss", self.name, self.step):
             loss.backward()
-        recorder.end(spans.BACKWARD, self.step, started)
+        recorder.end(spans.BACKWARD, self.step, started, time.thread_time_ns() - cpu)
         return float(loss.detach())
 
     def _apply(self, contributors: float, recorder: SpanRecorder) -> None:
