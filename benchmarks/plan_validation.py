@@ -205,6 +205,7 @@ def plan_config(model: Model, run: dict[str, Any], cores: int) -> Any:
         num_ps=max(1, base.num_ps),
         bandwidth=base.bandwidth,
         step_compute_s=base.step_compute_s,
+        step_compute_cpu_s=base.step_compute_cpu_s,
         ps_apply_s=base.ps_apply_s,
         cores=job_cores,
         worker_cpu_s=base.worker_cpu_s,

@@ -16,11 +16,11 @@ from shardflow.profile.spans import ALLREDUCE, ALLREDUCE_BUCKET, APPLY, BACKWARD
 from .conftest import JobRun
 
 FIRST, LAST = 4, 8
-# The job's model holds 256, 64, 64 and 4 bytes of float32 parameters: buckets of 256, 128 and 4, and the 4 + 2
+# The job's model holds 256, 64, 64 and 4 bytes of float32 parameters: buckets of 256, 128 and 4, and the 5 + 2
 # flags of 2 workers ride in the first.
 BUCKET_BYTES = 128
 NUM_BUCKETS = 3
-ALLREDUCED_BYTES = (4 * 16 + 16 + 16 + 1 + 4 + 2) * 4
+ALLREDUCED_BYTES = (4 * 16 + 16 + 16 + 1 + 5 + 2) * 4
 
 
 @pytest.fixture(scope="module")

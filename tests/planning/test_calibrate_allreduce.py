@@ -29,6 +29,8 @@ STEP_SPANS = [
     (spans.APPLY, 2110.0, 200.0),
     (spans.STEP, 0.0, 2400.0),
 ]
+COMPUTE_CPU_NS = {spans.FORWARD: 300_000, spans.BACKWARD: 500_000}
+"""The CPU time of the thread that ran forward and backward: 800 µs of their 1000."""
 CPU_CORES_PER_WORKER = 0.75
 """Each worker keeps 0.75 of a core busy: 3 ms of CPU per 4 ms step."""
 
@@ -39,6 +41,7 @@ def _worker_trace(role: str) -> dict[str, Any]:
         start = step * PERIOD_US
         for name, offset, duration in STEP_SPANS:
             args = {"step": step, **({"bytes": MODEL_BYTES} if name == spans.ALLREDUCE else {})}
+            args |= {"cpu_ns": COMPUTE_CPU_NS[name]} if name in COMPUTE_CPU_NS else {}
             events.append({"ph": "X", "name": name, "ts": start + offset, "dur": duration, "tid": 0, "args": args})
         bucket = {"step": step, "bucket": 0, "bytes": MODEL_BYTES}
         events.append(
@@ -71,6 +74,10 @@ def test_an_allreduce_capture_calibrates_the_ring_from_its_time_less_the_copies(
     assert measured.ring.apply_s == pytest.approx(200e-6)
 
 
+def test_an_allreduce_capture_calibrates_the_cpu_time_of_its_compute(allreduce_capture):
+    assert calibrate(allreduce_capture).step_compute_cpu_s == pytest.approx(800e-6)
+
+
 def test_the_cpu_beyond_the_rest_of_the_step_is_the_rings_per_byte(allreduce_capture):
     ring = calibrate(allreduce_capture).ring
     assert ring is not None
@@ -87,6 +94,7 @@ def test_an_allreduce_calibration_reproduces_its_own_run_and_says_so(allreduce_c
         num_ps=1,
         bandwidth=measured.bandwidth,
         step_compute_s=measured.step_compute_s,
+        step_compute_cpu_s=measured.step_compute_cpu_s,
         cores=measured.busy_cores,
         ring=measured.ring,
         calibrated_on="allreduce",

@@ -32,6 +32,8 @@ HYBRID_STEP = [
     (spans.APPLY, 2610.0, 200.0, DENSE_BYTES),
     (spans.STEP, 0.0, 3000.0, None),
 ]
+COMPUTE_CPU_NS = {spans.FORWARD: 350_000, spans.BACKWARD: 550_000}
+"""The CPU time of the thread that ran forward and backward: 900 µs of their 1000."""
 CPU_CORES_PER_WORKER = 0.8
 """2400 µs of CPU per 3000 µs step: 1400 µs of its own part, 1000 µs in the ring."""
 
@@ -42,6 +44,7 @@ def _trace(role: str, step_spans: list[tuple[str, float, float, int | None]], ex
         start = step * PERIOD_US
         for name, offset, duration, nbytes in step_spans:
             args = {"step": step, **({"bytes": nbytes} if nbytes is not None else {})}
+            args |= {"cpu_ns": COMPUTE_CPU_NS[name]} if name in COMPUTE_CPU_NS else {}
             events.append({"ph": "X", "name": name, "ts": start + offset, "dur": duration, "tid": 0, "args": args})
         for event in extra:
             events.append({**event(step), "ts": start + event(step)["ts"]})
@@ -90,6 +93,10 @@ def test_a_hybrid_capture_splits_a_step_into_its_own_part_the_ps_wait_and_the_al
     assert hybrid.hybrid.push_wait_s == pytest.approx(600e-6)
     assert hybrid.hybrid.allreduce_s == pytest.approx(1000e-6)
     assert hybrid.hybrid.copy_s == pytest.approx(100e-6)
+
+
+def test_a_hybrid_capture_calibrates_the_cpu_time_of_its_compute(hybrid):
+    assert hybrid.step_compute_cpu_s == pytest.approx(900e-6)
 
 
 def test_a_hybrid_capture_measures_the_rows_pushed_and_the_dense_part_all_reduced(hybrid):

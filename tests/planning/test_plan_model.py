@@ -104,3 +104,42 @@ def test_a_config_names_its_bad_field():
         replace(TALK, num_ps=0)
     with pytest.raises(ValueError, match="bandwidth must be positive"):
         replace(TALK, bandwidth=0)
+
+
+# A local run measured as the MLP benchmark's: 1.4 ms of compute in wall time, of which 1 ms on a core; 1.5 ms of
+# worker CPU and 0.3 ms of PS CPU per worker step; M/B = 0.05 ms.
+LOCAL = PlanConfig(
+    num_params=25e3,
+    num_workers=1,
+    num_ps=1,
+    bandwidth=2e9,
+    step_compute_s=1.4e-3,
+    step_compute_cpu_s=1.0e-3,
+    cores=2,
+    worker_cpu_s=1.5e-3,
+    ps_cpu_s=0.3e-3,
+)
+
+
+def test_on_shared_cores_that_keep_up_the_compute_takes_its_cpu_time():
+    # 1.8 ms of CPU per worker step on 2 cores: 0.9 ms, less than the worker's own 1.5 ms.
+    p = predict(LOCAL)
+    assert p.parts["compute"] == pytest.approx(1.0e-3)
+    assert p.overlap_step_s == pytest.approx(1.0e-3 + 2 * 0.05e-3)
+    assert p.bottleneck == "compute"
+
+
+def test_once_the_cores_fall_short_the_compute_takes_longer_by_the_share_of_a_core_a_worker_gets():
+    # 4 workers need 4 x 1.8 ms of CPU per round of 2 cores: 3.6 ms, in which a worker runs its 1.5 ms.
+    p = predict(replace(LOCAL, num_workers=4))
+    assert p.parts["CPU cores"] == pytest.approx(3.6e-3)
+    assert p.parts["compute"] == pytest.approx(1.0e-3 * 3.6 / 1.5)
+    assert p.bottleneck == "CPU cores"
+
+
+def test_without_cores_the_compute_is_its_measured_wall_time():
+    assert predict(replace(LOCAL, cores=None)).parts["compute"] == pytest.approx(1.4e-3)
+
+
+def test_without_its_cpu_time_the_compute_is_its_measured_wall_time():
+    assert predict(replace(LOCAL, step_compute_cpu_s=None)).parts["compute"] == pytest.approx(1.4e-3)

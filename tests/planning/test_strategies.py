@@ -99,3 +99,21 @@ def test_on_shared_cores_allreduce_keeps_the_workers_overhead_and_drops_the_ps_c
 def test_sparse_params_above_num_params_is_named():
     with pytest.raises(ValueError, match="sparse_params must be in"):
         PlanConfig(num_params=1e6, sparse_params=2e6, num_workers=1, num_ps=1, bandwidth=1e9, step_compute_s=1e-3)
+
+
+def test_an_allreduce_worker_on_cores_that_keep_up_computes_in_its_cpu_time():
+    # One worker: no ring; 1 ms of compute on a core, then its 0.2 ms optimizer step.
+    config = PlanConfig(
+        num_params=25e3,
+        num_workers=1,
+        num_ps=1,
+        bandwidth=2e9,
+        step_compute_s=1.4e-3,
+        step_compute_cpu_s=1.0e-3,
+        ps_apply_s=0.2e-3,
+        cores=2,
+        worker_cpu_s=1.5e-3,
+    )
+    prediction = predict_strategy(config, "allreduce")
+    assert prediction.bound == "compute"
+    assert prediction.round_s == pytest.approx(1.2e-3)

@@ -93,3 +93,12 @@ def test_process_global_recorder_round_trips():
         assert get_recorder() is recorder
     finally:
         set_recorder(None)
+
+
+def test_compute_spans_name_their_argument_cpu_ns():
+    clock = FakeTime()
+    with fake_time(clock):
+        recorder = SpanRecorder("worker:0")
+    record(recorder, clock, "forward", 3, 10.0, 5.0, arg0=4200)
+    (forward,) = recorder.events(0, 10)
+    assert forward["args"] == {"step": 3, "cpu_ns": 4200}

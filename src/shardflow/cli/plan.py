@@ -202,6 +202,7 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         ps_apply_s=parse_duration(args.ps_apply, "--ps-apply") if args.ps_apply else _apply_s(calibration),
         cores=cores,
         # Measured CPU per step only describes the cores it was measured on: a local run.
+        step_compute_cpu_s=calibration.step_compute_cpu_s if calibration and cores and not args.step_compute else None,
         worker_cpu_s=calibration.worker_cpu_s if calibration is not None and cores else None,
         ps_cpu_s=calibration.ps_cpu_s if calibration is not None and cores else None,
         other_cores=min(calibration.other_cores, cores / 2) if calibration is not None and cores else 0.0,
@@ -245,7 +246,7 @@ def _print_calibration(c: Calibration) -> None:
     print(f"measured in {c.capture} ({_plural(c.num_workers, 'worker')}, {c.num_ps} PS):")
     rows = [
         ["model on the wire", format_bytes(c.model_bytes), "pushed per worker step"],
-        ["compute per step", format_duration(c.step_compute_s), "forward + backward, pushes excluded"],
+        ["compute per step", format_duration(c.step_compute_s), "forward + backward, pushes excluded" + _cpu(c)],
         ["effective bandwidth", format_bandwidth(c.bandwidth), "push, PS receive and reply spans"],
         ["PS apply per update", format_duration(c.ps_apply_s), ""],
     ]
@@ -267,6 +268,15 @@ def _print_calibration(c: Calibration) -> None:
     print()
 
 
+def _cpu(c: Calibration) -> str:
+    """The compute's CPU time, where the capture's spans carry it."""
+    from shardflow.planning.units import format_duration
+
+    if c.step_compute_cpu_s is None:
+        return ""
+    return f"; {format_duration(c.step_compute_cpu_s)} of it on a core (CPU time)"
+
+
 def _print_ring_calibration(c: Calibration) -> None:
     from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
 
@@ -275,7 +285,7 @@ def _print_ring_calibration(c: Calibration) -> None:
     print(f"measured in {c.capture} (all-reduce, {_plural(c.num_workers, 'worker')}):")
     rows = [
         ["model on the wire", format_bytes(c.model_bytes), "all-reduced per worker step"],
-        ["compute per step", format_duration(c.step_compute_s), "forward + backward"],
+        ["compute per step", format_duration(c.step_compute_s), "forward + backward" + _cpu(c)],
         ["all-reduce per step", format_duration(c.allreduce_s), f"of which copies {format_duration(ring.copy_s)}"],
         ["ring bandwidth", format_bandwidth(ring.bandwidth), "2(n-1)/n of the model over the all-reduce less copies"],
         ["optimizer step", format_duration(ring.apply_s), ""],
@@ -329,6 +339,7 @@ def _print_parts(config: PlanConfig, p: Prediction) -> None:
     from shardflow.planning.units import format_bandwidth, format_bytes, format_duration
 
     n, k = config.num_workers, config.num_ps
+    cpu_timed = config.cores is not None and config.step_compute_cpu_s is not None
     print(
         f"{config.num_params:.4g} parameters x {config.bytes_per_param:g} B = {format_bytes(config.model_bytes)}; "
         f"{_plural(n, 'worker')}, {k} PS, {config.mode}; links {format_bandwidth(config.bandwidth)}"
@@ -336,7 +347,7 @@ def _print_parts(config: PlanConfig, p: Prediction) -> None:
     )
     print()
     explain = {
-        "compute": "forward + backward",
+        "compute": "forward + backward" + (", its CPU time for this run's roles on the cores" if cpu_timed else ""),
         "worker link": "M/B each way: a worker moves the whole model",
         "CPU cores": "the CPU work of every role in one round, over the cores",
         "PS link": "n·M/(k·B) each way: the busiest PS moves n·M/k",

@@ -21,7 +21,7 @@ from shardflow.profile.events import load
 from shardflow.profile.memory import CPU_CORES, USABLE_CPUS_BUSY
 from shardflow.profile.spans import ALLREDUCE, APPLY, BACKWARD, FORWARD, PULL_WAIT, PUSH, RECEIVE, REPLY, STEP
 
-_COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes"]
+_COLUMNS = ["role", "tid", "name", "step", "ts", "dur", "bytes", "cpu_ns"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,9 @@ class Calibration:
     """Measured mean worker step."""
     global_steps_per_s: float
     """Measured: updates ps:0 applied per second inside the capture."""
+    step_compute_cpu_s: float | None = None
+    """Median CPU time of the thread that ran forward plus backward per worker step, the pushes' share left out as
+    for step_compute_s: the compute without the waits for a core. None for captures whose spans do not carry it."""
     worker_cpu_s: float | None = None
     """CPU seconds a worker uses per step, every thread included (the ZeroMQ I/O threads, the Python around the
     spans): from the `cpu.cores` counters. None if the capture has none."""
@@ -84,7 +87,9 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     path = Path(model_dir)
     directory = path if capture is None and any(path.glob("*.trace.json.gz")) else capture_dir(path, capture)
     table = load(finalize(directory))
-    spans = table.filter(pc.equal(table["ph"], "X")).select(_COLUMNS).to_pylist()
+    # Tables of captures made before the spans carried their CPU time have no cpu_ns column.
+    columns = [column for column in _COLUMNS if column in table.column_names]
+    spans = table.filter(pc.equal(table["ph"], "X")).select(columns).to_pylist()
     by_name: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for span in spans:
         if span["step"] is not None:
@@ -121,6 +126,7 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         # Medians, not means: on a shared machine other programs preempt the roles now and then, and a preempted
         # span measures that wait, not the work.
         step_compute_s=statistics.median(_compute_us(by_name)) / 1e6,
+        step_compute_cpu_s=_compute_cpu_s(by_name),
         bandwidth=moved / (moving_us / 1e6) if moving_us > 0 else float("inf"),
         ps_apply_s=sum(_median(spans) for spans in applies_by_ps.values()) / 1e6,
         worker_step_s=sum(s["dur"] for s in worker_steps) / num_steps / 1e6,
@@ -157,6 +163,7 @@ def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[
         num_ps=num_ps,
         model_bytes=figures["model_bytes"] + sparse_bytes,
         step_compute_s=figures["step_compute_s"],
+        step_compute_cpu_s=_compute_cpu_s(by_name),
         # The PS link: the rows over the push spans (the wait for the PS to take them is in cost.push_wait_s).
         bandwidth=sparse_bytes / (_median(pushes) * num_ps / 1e6) if pushes and _median(pushes) > 0 else float("inf"),
         ps_apply_s=0.0,
@@ -187,6 +194,7 @@ def _calibrate_allreduce(directory: Path, table: Any, by_name: dict[str, list[di
         num_ps=0,
         model_bytes=figures["model_bytes"],
         step_compute_s=figures["step_compute_s"],
+        step_compute_cpu_s=_compute_cpu_s(by_name),
         # No PS link to measure: the ring's bandwidth stands in for the links (inf for 1 worker: it moved nothing).
         bandwidth=ring.bandwidth if ring is not None else float("inf"),
         ps_apply_s=figures["apply_s"],
@@ -217,6 +225,24 @@ def _compute_us(by_name: dict[str, list[dict[str, Any]]]) -> list[float]:
     for span in _nested(by_name[PUSH], by_name[BACKWARD]):
         compute_us[(span["role"], span["step"])] -= span["dur"]
     return list(compute_us.values())
+
+
+def _compute_cpu_s(by_name: dict[str, list[dict[str, Any]]]) -> float | None:
+    """Median CPU seconds of forward plus backward per worker step, None unless every such span carries its CPU time.
+    The pushes that backward's hooks start are left out in proportion: their share of the spans' wall time."""
+    compute = [*by_name[FORWARD], *by_name[BACKWARD]]
+    if not compute or any(span.get("cpu_ns") is None for span in compute):
+        return None
+    cpu_ns: dict[tuple[str, int], float] = defaultdict(float)
+    wall_us: dict[tuple[str, int], float] = defaultdict(float)
+    for span in compute:
+        cpu_ns[(span["role"], span["step"])] += span["cpu_ns"]
+        wall_us[(span["role"], span["step"])] += span["dur"]
+    pushes_us: dict[tuple[str, int], float] = defaultdict(float)
+    for span in _nested(by_name[PUSH], by_name[BACKWARD]):
+        pushes_us[(span["role"], span["step"])] += span["dur"]
+    compute_ns = [cpu * (1 - pushes_us[key] / wall_us[key]) if wall_us[key] > 0 else cpu for key, cpu in cpu_ns.items()]
+    return statistics.median(compute_ns) / 1e9
 
 
 def _cpu_per_worker_step(cores: dict[str, float], kind: str, num_roles: int, worker_steps_per_s: float) -> float | None:

@@ -92,6 +92,10 @@ class PlanConfig:
     cores: float | None = None
     """A local run: every role shares this many CPU cores (fewer if other programs use some), and moving bytes is
     CPU work on both ends."""
+    step_compute_cpu_s: float | None = None
+    """With cores: the CPU time of a worker step's forward and backward (planning/calibrate.py), which step_compute_s
+    measured in wall time under the contention of its own run; the compute is then timed for the predicted run's
+    contention instead (compute_s). None: step_compute_s, whatever the run."""
     worker_cpu_s: float | None = None
     """With cores: measured CPU seconds of a worker per step, all its threads (planning/calibrate.py); None estimates
     it as compute plus the copies of its bytes."""
@@ -131,7 +135,7 @@ class PlanConfig:
             raise ValueError(f"PlanConfig.ps_apply_s must be >= 0, got {self.ps_apply_s}")
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"PlanConfig.cores must be positive, got {self.cores}")
-        for name in ("worker_cpu_s", "ps_cpu_s"):
+        for name in ("step_compute_cpu_s", "worker_cpu_s", "ps_cpu_s"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"PlanConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.sparse_params <= self.num_params:
@@ -152,6 +156,15 @@ class PlanConfig:
         assert self.cores is not None
         share = self.cores * num_roles / (num_roles + self.contending_roles)
         return max(share - self.other_cores, 1e-9)
+
+    def compute_s(self, worker_cpu_s: float, cores_s: float) -> float:
+        """Forward and backward of a worker step that uses `worker_cpu_s` of CPU, in a run whose roles' CPU takes the
+        shared cores `cores_s` per worker step (the "CPU cores" part). With cores and the compute's CPU time: that
+        time while the cores keep up (cores_s <= worker_cpu_s); once they do not, the worker gets worker_cpu_s over
+        cores_s of a core, and its compute takes as much longer. Else step_compute_s as measured."""
+        if self.cores is None or self.step_compute_cpu_s is None:
+            return self.step_compute_s
+        return self.step_compute_cpu_s * max(1.0, cores_s / worker_cpu_s if worker_cpu_s > 0 else 1.0)
 
 
 @dataclass(frozen=True)
@@ -198,6 +211,7 @@ def predict(config: PlanConfig) -> Prediction:
         # Measured PS CPU is per push received (each worker step), which holds in both modes.
         ps_cpu = updates_per_round * config.ps_apply_s if config.ps_cpu_s is None else n * config.ps_cpu_s
         parts["CPU cores"] = (n * worker_cpu + ps_cpu) / config.job_cores(n + k)
+        parts["compute"] = config.compute_s(worker_cpu, parts["CPU cores"])
         bounds = [
             (parts["compute"] + parts["worker link"], _larger(parts, "compute", "worker link")),
             (parts["CPU cores"], "CPU cores"),
@@ -205,7 +219,7 @@ def predict(config: PlanConfig) -> Prediction:
         ]
     overlap_step, bottleneck = max(bounds, key=lambda bound: bound[0])  # the first of equals, as TERMS orders them
     ps_busy = max(value for value, name in bounds if name.startswith("PS"))
-    step = max(config.step_compute_s + communication + config.ps_apply_s / k, ps_busy, parts["CPU cores"])
+    step = max(parts["compute"] + communication + config.ps_apply_s / k, ps_busy, parts["CPU cores"])
     return Prediction(config, parts, communication, step, overlap_step, bottleneck)
 
 

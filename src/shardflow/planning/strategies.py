@@ -105,8 +105,10 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
         "PS apply": n * config.ps_apply_s * table_bytes / config.model_bytes / k,
     }
     if config.cores is not None:
-        cpu = n * (_worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply) + _ps_cpu_s(config, table_bytes))
+        worker_cpu = _worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply)
+        cpu = n * (worker_cpu + _ps_cpu_s(config, table_bytes))
         times["CPU cores"] = cpu / config.job_cores(n + (k if table_bytes > 0 else 0))
+        times["compute"] = config.compute_s(worker_cpu, times["CPU cores"]) + dense_apply
     if config.cores is not None or cost is not None:
         # On loopback the bytes move by the CPU: a worker's own copies come after its compute. A measured ring is
         # sf.AllReduceStrategy's, which all-reduces once backward is done: its time adds to the step's too.

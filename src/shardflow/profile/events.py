@@ -30,6 +30,7 @@ SCHEMA = pa.schema(
         ("ps", pa.int32()),
         ("worker", pa.int32()),
         ("bytes", pa.int64()),
+        ("cpu_ns", pa.int64()),
         ("flow_id", pa.int64()),
         ("value", pa.float64()),
         ("op", pa.string()),
@@ -39,7 +40,7 @@ SCHEMA = pa.schema(
         ("addr", pa.int64()),
     ]
 )
-_ARG_COLUMNS = ("ps", "worker", "bytes", "op", "source", "shape", "device", "addr")
+_ARG_COLUMNS = ("ps", "worker", "bytes", "cpu_ns", "op", "source", "shape", "device", "addr")
 ROWS_PER_GROUP = 1 << 17
 
 

@@ -3,7 +3,8 @@
 Worker spans, one set per local step, all carrying the global step the worker saw:
 
 - `INPUT_WAIT`: waiting for the next batch from the input pipeline.
-- `FORWARD`, `BACKWARD`: the model's forward pass and backward pass.
+- `FORWARD`, `BACKWARD`: the model's forward pass and backward pass (args: cpu_ns, the CPU time of the thread that
+  ran it: on CPU torch computes on the calling thread, so the span's work without the waits for a core).
 - `PUSH`: sending one PS its gradients (args: ps, bytes); a flow of the same name starts inside it.
 - `PULL_WAIT`: waiting for one PS's reply with parameters or rows (args: ps, bytes).
 - `STEP`: the whole local step, input to the last reply it waits for.
@@ -64,6 +65,8 @@ ALL = (
 )
 
 ARG_NAMES: dict[str, tuple[str, str]] = {
+    FORWARD: ("cpu_ns", "arg1"),
+    BACKWARD: ("cpu_ns", "arg1"),
     PUSH: ("ps", "bytes"),
     PULL_WAIT: ("ps", "bytes"),
     ALLREDUCE: ("buckets", "bytes"),

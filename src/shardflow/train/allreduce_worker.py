@@ -320,15 +320,15 @@ class _Trainer:
         self.hand_over_step, self.hand_over_saves = run.hand_over_step, run.hand_over_saves
 
     def _forward_backward(self, batch: Any, recorder: SpanRecorder, scale: float = 1.0) -> float:
-        started = time.perf_counter_ns()
+        started, cpu = time.perf_counter_ns(), time.thread_time_ns()
         with autocast(self.job.strategy.mixed_precision), user_code("loss_fn", self.name, self.step):
             loss = self.job.loss_fn(self.model, to_torch(batch))
-        recorder.end(spans.FORWARD, self.step, started)
+        recorder.end(spans.FORWARD, self.step, started, time.thread_time_ns() - cpu)
         check_loss(loss, self.name)
-        started = time.perf_counter_ns()
+        started, cpu = time.perf_counter_ns(), time.thread_time_ns()
         with user_code("backward of the loss", self.name, self.step):
             (loss * scale if scale != 1.0 else loss).backward()
-        recorder.end(spans.BACKWARD, self.step, started)
+        recorder.end(spans.BACKWARD, self.step, started, time.thread_time_ns() - cpu)
         return float(loss.detach())
 
     def _apply(self, contributors: float, recorder: SpanRecorder) -> None:

@@ -103,21 +103,21 @@ class WorkerStep:
         num_batches = self.job.strategy.gradient_accumulation_steps
         losses: list[float] = []
         while True:
-            t = time.perf_counter_ns()
+            t, cpu = time.perf_counter_ns(), time.thread_time_ns()
             batch = batch_to_device(to_torch(batch), device)
             if self.tables is not None:
                 self.tables.set_batch(batch)
             with autocast(self.job.strategy.mixed_precision, device.type), user_code("loss_fn", self.name, step):
                 loss = self.job.loss_fn(model, batch)
-            recorder.end(spans.FORWARD, step, t)
+            recorder.end(spans.FORWARD, step, t, time.thread_time_ns() - cpu)
             check_loss(loss, self.name)
             value = float(loss.detach())  # one read back (a device sync), which the report needs anyway
             if not math.isfinite(value):
                 return None, input_state
-            t = time.perf_counter_ns()
+            t, cpu = time.perf_counter_ns(), time.thread_time_ns()
             with user_code("backward of the loss", self.name, step):
                 (loss / num_batches if num_batches > 1 else loss).backward()
-            recorder.end(spans.BACKWARD, step, t)
+            recorder.end(spans.BACKWARD, step, t, time.thread_time_ns() - cpu)
             losses.append(value)
             if len(losses) == num_batches:
                 break
