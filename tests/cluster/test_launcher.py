@@ -35,6 +35,12 @@ elif action == "fail-once":
         sys.exit(0)
     open(marker, "w").close()
     os.kill(os.getpid(), signal.SIGKILL)
+elif isinstance(action, float):  # seconds it runs, beating, then exit 0 (a chief that outlives their restarts)
+    for _ in range(int(action * 10)):
+        if os.environ.get("SHARDFLOW_LIVENESS_FILE"):
+            open(os.environ["SHARDFLOW_LIVENESS_FILE"], "w").close()
+        time.sleep(0.1)
+    sys.exit(0)
 elif isinstance(action, list):  # seconds each run lives before it is SIGKILLed; then exit 0
     runs = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".runs")
     count = len(open(runs).read()) if os.path.exists(runs) else 0
@@ -53,6 +59,10 @@ elif action in ("hang-once", "stop-at-once"):  # stopped for good, after a beat 
     os.kill(os.getpid(), signal.SIGSTOP)
 sys.exit(action)
 """
+
+
+CHIEF_S = 3.0
+"""A chief that outlives its workers' restarts: once the chief exited 0 the job is over, and nothing is restarted."""
 
 
 @pytest.fixture
@@ -208,7 +218,7 @@ def test_role_exit_describes_signal_and_code():
 
 def test_a_worker_that_dies_is_restarted_after_its_back_off_and_the_job_goes_on(spec, role_command):
     output = io.StringIO()
-    actions = {"worker:1": "fail-once"}
+    actions = {"worker:1": "fail-once", "chief:0": CHIEF_S}
     launcher = LocalLauncher(spec, role_command(actions), output=output, max_restarts=2, restart_backoff_s=0.3)
     with launcher:
         launcher.start()
@@ -225,6 +235,23 @@ def test_a_worker_that_dies_is_restarted_after_its_back_off_and_the_job_goes_on(
         in text
     )
     assert text.count("hello from worker:1") == 2
+
+
+def test_a_role_that_cannot_hear_the_end_does_not_hold_the_job_open_once_the_chief_ended_it(spec, role_command):
+    """Stopped for good (SIGSTOP), worker:1 never exits: once the chief exited 0 the job is over, so the launcher
+    waits `after_chief_s` for it, then stops it; it is neither restarted nor a failure."""
+    output = io.StringIO()
+    actions = {"worker:1": "stop-at-once"}
+    launcher = LocalLauncher(
+        spec, role_command(actions), output=output, max_restarts=2, restart_backoff_s=0.1, after_chief_s=1.0
+    )
+    with launcher:
+        launcher.start()
+        stopped = launcher.pids["worker:1"]
+        assert launcher.wait(timeout_s=20) is None
+    assert launcher.restarts == []
+    assert "stopping worker:1, which did not exit" in output.getvalue(), output.getvalue()
+    assert_gone([stopped])
 
 
 def test_a_worker_that_keeps_dying_fails_once_its_restarts_are_spent(spec, role_command):
@@ -255,7 +282,7 @@ def test_stop_during_a_back_off_calls_the_restart_off(spec, role_command):
 def test_a_role_that_ran_healthily_starts_its_back_off_over(spec, role_command):
     output = io.StringIO()
     # worker:1 dies at once, then after a healthy run (0.6s >= healthy_run_s), then at once, then exits 0.
-    actions = {"worker:1": [0, 0.6, 0]}
+    actions = {"worker:1": [0, 0.6, 0], "chief:0": CHIEF_S}
     launcher = LocalLauncher(
         spec, role_command(actions), output=output, max_restarts=3, restart_backoff_s=0.2, healthy_run_s=0.5
     )
@@ -271,7 +298,7 @@ def test_a_hung_role_is_killed_and_restarted(spec, role_command):
     output = io.StringIO()
     launcher = LocalLauncher(
         spec,
-        role_command({"worker:1": "hang-once"}),
+        role_command({"worker:1": "hang-once", "chief:0": CHIEF_S}),
         output=output,
         max_restarts=1,
         restart_backoff_s=0.1,
@@ -298,7 +325,7 @@ def test_a_role_stopped_before_it_ever_beat_is_killed_and_restarted(spec, role_c
     output = io.StringIO()
     launcher = LocalLauncher(
         spec,
-        role_command({"worker:1": "stop-at-once"}),
+        role_command({"worker:1": "stop-at-once", "chief:0": CHIEF_S}),
         output=output,
         max_restarts=1,
         restart_backoff_s=0.1,

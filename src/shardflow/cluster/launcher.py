@@ -35,6 +35,9 @@ global step (train/chief.py). The chief only when a signal killed it (SIGKILL fo
 exited ended the job on purpose (1: a role failed for good; 143: preempted), as does SIGTERM or SIGINT to it."""
 _ENDS_A_CHIEF_ON_PURPOSE = (signal.SIGTERM, signal.SIGINT)
 MAX_BACKOFF_S = 30.0
+AFTER_THE_CHIEF_S = 30.0
+"""Once the chief ended the job (exit 0), how long the other roles get to exit by themselves before they are
+stopped: one that could not hear the end (stopped, hung) does not hold the job open, nor is it restarted."""
 HEALTHY_RUN_S = 60.0
 """A role whose process ran this long before it died starts its restart back-off over from restart_backoff_s: a
 death now and then in a long job is no crash loop, and its recovery should not wait out a back-off grown earlier."""
@@ -94,13 +97,16 @@ class LocalLauncher:
         preload: Sequence[str] = (),
         hung_timeout_s: float | None = None,
         healthy_run_s: float = HEALTHY_RUN_S,
+        after_chief_s: float = AFTER_THE_CHIEF_S,
     ) -> None:
         """`max_restarts`: how many times a process of a task whose type is in `restartable` is started again
         after it dies (any exit but 0, while the launcher is not stopping; the chief's, see RESTARTABLE),
         `restart_backoff_s` after its first death, doubling each time up to MAX_BACKOFF_S, and again from
         `restart_backoff_s` after a run of `healthy_run_s`; a death beyond that is the task's failure.
         `hung_timeout_s`: such a process that leaves its liveness file (cluster/liveness.py) untouched for this long
-        from its start is killed, and so restarted. `preload`: modules the zygote imports for every forked role."""
+        from its start is killed, and so restarted. `preload`: modules the zygote imports for every forked role.
+        `after_chief_s`: once the chief's process exited 0, how long the others get to exit before `wait` returns
+        (nothing is restarted then, and no exit fails the job)."""
         if not command or isinstance(command, str):
             raise ValueError(
                 f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
@@ -125,6 +131,9 @@ class LocalLauncher:
         self._forking = False  # whether new processes come from the zygote; off for good after it failed once
         self._exits: list[RoleExit] = []
         self._first_failure: RoleExit | None = None
+        self._chief_done_at: float | None = None
+        """When the chief's process exited 0: the job is over, whatever the others do."""
+        self._after_chief_s = after_chief_s
         self._readers: list[threading.Thread] = []
         self._max_restarts = max_restarts
         self._restart_backoff_s = restart_backoff_s
@@ -265,6 +274,15 @@ class LocalLauncher:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(f"tasks still running after {timeout_s} s: {', '.join(self._running())}")
+                if self._chief_done_at is not None:
+                    left_s = self._chief_done_at + self._after_chief_s - time.monotonic()
+                    if left_s <= 0:
+                        self._say(
+                            f"the chief ended the job {self._after_chief_s:g}s ago; stopping "
+                            f"{', '.join(self._running())}, which did not exit"
+                        )
+                        break
+                    remaining = left_s if remaining is None else min(remaining, left_s)
                 self._state.wait(remaining)
             return self._first_failure
 
@@ -370,7 +388,10 @@ class LocalLauncher:
         returncode = process.wait()
         with self._state:
             role_exit = RoleExit(task, process.pid, returncode)
-            if returncode != 0 and not self._stopping and self._can_restart(task, returncode):
+            if task.type == "chief" and returncode == 0:
+                self._chief_done_at = time.monotonic()
+            over = self._chief_done_at is not None  # the job's result is the chief's: nothing after it fails it
+            if returncode != 0 and not self._stopping and not over and self._can_restart(task, returncode):
                 restarts = self._restart_counts[task] = self._restart_counts.get(task, 0) + 1
                 ran_s = time.monotonic() - self._started_at[task]
                 level = 0 if ran_s >= self._healthy_run_s else self._backoff_levels.get(task, 0)
@@ -384,7 +405,9 @@ class LocalLauncher:
                 self._state.notify_all()
                 return
             self._exits.append(role_exit)
-            if returncode != 0 and not self._stopping and self._first_failure is None:
+            if returncode != 0 and over and not self._stopping:
+                self._say(f"{role_exit.describe()} after the chief ended the job")
+            elif returncode != 0 and not self._stopping and self._first_failure is None:
                 self._first_failure = role_exit
             self._state.notify_all()
 
