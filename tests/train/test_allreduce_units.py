@@ -29,8 +29,8 @@ def test_gradients_are_bucketed_by_dtype_and_size_and_averaged_over_the_contribu
     assert [[p.numel() for p in bucket] for bucket in reducer.buckets] == [[100], [100], [3]]
     for value, param in enumerate(params, start=1):
         param.grad = torch.full_like(param, 2.0 * value)
-    flags = reducer.reduce([1.0, 0.0, 1.0, 0.0])
-    assert flags == [1.0, 0.0, 1.0, 0.0]
+    flags = reducer.reduce([1.0, 0.0, 1.0, 0.0, 0.0])
+    assert flags == [1.0, 0.0, 1.0, 0.0, 0.0]
     reducer.apply(2.0)
     for value, param in enumerate(params, start=1):
         assert param.grad is not None and torch.equal(param.grad, torch.full_like(param, float(value)))

@@ -21,7 +21,6 @@ from typing import IO, Protocol, TextIO
 
 from shardflow import env
 from shardflow.cluster import liveness, zygote
-from shardflow.cluster.interrupts import Interrupted, ignore_interrupts, install_interrupt_handlers, restore_handlers
 from shardflow.cluster.role_log import RoleLog
 from shardflow.cluster.runtime_dir import make_runtime_dir
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
@@ -105,8 +104,7 @@ class LocalLauncher:
         `restart_backoff_s` after a run of `healthy_run_s`; a death beyond that is the task's failure.
         `hung_timeout_s`: such a process that leaves its liveness file (cluster/liveness.py) untouched for this long
         from its start is killed, and so restarted. `preload`: modules the zygote imports for every forked role.
-        `after_chief_s`: once the chief's process exited 0, how long the others get to exit before `wait` returns
-        (nothing is restarted then, and no exit fails the job)."""
+        `after_chief_s`: see AFTER_THE_CHIEF_S."""
         if not command or isinstance(command, str):
             raise ValueError(
                 f"command must be a non-empty list of arguments, e.g. [python, 'train.py'], got {command!r}"
@@ -114,10 +112,7 @@ class LocalLauncher:
         for task in skip:
             spec.validate_task(task)
         self._tasks = [task for task in spec.tasks() if task not in skip]
-        self._spec = spec
-        self._command = list(command)
-        self._env = dict(env or {})
-        self._secret = new_secret()
+        self._spec, self._command, self._env, self._secret = spec, list(command), dict(env or {}), new_secret()
         self._runtime_dir: str | None = None
         self._prefix_output = prefix_output
         # Each role's output is also kept, unprefixed, in log_dir/<role>.log.
@@ -131,12 +126,10 @@ class LocalLauncher:
         self._forking = False  # whether new processes come from the zygote; off for good after it failed once
         self._exits: list[RoleExit] = []
         self._first_failure: RoleExit | None = None
-        self._chief_done_at: float | None = None
-        """When the chief's process exited 0: the job is over, whatever the others do."""
+        self._chief_done_at: float | None = None  # when the chief exited 0: the job is over, whatever the others do
         self._after_chief_s = after_chief_s
         self._readers: list[threading.Thread] = []
-        self._max_restarts = max_restarts
-        self._restart_backoff_s = restart_backoff_s
+        self._max_restarts, self._restart_backoff_s = max_restarts, restart_backoff_s
         self._restartable = frozenset(restartable)
         self._restart_counts: dict[TaskSpec, int] = {}
         self._healthy_run_s, self._hung_timeout_s = healthy_run_s, hung_timeout_s
@@ -451,72 +444,3 @@ class LocalLauncher:
     def _require_started(self) -> None:
         if not self._started:
             raise RuntimeError("call LocalLauncher.start() first")
-
-
-def local_threads(spec: ClusterSpec) -> dict[str, str]:
-    """The environment that shares this machine's cores among the roles: otherwise every worker starts one
-    torch thread per core and they oversubscribe the machine many times over. A value the user set is kept. A PS
-    counts as a role even when it idles between pushes: a worker given its core (SHARDFLOW_LOCAL_THREADS=2, 1w+1PS
-    on 2 loaded cores) waited at every op for a descheduled thread, 0.08x one process for the MLP, 0.23x for rec."""
-    if env.get(env.LOCAL_THREADS) is not None:
-        return {}
-    roles = max(spec.num("worker") + spec.num("ps"), 1)
-    return {env.LOCAL_THREADS: str(max(1, (os.cpu_count() or 1) // roles))}
-
-
-def run_local(
-    spec: ClusterSpec,
-    command: Sequence[str],
-    grace_s: float = 5.0,
-    termination_grace_s: float = 30.0,
-    max_restarts: int = 0,
-    restart_backoff_s: float = 1.0,
-    hung_timeout_s: float | None = liveness.HUNG_TIMEOUT_S,
-) -> int:
-    """Runs all tasks of `spec` locally until all exit or one fails (`shardflow launch`); a worker, PS or evaluator
-    that dies, a chief killed by a signal, or any of them hung for `hung_timeout_s`, is restarted up to
-    `max_restarts` times. SIGTERM preempts the job: the chief checkpoints and every task gets `termination_grace_s`
-    to exit; the exit status is then 143."""
-    launcher = LocalLauncher(
-        spec,
-        command,
-        env=local_threads(spec),
-        max_restarts=max_restarts,
-        restart_backoff_s=restart_backoff_s,
-        hung_timeout_s=hung_timeout_s,
-    )
-    previous = install_interrupt_handlers()
-    try:
-        launcher.start()
-        failure = launcher.wait()
-        if failure is None:
-            return 0
-        if failure.task.type == "chief" and failure.returncode == PREEMPTED_EXIT_CODE:
-            # A role was preempted and the chief ended the job; the others are on their way out.
-            print("shardflow launch: the job was preempted; stopping all roles", file=sys.stderr, flush=True)
-            launcher.preempt(termination_grace_s)
-            return PREEMPTED_EXIT_CODE
-        print(
-            f"shardflow launch: {failure.describe()}; stopping the other roles",
-            file=sys.stderr,
-            flush=True,
-        )
-        return 1
-    except Interrupted as interrupted:
-        if interrupted.signum != signal.SIGTERM:
-            print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
-            return 130
-        print(
-            f"shardflow launch: SIGTERM; the chief checkpoints and every role exits within {termination_grace_s:g}s",
-            file=sys.stderr,
-            flush=True,
-        )
-        try:
-            launcher.preempt(termination_grace_s)
-        except Interrupted:  # a second signal: stop now
-            print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT_CODE
-    finally:
-        ignore_interrupts(previous)
-        launcher.stop(grace_s)
-        restore_handlers(previous)

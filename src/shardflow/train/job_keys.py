@@ -245,7 +245,7 @@ def handover(role: str) -> Key[Handover]:
     return Key(f"handover/{role}", Handover, "the chief")
 
 
-GLOBAL_STEP = Key("global_step", GlobalStep, "the chief")
+GLOBAL_STEP = Key("allreduce/global_step", GlobalStep, "the chief")
 ALLREDUCE_START = Key("allreduce/start", AllReduceStart, "the chief")
 
 

@@ -20,7 +20,8 @@ import torch
 from shardflow import env
 from shardflow.cluster import control_keys, liveness
 from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
-from shardflow.cluster.launcher import USER_ERROR_EXIT_CODE, LocalLauncher, RoleExit, local_threads
+from shardflow.cluster.launcher import USER_ERROR_EXIT_CODE, LocalLauncher, RoleExit
+from shardflow.cluster.run_local import local_threads
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
 from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
