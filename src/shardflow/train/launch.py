@@ -209,7 +209,10 @@ def _run_chief(
             raise
         failed = failures[0]
         key = control_keys.failed(failed.task.name)
-        reason = role.control.get(key, waiting_for=failed.task.name) if role.control.is_set(key) else ""
+        try:
+            reason = role.control.get(key, waiting_for=failed.task.name) if role.control.is_set(key) else ""
+        except ControlPlaneError:  # the interrupt may have cut a request on this connection short: name it alone
+            reason = ""
         raise RoleFailedError(f"{failed.describe()}{': ' + reason if reason else ''}; the job was stopped") from None
     except CommError as error:
         # A PS that stopped answering the chief: the same error as any other failed role, naming it.
