@@ -288,16 +288,17 @@ def write_job_file(job: JobConfig[Strategy], role: RoleContext) -> Path:
     """Where a tool of the same user finds the running job (`shardflow profile capture MODEL_DIR`): its control
     address, the chief's pid and the strategy's name; removed with `remove_job_file` at the job's end."""
     job.model_dir.mkdir(parents=True, exist_ok=True)
+    secret = job_credentials().secret
+    if secret is not None and is_loopback(f"tcp://{role.control.address}"):
+        # A local job's secret is made by its launcher; a tool of the same user reads it here (mode 0600). A real
+        # cluster's secret is never written into model_dir, which may be shared storage. Written first: a tool
+        # that found the job file finds the secret too.
+        write_secret(job.model_dir / SECRET_FILE, secret)
     path = job.model_dir / JOB_FILE
     # Readable by this user only (mode 0600, written atomically), as the secret beside it: it names the job's
     # control address and the chief's pid.
     fields = {"control": role.control.address, "pid": os.getpid(), "strategy": type(job.strategy).__name__}
     write_secret(path, json.dumps(fields))
-    secret = job_credentials().secret
-    if secret is not None and is_loopback(f"tcp://{role.control.address}"):
-        # A local job's secret is made by its launcher; a tool of the same user reads it here (mode 0600). A real
-        # cluster's secret is never written into model_dir, which may be shared storage.
-        write_secret(job.model_dir / SECRET_FILE, secret)
     return path
 
 
