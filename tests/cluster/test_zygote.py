@@ -20,6 +20,9 @@ from shardflow.cluster.zygote import ZYGOTE_NAME, role_of
 
 THIS_PROCESS_NAME = Path("/proc/self/comm").read_text().strip()
 
+# Seconds a chief that must outlive the other roles' restarts stays up.
+CHIEF_S = 3.0
+
 # What a role's process sees of itself, one JSON line.
 REPORT_SCRIPT = """\
 import os
@@ -68,6 +71,8 @@ elif action == "grandchild":
     time.sleep(60)
 elif action == "sleep":
     time.sleep(60)
+elif isinstance(action, float):
+    time.sleep(action)
 sys.exit(action if isinstance(action, int) else 0)
 """
 
@@ -169,9 +174,9 @@ def test_a_module_runs_as_main_with_dash_m(tmp_path, monkeypatch):
 def test_a_sigkilled_role_exits_minus_9_and_its_restart_is_forked_again(role_command):
     output = io.StringIO()
     spec = ClusterSpec.local(num_workers=2, num_ps=0)
-    launcher = LocalLauncher(
-        spec, role_command({"worker:1": "fail-once"}), output=output, max_restarts=1, restart_backoff_s=0.1
-    )
+    # The chief outlives the restart: once a chief has exited 0 the job is over and nothing is restarted.
+    actions = {"worker:1": "fail-once", "chief:0": CHIEF_S}
+    launcher = LocalLauncher(spec, role_command(actions), output=output, max_restarts=1, restart_backoff_s=0.1)
     with launcher:
         launcher.start()
         first = launcher.pids["worker:1"]
