@@ -156,3 +156,28 @@ def test_a_worker_stopped_before_its_first_beat_is_killed_and_restarted(tmp_path
     assert f"worker:1 (pid {restarted}) is hung: no heartbeat for" in out, out
     assert f"worker:1 (pid {restarted}) exited with code -9 (SIGKILL); restarting it" in out, out
     _audit(tmp_path, num_records=LONG)
+
+
+def test_sync_a_worker_killed_while_its_step_waits_for_a_stopped_one_ends_exact(tmp_path):
+    # Worker 0's step waits in the PS's sum for worker 1, stopped. Restarted, worker 0 must compute its next step on
+    # that sum's update, not add a second batch of its own to it (one global step too many, a batch counted twice).
+    proc = _start(tmp_path, mode="sync", heartbeat_timeout_s=30.0, restart_backoff_s=0.1)
+    try:
+        _wait_for_training(proc, tmp_path, 1.0)
+        stopped = _role(proc, "worker:1")
+        stopped.send_signal(signal.SIGSTOP)
+        time.sleep(1.0)  # worker 0's next push is summed and waits
+        killed = _role(proc, "worker:0")
+        killed.kill()
+        killed.wait(10)
+        log = tmp_path / "model" / "logs" / "worker_0.log"
+        deadline = time.monotonic() + 60
+        while "worker:0 rejoins the job" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline and proc.poll() is None, "worker:0 never rejoined"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        stopped.send_signal(signal.SIGCONT)
+    finally:
+        out = _finish(proc)
+    assert proc.returncode == 0, out
+    _audit(tmp_path, num_records=LONG, replicas=2)

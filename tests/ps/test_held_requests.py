@@ -98,17 +98,17 @@ def test_held_pulls_do_not_crowd_out_sync_pushes() -> None:
     with pytest.raises(Refused):
         recorded.updates.pull("pull 2", min_step=1)
     for worker in range(2):
-        assert recorded.updates.admit(f"push {worker}", base_step=0)
+        assert recorded.updates.admit(f"push {worker}", base_step=0, worker_index=worker)
         recorded.updates.push(f"push {worker}", worker, _gradients())
     assert recorded.answered == ["push 0", "push 1", "pull 0", "pull 1"]
 
 
 def test_a_sync_push_beyond_the_bound_is_refused_before_it_is_summed() -> None:
     recorded = _Recorded(ApplyConfig(mode="sync", num_workers=3, max_held_requests=1))
-    assert recorded.updates.admit("push 0", base_step=0)
+    assert recorded.updates.admit("push 0", base_step=0, worker_index=0)
     recorded.updates.push("push 0", 0, _gradients())
     with pytest.raises(Refused, match="a sync push may have to be held, and this PS holds 1 of its kind already"):
-        recorded.updates.admit("push 1", base_step=0)
+        recorded.updates.admit("push 1", base_step=0, worker_index=1)
     recorded.updates.lost(2)  # the step completes with the replicas left
     assert (recorded.updates.step, recorded.updates_applied) == (0, [])
     recorded.updates.lost(1)

@@ -4,6 +4,8 @@ each PS takes every step of every worker exactly once, and all PS end at the sam
 
 from __future__ import annotations
 
+import concurrent.futures
+
 import pytest
 import torch
 
@@ -148,3 +150,88 @@ def test_after_a_restore_a_ps_refuses_the_pushes_of_a_worker_until_it_rejoins(st
     assert (rejoined.generation, rejoined.local_step) == (1, 0)
     worker.pull()
     assert _step(worker, model, 1).step == 1
+
+
+def _ones(model: torch.nn.Module) -> None:
+    for param in model.parameters():
+        param.grad = torch.ones_like(param)
+
+
+def _sync_pair(cluster: Cluster) -> tuple[torch.nn.Module, Placement, dict[str, torch.Tensor], list[ParameterClient]]:
+    """A sync job of 2 workers on 2 PS, both workers started; the initial parameters."""
+    model, placement = _start(cluster, "sync", num_workers=2)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    workers = [cluster.client(_model(), placement, worker_index=index) for index in range(2)]
+    for worker in workers:
+        worker.rejoin()
+        worker.pull()
+    return model, placement, initial, workers
+
+
+def test_sync_a_worker_restarted_while_its_step_waits_in_the_sum_computes_its_next_on_that_update(start_cluster):
+    # A sum takes one push of each worker: the restarted worker's next step must not join the sum its last one is in
+    # (it would make a global step of two of its own batches, and the job one step too many).
+    cluster = start_cluster(2)
+    model, placement, initial, (dying, other) = _sync_pair(cluster)
+    dying.begin_push(0)
+    _ones(dying.model)
+    dying.push(PushRequest(input_state={"consumed": 1}))  # both PS sum it and wait for worker 1; then it dies
+    status = cluster.admin(model, placement).status()
+    assert [s.step for s in status] == [0, 0]
+
+    restarted_model = _model()
+    restarted = cluster.client(restarted_model, placement, worker_index=0)
+    rejoined = restarted.rejoin()
+    assert (rejoined.local_step, rejoined.ahead, rejoined.input_state) == (1, 0, {"consumed": 1})
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        pulled = pool.submit(restarted.pull)  # waits for the update that holds its step 1
+        assert _step(other, other.model, 1).step == 1
+        assert pulled.result(timeout=30).step == 1
+        second = pool.submit(_step, restarted, restarted_model, 2)
+        assert _step(other, other.model, 2).step == 2
+        assert second.result(timeout=30).step == 2
+    status = cluster.admin(model, placement).status()
+    assert [(s.step, s.stats["applied"]) for s in status] == [(2, 2), (2, 2)]
+    # Each step the mean of one gradient of ones from each worker: SGD with lr 1 moved each weight by -2.
+    for name, value in fetch_state(restarted).params.items():
+        assert torch.allclose(value, initial[name] - 2), name
+
+
+def test_sync_a_restarted_worker_repeats_a_step_one_ps_sums_and_gets_its_reply_with_the_update(start_cluster):
+    cluster = start_cluster(2)
+    model, placement, initial, (dying, other) = _sync_pair(cluster)
+    # Worker 0's step 1 reaches ps:0 only, which sums it and waits for worker 1; then worker 0 dies.
+    layer = placement.on_ps(0)[0]
+    header = protocol.Push(worker_index=0, local_step=1, base_step=0, frame_counts=(1,)).header()
+    dying.client.send("ps:0", header, [torch.ones(layer.numel)])
+
+    restarted_model = _model()
+    restarted = cluster.client(restarted_model, placement, worker_index=0)
+    assert (restarted.rejoin().local_step, restarted.local_step) == (0, 0)
+    assert restarted.pull().step == 0
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        # Its repeat of step 1: ps:1 sums it, ps:0 (which had it) answers with the update, as it would have.
+        repeated = pool.submit(_step, restarted, restarted_model, 1)
+        assert _step(other, other.model, 1).step == 1
+        assert repeated.result(timeout=30).step == 1
+        second = pool.submit(_step, restarted, restarted_model, 2)
+        assert _step(other, other.model, 2).step == 2
+        assert second.result(timeout=30).step == 2
+    status = cluster.admin(model, placement).status()
+    assert [(s.step, s.stats["applied"], s.stats["repeated"]) for s in status] == [(2, 2, 1), (2, 2, 0)]
+    for name, value in fetch_state(restarted).params.items():
+        assert torch.allclose(value, initial[name] - 2), name
+
+
+def test_sync_refuses_a_second_push_of_one_worker_into_one_sum(start_cluster):
+    cluster = start_cluster(2)
+    model, placement, _, (worker, _) = _sync_pair(cluster)
+    layer = placement.on_ps(0)[0]
+    for local_step, outcome in ((1, None), (2, "a second push of worker:0 for global step 1")):
+        header = protocol.Push(worker_index=0, local_step=local_step, base_step=0, frame_counts=(1,)).header()
+        if outcome is None:
+            worker.client.send("ps:0", header, [torch.ones(layer.numel)])
+            continue
+        with pytest.raises(CommError, match=outcome):
+            worker.client.request("ps:0", header, [torch.ones(layer.numel)], timeout_s=5)
+    assert [s.step for s in cluster.admin(model, placement).status()] == [0, 0]

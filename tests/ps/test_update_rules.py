@@ -79,9 +79,9 @@ def test_sync_applies_one_update_once_enough_replicas_pushed_and_drops_a_stale_o
     recorded = _Recorded(ApplyConfig(mode="sync", num_workers=3, replicas_to_aggregate=2))
     updates = recorded.updates
     for worker in range(2):
-        assert updates.admit(f"push {worker}", base_step=0)
+        assert updates.admit(f"push {worker}", base_step=0, worker_index=worker)
         updates.push(f"push {worker}", worker, _gradients())
-    assert not updates.admit("late push 2", base_step=0)
+    assert not updates.admit("late push 2", base_step=0, worker_index=2)
     assert recorded.updates_applied == [["push 0", "push 1"]]
     assert recorded.answers == [("push 0", False, False), ("push 1", False, False), ("late push 2", True, False)]
     assert (updates.step, updates.stats["dropped_stale"]) == (1, 1)
@@ -104,7 +104,7 @@ def test_a_pull_waits_for_its_min_step_and_stop_answers_it():
     assert [pending for pending, _, _ in recorded.answers] == ["push"]
     recorded.updates.stop()
     assert recorded.answers[-1] == ("pull at 2", False, False)
-    assert not recorded.updates.admit("push after stop", base_step=1)
+    assert not recorded.updates.admit("push after stop", base_step=1, worker_index=0)
     assert recorded.answers[-1] == ("push after stop", False, True)
 
 

@@ -135,6 +135,8 @@ class ParameterClient(PSConnection):
         """What the hooks push as soon as backward has produced every gradient; None: wait for `push`."""
         # Each PS's global step as its last reply said; a push to it carries that step as its base.
         self._ps_steps = [0] * placement.num_ps
+        self._pull_after = [0] * placement.num_ps
+        """Per PS, a global step the next pull waits for: the update that holds this worker's last step (`rejoin`)."""
         self.local_step = 0
         """This worker's steps so far, those of its earlier runs (restarts) included; see `rejoin`."""
 
@@ -230,11 +232,16 @@ class ParameterClient(PSConnection):
         return {ps: lane.take_reply() if lane is not None else None for ps, lane in enumerate(self.lanes)}
 
     def pull(self, min_step: int = 0) -> StepReply:
-        """Fetch every PS's shards in parallel and load them into the model."""
+        """Fetch every PS's shards in parallel, once its global step is at least `min_step` (and, after a rejoin, has
+        the update that holds this worker's last step), and load them into the model."""
         reply_slots = self._take_reply_slots()
+        after, self._pull_after = self._pull_after, [0] * len(self.peers)
         seqs = {
             peer: self.client.send(
-                peer, protocol.Pull(min_step=min_step, reply_slot=reply_slots[ps], wire_dtype=self.wire_dtype).header()
+                peer,
+                protocol.Pull(
+                    min_step=max(min_step, after[ps]), reply_slot=reply_slots[ps], wire_dtype=self.wire_dtype
+                ).header(),
             )
             for ps, peer in enumerate(self.peers)
         }
@@ -246,6 +253,9 @@ class ParameterClient(PSConnection):
         rejoins = [RejoinReply.decode(h, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
         self._ps_steps = [r.step for r in rejoins]
         behind = min(rejoins, key=lambda r: r.local_step)
+        # sync: the step this worker resumes after sits in a sum not applied yet; the next is computed on its update.
+        # (A PS ahead holds the repeat of its step until then, as it held the first push.)
+        self._pull_after = [r.step + 1 if r.in_sum and r.local_step == behind.local_step else 0 for r in rejoins]
         self.local_step = behind.local_step
         return Rejoined(
             local_step=behind.local_step,

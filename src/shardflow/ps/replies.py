@@ -77,6 +77,10 @@ class RejoinReply(_Answer, frozen=True):
     """The worker had told this PS it finished."""
     generation: Count
     """How many times the PS were restored after one was lost; the worker's pushes belong to this one."""
+    in_sum: bool = False
+    """sync: the worker's step `local_step` sits in the sum of the next global step, not applied yet. The worker
+    computes its next step on the parameters of that update (a pull for `step + 1`), never on these: a sum takes one
+    push of each worker."""
 
 
 class StateReply(_Answer, frozen=True):

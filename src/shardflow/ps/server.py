@@ -391,10 +391,13 @@ class ParameterServer:
     def _repeated(self, received: Received, worker_index: int, local_step: int) -> bool:
         """Whether this PS already had this step of this worker: a restarted worker repeats the steps that some PS
         missed when it died (the others had them), and each PS takes every step once. Answered here if so."""
-        if local_step > self.worker_steps.get(f"worker:{worker_index}", 0):
+        had = self.worker_steps.get(f"worker:{worker_index}", 0)
+        if local_step > had:
             return False
         self.stats["repeated"] += 1
-        self._reply_params(received, duplicate=True)
+        # Its last step, in the sum of the next sync update still: answered with that update, as its first push.
+        if not (local_step == had and self.updates.repeated(received, worker_index)):
+            self._reply_params(received, duplicate=True)
         return True
 
     def _had(self, worker_index: int, local_step: int, input_state: dict[str, Any] | None) -> None:
@@ -414,7 +417,7 @@ class ParameterServer:
         if self._repeated(received, push.worker_index, push.local_step):
             return
         # A push dropped (after max_steps, or stale in sync) is not had: its batch is read again after a restore.
-        if not self.updates.admit(received, push.base_step):
+        if not self.updates.admit(received, push.base_step, push.worker_index):
             return
         self._had(push.worker_index, push.local_step, push.input_state)
         gradients = self._gradients(request, push)
@@ -474,6 +477,7 @@ class ParameterServer:
             input_state=self.iterators.get(name) if name in self.worker_steps else None,
             done=worker in self.updates.finished_workers,
             generation=self.generation,
+            in_sum=self.updates.in_sum(worker),
         )
         self.server.reply(request, reply.header())
 

@@ -187,6 +187,7 @@ class Updates(Generic[Pending]):
         # with their deadlines (one past its deadline is answered with an error, its gradient stays in the sum).
         self._accumulated: Gradients | None = None
         self._accumulated_pushes: list[Pending] = []
+        self._accumulated_workers: set[int] = set()
         self._waiting_for_update: list[tuple[Pending, float]] = []
         # ssp: pushes whose reply is held until the slowest worker catches up, with the clock each needs and its
         # deadline.
@@ -215,7 +216,19 @@ class Updates(Generic[Pending]):
         self._check_room(f"a pull for global step {min_step}", len(self._pulls))
         self._pulls.append((pending, min_step, self._deadline()))
 
-    def admit(self, pending: Pending, base_step: int) -> bool:
+    def in_sum(self, worker_index: int) -> bool:
+        """sync: whether a step of the worker sits in the sum of the next global step, not applied yet."""
+        return worker_index in self._accumulated_workers
+
+    def repeated(self, pending: Pending, worker_index: int) -> bool:
+        """A push of a worker's step this PS had already (a restarted worker repeats it): held, as the step's first
+        push was, while that step sits in the sum of the next update (True); else to be answered at once (False)."""
+        if self.config.mode != "sync" or worker_index not in self._accumulated_workers:
+            return False
+        self._waiting_for_update.append((pending, self._deadline()))
+        return True
+
+    def admit(self, pending: Pending, base_step: int, worker_index: int) -> bool:
         """Whether a push is to be applied; one that is not (training is over, or sync and stale) is answered
         and counted here. Refused when the push may have to be held and as many requests are held as may be."""
         if self.finished:
@@ -231,6 +244,12 @@ class Updates(Generic[Pending]):
             self.stats["dropped_stale"] += 1
             self._answer(pending, stale=True)
             return False
+        if self.config.mode == "sync" and worker_index in self._accumulated_workers:
+            # A worker's next step is computed on the update its last one is in (see RejoinReply.in_sum).
+            raise Refused(
+                f"a second push of worker:{worker_index} for global step {self.step + 1}, whose sum holds one of its "
+                "steps already; a worker computes its next step on the update its last one is in"
+            )
         self._check_room(f"a {self.config.mode} push", len(self._accumulated_pushes) + len(self._held))
         return True
 
@@ -252,6 +271,7 @@ class Updates(Generic[Pending]):
         if self.config.mode == "sync":
             self._accumulate(gradients)
             self._accumulated_pushes.append(pending)
+            self._accumulated_workers.add(worker_index)
             self._waiting_for_update.append((pending, self._deadline()))
             self._maybe_apply_sync()
             return
@@ -288,7 +308,7 @@ class Updates(Generic[Pending]):
         self._release_held()
         self._release_pulls()
         waiting, self._waiting_for_update, self._accumulated = self._waiting_for_update, [], None
-        self._accumulated_pushes = []
+        self._accumulated_pushes, self._accumulated_workers = [], set()
         for pending, _ in waiting:
             self._answer(pending)
 
@@ -363,6 +383,7 @@ class Updates(Generic[Pending]):
         if self._accumulated is None or len(self._accumulated_pushes) < self._replicas_needed():
             return
         pushes, self._accumulated_pushes = self._accumulated_pushes, []
+        self._accumulated_workers = set()
         waiting, self._waiting_for_update = self._waiting_for_update, []
         accumulated, self._accumulated = self._accumulated, None
         self._update(accumulated, pushes)
