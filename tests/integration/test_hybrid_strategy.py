@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +104,44 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     twice, never = (applied > 1).nonzero().view(-1), (applied < 1).nonzero().view(-1)
     assert not twice.numel() and not never.numel(), f"applied twice: {twice.tolist()}; never: {never.tolist()}"
     assert torch.equal(applied, torch.ones_like(applied))
+
+
+def test_a_worker_restarted_while_the_ps_are_restored_takes_part_in_the_restore(start_job, tmp_path):
+    # worker:1 is stopped, so it never says it stopped for the recovery that ps:0's loss begins; killed and restarted
+    # meanwhile, it must stop for it too, not wait for worker:0 (which waits for the restore) to form the group.
+    steps_log = tmp_path / "steps.log"
+    job = start_job(
+        "tables.py",
+        strategy="hybrid",
+        mode="async",
+        audit=True,
+        optimizer="SGD",
+        lr=0.05,
+        num_workers=2,
+        num_ps=2,
+        num_batches=2 * STEPS,
+        batch=BATCH,
+        step_delay_s=0.03,
+        step_log=str(steps_log),
+        max_restarts=2,
+        save_checkpoints_steps=2,
+    )
+    _wait_for_batches(job, steps_log, 16)
+    roles = job.roles()
+    roles["worker:1"].send_signal(signal.SIGSTOP)
+    roles["ps:0"].kill()
+    chief_log = tmp_path / "model" / "logs" / "chief.log"
+    deadline = time.monotonic() + 30
+    while "ps:0 was lost" not in (chief_log.read_text() if chief_log.exists() else ""):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
+        time.sleep(0.05)
+    roles["worker:1"].kill()
+    code, output = job.finish(120)
+    assert code == 0, output
+    assert "every PS restored to global step" in output, output
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
+    applied = _applied(tmp_path / "model")
+    assert torch.equal(applied, torch.ones_like(applied)), applied
 
 
 @pytest.mark.parametrize(

@@ -86,14 +86,20 @@ class _HybridTrainer(_Trainer):
         """The PS recovery generation this worker's state belongs to (a restarted worker joins the current one)."""
         self.recovering = False
         """A wait for a PS found a newer recovery: the step in progress is given up at its collective."""
+        if recovery is not None and not role.control.is_set(job_keys.hybrid_restart(recovery.generation)):
+            # Restarted while the chief restores the PS: it waits for this worker to stop too, so this one takes
+            # part in the recovery as the others do (`_join` rolls back first), rather than wait for them to form.
+            self.recovery, self.recovering = recovery.generation - 1, True
         self.rolled_back = False
         self.recovery_checked = time.monotonic()
         """When the step's collective last looked for a recovery itself."""
         self.params = _connect(job, role, model, self._interrupt)
         try:
             super().__init__(job, role, model, optimizer, start_position, step, generation, replay)
-            if self.recovery:  # the PS were restored since the job began: they take a new process's pushes once it
-                self.params.rejoin()  # rejoined (a worker of before rejoined as it rolled back)
+            # The PS were restored since the job began: they take a new process's pushes once it rejoined (a worker
+            # of before rejoined as it rolled back; one restarted during a restore rejoins as it rolls back).
+            if self.recovery and not self.recovering:
+                self.params.rejoin()
         except BaseException:
             self.params.close()
             raise
