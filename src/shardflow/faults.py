@@ -13,6 +13,8 @@ that role SIGKILLs itself when it reaches `point` at `step` (without "step": at 
 - `state`, `stop`, `lost`: a PS at global step `step`, as the chief asks it for its state now (not a snapshot: the
   final checkpoint's), to stop training (preemption, early stopping), or tells it a worker is lost; before it
   answers.
+- `snapshot`, `snapshot_state`: a PS, as it is asked to snapshot its state at global step `step` (sf.HybridStrategy's
+  worker:0 asks, for each state it hands over), or as the chief asks it for that snapshot; before it answers.
 
 Unset (always, outside such tests), each check is one dictionary lookup.
 """
@@ -28,7 +30,7 @@ from typing import Any
 
 from shardflow import env
 
-POINTS = ("push", "apply", "checkpoint", "state", "stop", "lost")
+POINTS = ("push", "apply", "checkpoint", "state", "stop", "lost", "snapshot", "snapshot_state")
 
 
 @cache

@@ -96,13 +96,14 @@ def run_job(tmp_path: Path) -> JobRun:
 class BackgroundJob:
     """A job started without waiting, so a test can act on its role processes while it runs."""
 
-    def __init__(self, tmp_path: Path, job: str, **config: Any) -> None:
+    def __init__(self, tmp_path: Path, job: str, env: dict[str, str] | None = None, **config: Any) -> None:
         config.setdefault("model_dir", str(tmp_path / "model"))
         config.setdefault("result", str(tmp_path / "result.json"))
         config_path = tmp_path / "config.json"
         config_path.write_text(json.dumps(config))
         self.proc = subprocess.Popen(
             [sys.executable, str(JOBS / job), str(config_path)],
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -153,8 +154,8 @@ class BackgroundJob:
 def start_job(tmp_path: Path):
     jobs: list[BackgroundJob] = []
 
-    def start(job: str, **config: Any) -> BackgroundJob:
-        jobs.append(BackgroundJob(tmp_path, job, **config))
+    def start(job: str, env: dict[str, str] | None = None, **config: Any) -> BackgroundJob:
+        jobs.append(BackgroundJob(tmp_path, job, env, **config))
         return jobs[-1]
 
     yield start

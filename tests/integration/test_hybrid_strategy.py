@@ -7,6 +7,7 @@ audit table (jobs/tables.py "audit") has a row per record that each applied push
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
@@ -139,6 +140,37 @@ def test_a_worker_restarted_while_the_ps_are_restored_takes_part_in_the_restore(
     code, output = job.finish(120)
     assert code == 0, output
     assert "every PS restored to global step" in output, output
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
+    applied = _applied(tmp_path / "model")
+    assert torch.equal(applied, torch.ones_like(applied)), applied
+
+
+@pytest.mark.parametrize("point", ["snapshot", "snapshot_state"])
+def test_a_ps_lost_in_the_final_hand_over_sends_every_worker_back_and_the_job_ends_exact(start_job, tmp_path, point):
+    # ps:0 dies as worker:0 has every PS snapshot its rows for the final state, or as the chief reads that snapshot:
+    # the final state cannot be saved; every worker goes back to the restore (the start: no checkpoint before) and
+    # trains to the end again.
+    marker = tmp_path / "fault.fired"
+    fault = {"role": "ps:0", "point": point, "marker": str(marker)}
+    job = start_job(
+        "tables.py",
+        env={**os.environ, "SHARDFLOW_FAULT": json.dumps(fault)},
+        strategy="hybrid",
+        mode="async",
+        audit=True,
+        optimizer="SGD",
+        lr=0.05,
+        num_workers=2,
+        num_ps=2,
+        num_batches=2 * STEPS,
+        batch=BATCH,
+        max_restarts=2,
+    )
+    code, output = job.finish(120)
+    assert code == 0, output
+    assert marker.exists(), output
+    assert "a parameter server was lost before the final state was saved; training goes on" in output, output
+    assert "every PS restored to global step 0 after ps:0 was lost" in output, output
     assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
     applied = _applied(tmp_path / "model")
     assert torch.equal(applied, torch.ones_like(applied)), applied

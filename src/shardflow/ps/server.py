@@ -320,12 +320,15 @@ class ParameterServer:
         """Parameters, optimizer slots and input positions: now, or as snapshotted (for checkpoints)."""
         if get.snapshot_step is None:
             faults.reached("state", self.name, self.step)
+        else:
+            faults.reached("snapshot_state", self.name, get.snapshot_step)
         state = self._capture(self.step) if get.snapshot_step is None else self.snapshots.get(get.snapshot_step)
         reply = state.reply(self.step, self.finished, self.shards.dtypes, self._stats())
         self.server.reply(request, reply.header(), state.tensors())
 
     def _on_snapshot_at(self, request: Request, snapshot_at: protocol.SnapshotAt) -> None:
         step = snapshot_at.step
+        faults.reached("snapshot", self.name, step)
         if step < self.step:
             raise ValueError(f"snapshot step {step} already passed; ps:{self.index} is at {self.step}")
         if step == self.step:

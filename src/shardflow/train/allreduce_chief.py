@@ -174,8 +174,9 @@ class _Chief:
             path = self._save(state, final=notice.final) if notice.checkpoint or notice.final else None
             control.put(job_keys.allreduce_saved(n), Saved(path=str(path) if path is not None else None))
             control.delete(notice_key)
-            if notice.final:
-                assert path is not None  # a final checkpoint that cannot be written raised
+            # A final state that is not saved (HybridStrategy: a PS was lost before; a final checkpoint that cannot
+            # be written raised) is not the end: the workers train on from the restore.
+            if notice.final and path is not None:
                 self.watch.read_progress()
                 self.summaries.training(state.step, self.watch.progress, [], final=True)
                 return state, path

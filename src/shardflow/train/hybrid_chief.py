@@ -156,12 +156,8 @@ class _HybridChief(_Chief):
                 return self._with_tables(n, state)
             except _PSLost as lost:
                 self._begin_recovery(lost.name)
-        if notice.final:
-            raise RoleFailedError(
-                f"{self.recovery[0] if self.recovery else 'a parameter server'} was lost during the final checkpoint: "
-                "run the job again to resume from its last checkpoint"
-            )
-        self.discarded = state  # of the training before the PS are restored
+        # Of the training before the PS are restored (the final one too: the workers train on from the restore).
+        self.discarded = state
         return state
 
     def _with_tables(self, n: int, state: ModelState) -> ModelState:

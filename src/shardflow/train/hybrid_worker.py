@@ -112,8 +112,25 @@ class _HybridTrainer(_Trainer):
             assert self.params.tables is not None
             with backend.installed(self.params.tables):
                 self.train(profiler)
+                while self._restored_after_the_end():
+                    self.train(profiler)
         finally:
             self.params.close()
+
+    def _restored_after_the_end(self) -> bool:
+        """Once this worker's part of the final state is handed over: wait for the end of the job (False); or, where
+        a PS is lost before the chief saved that state (it cannot: the PS's rows of it are gone), go back with every
+        worker to the state every PS is restored to and form the group again (True), to train on from there."""
+        while not self.recovering:
+            if self.role.control.set_within(control_keys.SHUTDOWN, 1.0, waiting_for="the end of the job"):
+                return False
+            with contextlib.suppress(PSRecovery):
+                self._check_recovery()
+        log.warning("%s: a parameter server was lost before the final state was saved; training goes on", self.name)
+        self.abandoned.append(self.reducer)
+        timeout_s = self.job.strategy.worker_rejoin_timeout_s
+        self.reducer = self._join(self.generation + 1, restarted=False, timeout_s=timeout_s)
+        return True
 
     def _interrupt(self) -> None:
         """Between slices of a wait for a PS: the job ended, a PS was lost (the chief restores them all), or a
@@ -269,9 +286,9 @@ class _HybridTrainer(_Trainer):
             try:
                 self.replay.put(key, TablesSnapshot(step=_snapshot(self.params)))  # kept for a restarted chief
             except PSRecovery:
-                if final:
-                    raise
-                return  # not handed over: the next step's collective gives up, and the chief awaits state n again
+                # Not handed over: the next step's collective gives up (after the final one, `run` goes back), and
+                # the chief awaits state n again.
+                return
         super()._hand_over(final=final, checkpoint=checkpoint, again=again, evaluate=evaluate)
         if not self.leader:
             self.snapshot_due = key
