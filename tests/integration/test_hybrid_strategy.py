@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +32,32 @@ def _wait_for_batches(job, steps_log: Path, count: int) -> None:
     while not steps_log.exists() or len(steps_log.read_text().splitlines()) < count:
         assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
         time.sleep(0.02)
+
+
+def _start_audited(start_job, env: dict[str, str] | None = None, **config: Any) -> Any:
+    """The audit job (each record's id a row of a table on the PS) under HybridStrategy, async: 2 workers, 2 PS,
+    STEPS global steps, SGD; a role may be restarted twice. `config` adds to it or overrides it."""
+    settings: dict[str, Any] = {
+        "strategy": "hybrid",
+        "mode": "async",
+        "audit": True,
+        "optimizer": "SGD",
+        "lr": 0.05,
+        "num_workers": 2,
+        "num_ps": 2,
+        "num_batches": 2 * STEPS,
+        "batch": BATCH,
+        "step_delay_s": 0.03,
+        "max_restarts": 2,
+    }
+    return start_job("tables.py", env, **{**settings, **config})
+
+
+def _exactly_once(model_dir: Path) -> None:
+    """Every record's row applied once: none twice, none never."""
+    applied = _applied(model_dir)
+    twice, never = (applied > 1).nonzero().view(-1), (applied < 1).nonzero().view(-1)
+    assert not twice.numel() and not never.numel(), f"applied twice: {twice.tolist()}; never: {never.tolist()}"
 
 
 def _applied(model_dir: Path) -> torch.Tensor:
@@ -66,22 +93,7 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     start_job, tmp_path, killed, save_checkpoints_steps, seed
 ):
     steps_log = tmp_path / "steps.log"
-    job = start_job(
-        "tables.py",
-        strategy="hybrid",
-        mode="async",
-        audit=True,
-        optimizer="SGD",
-        lr=0.05,
-        num_workers=2,
-        num_ps=2,
-        num_batches=2 * STEPS,
-        batch=BATCH,
-        step_delay_s=0.03,
-        step_log=str(steps_log),
-        max_restarts=2,
-        save_checkpoints_steps=save_checkpoints_steps,
-    )
+    job = _start_audited(start_job, save_checkpoints_steps=save_checkpoints_steps, step_log=str(steps_log))
     count = random.Random(seed).randint(8, 40)
     for kill, at_once in enumerate(killed.split(">")):  # one fault after the other, 12 batches apart
         _wait_for_batches(job, steps_log, count + 12 * kill)
@@ -101,32 +113,14 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
         assert "restarting it" in output and "joined the all-reduce group at global step" in output, output
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == STEPS, output
-    applied = _applied(tmp_path / "model")
-    twice, never = (applied > 1).nonzero().view(-1), (applied < 1).nonzero().view(-1)
-    assert not twice.numel() and not never.numel(), f"applied twice: {twice.tolist()}; never: {never.tolist()}"
-    assert torch.equal(applied, torch.ones_like(applied))
+    _exactly_once(tmp_path / "model")
 
 
 def test_a_worker_restarted_while_the_ps_are_restored_takes_part_in_the_restore(start_job, tmp_path):
     # worker:1 is stopped, so it never says it stopped for the recovery that ps:0's loss begins; killed and restarted
     # meanwhile, it must stop for it too, not wait for worker:0 (which waits for the restore) to form the group.
     steps_log = tmp_path / "steps.log"
-    job = start_job(
-        "tables.py",
-        strategy="hybrid",
-        mode="async",
-        audit=True,
-        optimizer="SGD",
-        lr=0.05,
-        num_workers=2,
-        num_ps=2,
-        num_batches=2 * STEPS,
-        batch=BATCH,
-        step_delay_s=0.03,
-        step_log=str(steps_log),
-        max_restarts=2,
-        save_checkpoints_steps=2,
-    )
+    job = _start_audited(start_job, save_checkpoints_steps=2, step_log=str(steps_log))
     _wait_for_batches(job, steps_log, 16)
     roles = job.roles()
     roles["worker:1"].send_signal(signal.SIGSTOP)
@@ -141,8 +135,7 @@ def test_a_worker_restarted_while_the_ps_are_restored_takes_part_in_the_restore(
     assert code == 0, output
     assert "every PS restored to global step" in output, output
     assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
-    applied = _applied(tmp_path / "model")
-    assert torch.equal(applied, torch.ones_like(applied)), applied
+    _exactly_once(tmp_path / "model")
 
 
 @pytest.mark.parametrize("point", ["snapshot", "snapshot_state"])
@@ -152,28 +145,14 @@ def test_a_ps_lost_in_the_final_hand_over_sends_every_worker_back_and_the_job_en
     # trains to the end again.
     marker = tmp_path / "fault.fired"
     fault = {"role": "ps:0", "point": point, "marker": str(marker)}
-    job = start_job(
-        "tables.py",
-        env={**os.environ, "SHARDFLOW_FAULT": json.dumps(fault)},
-        strategy="hybrid",
-        mode="async",
-        audit=True,
-        optimizer="SGD",
-        lr=0.05,
-        num_workers=2,
-        num_ps=2,
-        num_batches=2 * STEPS,
-        batch=BATCH,
-        max_restarts=2,
-    )
+    job = _start_audited(start_job, env={**os.environ, "SHARDFLOW_FAULT": json.dumps(fault)}, step_delay_s=0.0)
     code, output = job.finish(120)
     assert code == 0, output
     assert marker.exists(), output
     assert "a parameter server was lost before the final state was saved; training goes on" in output, output
     assert "every PS restored to global step 0 after ps:0 was lost" in output, output
     assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
-    applied = _applied(tmp_path / "model")
-    assert torch.equal(applied, torch.ones_like(applied)), applied
+    _exactly_once(tmp_path / "model")
 
 
 @pytest.mark.parametrize(

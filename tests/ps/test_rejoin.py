@@ -5,6 +5,8 @@ each PS takes every step of every worker exactly once, and all PS end at the sam
 from __future__ import annotations
 
 import concurrent.futures
+import functools
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -168,6 +170,21 @@ def _sync_pair(cluster: Cluster) -> tuple[torch.nn.Module, Placement, dict[str, 
     return model, placement, initial, workers
 
 
+def _together(call: Callable[[], protocol.StepReply], other: ParameterClient, step: int) -> None:
+    """`call` (a request of the restarted worker 0, on a thread of its own) and worker 1's step `step`, which
+    completes global step `step`: both answered with it."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(call)
+        assert _step(other, other.model, step).step == step
+        assert waiting.result(timeout=30).step == step
+
+
+def _moved_by_two_steps(client: ParameterClient, initial: dict[str, torch.Tensor]) -> None:
+    # Each step the mean of one gradient of ones from each worker: SGD with lr 1 moved each weight by -2.
+    for name, value in fetch_state(client).params.items():
+        assert torch.allclose(value, initial[name] - 2), name
+
+
 def test_sync_a_worker_restarted_while_its_step_waits_in_the_sum_computes_its_next_on_that_update(start_cluster):
     # A sum takes one push of each worker: the restarted worker's next step must not join the sum its last one is in
     # (it would make a global step of two of its own batches, and the job one step too many).
@@ -183,18 +200,11 @@ def test_sync_a_worker_restarted_while_its_step_waits_in_the_sum_computes_its_ne
     restarted = cluster.client(restarted_model, placement, worker_index=0)
     rejoined = restarted.rejoin()
     assert (rejoined.local_step, rejoined.ahead, rejoined.input_state) == (1, 0, {"consumed": 1})
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        pulled = pool.submit(restarted.pull)  # waits for the update that holds its step 1
-        assert _step(other, other.model, 1).step == 1
-        assert pulled.result(timeout=30).step == 1
-        second = pool.submit(_step, restarted, restarted_model, 2)
-        assert _step(other, other.model, 2).step == 2
-        assert second.result(timeout=30).step == 2
+    _together(restarted.pull, other, 1)  # its pull waits for the update that holds its step 1
+    _together(functools.partial(_step, restarted, restarted_model, 2), other, 2)
     status = cluster.admin(model, placement).status()
     assert [(s.step, s.stats["applied"]) for s in status] == [(2, 2), (2, 2)]
-    # Each step the mean of one gradient of ones from each worker: SGD with lr 1 moved each weight by -2.
-    for name, value in fetch_state(restarted).params.items():
-        assert torch.allclose(value, initial[name] - 2), name
+    _moved_by_two_steps(restarted, initial)
 
 
 def test_sync_a_restarted_worker_repeats_a_step_one_ps_sums_and_gets_its_reply_with_the_update(start_cluster):
@@ -209,18 +219,12 @@ def test_sync_a_restarted_worker_repeats_a_step_one_ps_sums_and_gets_its_reply_w
     restarted = cluster.client(restarted_model, placement, worker_index=0)
     assert (restarted.rejoin().local_step, restarted.local_step) == (0, 0)
     assert restarted.pull().step == 0
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        # Its repeat of step 1: ps:1 sums it, ps:0 (which had it) answers with the update, as it would have.
-        repeated = pool.submit(_step, restarted, restarted_model, 1)
-        assert _step(other, other.model, 1).step == 1
-        assert repeated.result(timeout=30).step == 1
-        second = pool.submit(_step, restarted, restarted_model, 2)
-        assert _step(other, other.model, 2).step == 2
-        assert second.result(timeout=30).step == 2
+    # Its repeat of step 1: ps:1 sums it, ps:0 (which had it) answers with the update, as it would have.
+    for local_step in (1, 2):
+        _together(functools.partial(_step, restarted, restarted_model, local_step), other, local_step)
     status = cluster.admin(model, placement).status()
     assert [(s.step, s.stats["applied"], s.stats["repeated"]) for s in status] == [(2, 2, 1), (2, 2, 0)]
-    for name, value in fetch_state(restarted).params.items():
-        assert torch.allclose(value, initial[name] - 2), name
+    _moved_by_two_steps(restarted, initial)
 
 
 def test_sync_refuses_a_second_push_of_one_worker_into_one_sum(start_cluster):
