@@ -22,6 +22,7 @@ from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.shards import Shards, finite, nbytes
 from shardflow.ps.state import ShardState, Snapshots, capture
 from shardflow.ps.update_rules import ApplyConfig, Gradients, Refused, Updates
+from shardflow.ps.worker_progress import WorkerProgress
 
 log = logging.getLogger(__name__)
 
@@ -76,10 +77,7 @@ class ParameterServer:
         """The shared-memory lanes of this machine's workers (ps/lanes.py), by sender: at most one per worker."""
         # Checkpoint snapshots taken at exact steps, until the chief saved them, with the input positions.
         self.snapshots = Snapshots()
-        # Per worker, the last of its steps this PS had and (by "worker:<index>") its input position after it: a
-        # restarted worker resumes from these (see `_on_rejoin`); ps:0's positions go into checkpoints.
-        self.worker_steps: dict[str, int] = {}
-        self.iterators: dict[str, Any] = {}
+        self.progress = WorkerProgress()
         # Raised by every `init` after a PS was lost (train/checkpoints/restore.py): until a sender rejoins, its pushes
         # belong to the state before and are refused; by sender, so those a worker's previous client left queued too.
         self.generation = 0
@@ -283,15 +281,14 @@ class ParameterServer:
     def _capture(self, step: int) -> ShardState:
         """This PS's state now, as of global step `step`; its tables' rows go to files now (too big to copy)."""
         files = self.shards.embeddings.snapshot(step)
-        return capture(step, self.shards.parts(), self.iterators, self.worker_steps, *files)
+        return capture(step, self.shards.parts(), self.progress.iterators, self.progress.steps, *files)
 
     # -- handlers of the chief's requests -------------------------------------------------------------
 
     def _on_init(self, request: Request, init: protocol.Init) -> None:
         staging = Path(init.embedding_staging) if init.embedding_staging is not None else None
         self.shards = Shards.from_init(init, request.tensors, self.index, staging)
-        self.iterators = dict(init.iterators)
-        self.worker_steps = dict(init.worker_steps)
+        self.progress = WorkerProgress(init.worker_steps, init.iterators)
         self.generation = init.generation
         # Pushes held back before a restore belong to the training before it; their workers have moved on.
         self._deferred_pushes = []
@@ -394,7 +391,7 @@ class ParameterServer:
     def _repeated(self, received: Received, worker_index: int, local_step: int) -> bool:
         """Whether this PS already had this step of this worker: a restarted worker repeats the steps that some PS
         missed when it died (the others had them), and each PS takes every step once. Answered here if so."""
-        had = self.worker_steps.get(f"worker:{worker_index}", 0)
+        had = self.progress.last(worker_index)
         if local_step > had:
             return False
         self.stats["repeated"] += 1
@@ -402,13 +399,6 @@ class ParameterServer:
         if not (local_step == had and self.updates.repeated(received, worker_index)):
             self._reply_params(received, duplicate=True)
         return True
-
-    def _had(self, worker_index: int, local_step: int, input_state: dict[str, Any] | None) -> None:
-        """This PS took step `local_step` of the worker, to apply (or accumulate) or to refuse as non-finite: it is
-        not taken again, and the worker resumes after it."""
-        self.worker_steps[f"worker:{worker_index}"] = local_step
-        if input_state is not None:
-            self.iterators[f"worker:{worker_index}"] = input_state
 
     def _on_push(self, request: Request, push: protocol.Push) -> None:
         started, received = self._handling_since, Received(request, push)
@@ -422,7 +412,7 @@ class ParameterServer:
         # A push dropped (after max_steps, or stale in sync) is not had: its batch is read again after a restore.
         if not self.updates.admit(received, push.base_step, push.worker_index):
             return
-        self._had(push.worker_index, push.local_step, push.input_state)
+        self.progress.took(push.worker_index, push.local_step, push.input_state)
         gradients = self._gradients(request, push)
         if (recorder := get_recorder()) is not None:
             recorder.end(spans.RECEIVE, self.step, started, push.worker_index, nbytes(gradients))
@@ -450,7 +440,7 @@ class ParameterServer:
         if self._repeated(received, nonfinite.worker_index, nonfinite.local_step):
             return
         # The refused batch was read: a restore goes on after it, as after an applied one.
-        self._had(nonfinite.worker_index, nonfinite.local_step, nonfinite.input_state)
+        self.progress.took(nonfinite.worker_index, nonfinite.local_step, nonfinite.input_state)
         self._refuse(received, nonfinite.worker_index, nonfinite.base_step, nonfinite.found_in)
 
     def _refuse(self, received: Received, worker_index: int, base_step: int, found_in: str) -> None:
@@ -472,12 +462,11 @@ class ParameterServer:
         worker = rejoin.worker_index
         self.updates.rejoined(worker)
         self.rejoined.add(request.sender)
-        name = f"worker:{worker}"
         reply = protocol.RejoinReply(
             step=self.step,
             stop=self.finished,
-            local_step=self.worker_steps.get(name, 0),
-            input_state=self.iterators.get(name) if name in self.worker_steps else None,
+            local_step=self.progress.last(worker),
+            input_state=self.progress.position(worker),
             done=worker in self.updates.finished_workers,
             generation=self.generation,
             in_sum=self.updates.in_sum(worker),

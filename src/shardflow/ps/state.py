@@ -19,7 +19,7 @@ Part = tuple[torch.nn.Parameter, torch.optim.Optimizer | None]
 @dataclass
 class ShardState:
     """Parameters (one flat buffer per dtype, then one tensor per row-sparse table), slot tensors and scalar
-    slots, and what this PS has of each worker's steps (see ps/server.py `_had`).
+    slots, and what this PS has of each worker's steps (see ps/worker_progress.py).
 
     `slots[i]` describes part i's optimizer state: key -> index into `slot_tensors`, and `scalars[i]`
     key -> value (e.g. Adam's step count)."""
