@@ -18,8 +18,8 @@ the dense parameters its replies bring back, through the PS; the rest all-reduce
 
 Other programs on a shared machine take cores from the job, and CPU per step measured under contention is what the
 job will pay at the other sizes too. So the prediction uses the cores the calibrating run's roles really got (what
-`shardflow plan --cores measured` does; a hybrid run's capture holds only its workers, and its PS's cores are
-estimated from the workers' waits for it). "shared" is the prediction on all the machine's cores instead, which
+`shardflow plan --cores measured` does; a hybrid run's capture holds its PS too, which record their spans at the
+workers' global step). "shared" is the prediction on all the machine's cores instead, which
 the job's busy roles share with the other programs' demand its calibrating run saw (the scheduler shares cores by
 runnable threads, so more workers take more of a shared machine: PlanConfig.contending_roles). Each run waits
 (a while) for a quiet machine and reports the cores other processes used while it ran; --repeats N runs every

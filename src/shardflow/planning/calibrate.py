@@ -171,8 +171,7 @@ def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[
         global_steps_per_s=figures["global_steps_per_s"],
         worker_cpu_s=worker_cpu_s,
         other_cores=sum(v for role, v in cores.items() if not role.startswith(("worker", "ps"))),
-        # A hybrid capture holds no PS: its cores are its waits for the PS, which on loopback are the PS's work.
-        busy_cores=sum(cores.values()) + cost.push_wait_s * figures["global_steps_per_s"] if cores else None,
+        busy_cores=_hybrid_busy_cores(cores, cost.push_wait_s * figures["global_steps_per_s"]),
         machine_busy_cores=_machine_busy_cores(table),
         strategy="hybrid",
         ring=ring,
@@ -180,6 +179,16 @@ def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[
         sparse_bytes=sparse_bytes,
         hybrid=cost,
     )
+
+
+def _hybrid_busy_cores(cores: dict[str, float], waits_for_the_ps: float) -> float | None:
+    """The cores a hybrid run's roles kept busy; where the capture holds no PS (one of before they joined it), their
+    cores are the workers' waits for them (`waits_for_the_ps`, in seconds a second), which on loopback are the PS's
+    work."""
+    if not cores:
+        return None
+    has_ps = any(role.startswith("ps") for role in cores)
+    return sum(cores.values()) + (0.0 if has_ps else waits_for_the_ps)
 
 
 def _calibrate_allreduce(directory: Path, table: Any, by_name: dict[str, list[dict[str, Any]]]) -> Calibration:

@@ -84,6 +84,7 @@ class ParameterServer:
         self.rejoined: set[str] = set()
         self._deferred_pushes: list[Received] = []
         self._handling_since = 0
+        self._pushed_step: int | None = None  # the workers' global step the last push carried
         self._shutdown = False
         # A flood of bad requests must not flood the log: see LogLimiter.
         self._log_limiter = LogLimiter()
@@ -94,7 +95,7 @@ class ParameterServer:
         self,
         should_stop: Callable[[], bool] = lambda: False,
         poll_s: float = 0.5,
-        periodic: Callable[[int], None] | None = None,
+        periodic: Callable[[int | None], None] | None = None,
     ) -> None:
         """Handle requests until a shutdown request arrives or `should_stop()` says the job is over;
         `periodic(global_step)` runs about every `poll_s` seconds, busy or idle, as does the answer to held requests
@@ -106,7 +107,7 @@ class ParameterServer:
                 next_periodic = time.monotonic() + poll_s
                 self._expire_held()
                 if periodic is not None:
-                    periodic(self.step)
+                    periodic(self.capture_step)
             if request is None:
                 if should_stop():
                     if self.limits is not None:  # the job is over: what waits here is answered, with stop
@@ -151,15 +152,15 @@ class ParameterServer:
         try:
             handler(self, request, message)
         except Refused as refused:
-            self.stats["refused"] += 1
-            line = f"ps:{self.index} refused {message.op!r} from {request.sender}: {refused}"
-            self._log("refused", request.sender, message.op, line)
-            self.server.reply_error(request, f"ps:{self.index} refused {message.op!r}: {refused}")
+            self._fail(request, "refused", message.op, "refused", str(refused))
         except Exception as error:  # answered and counted: one bad request must not end the job
-            self.stats["failed"] += 1
-            line = f"ps:{self.index} failed on {message.op!r} from {request.sender}: {error}"
-            self._log("failed", request.sender, message.op, line)
-            self.server.reply_error(request, f"ps:{self.index} failed on {message.op!r}: {error}")
+            self._fail(request, "failed", message.op, "failed on", str(error))
+
+    def _fail(self, request: Request, kind: str, op: str, verb: str, why: str) -> None:
+        """Count `kind` (a key of the stats), and answer `request` with the error "ps:K <verb> '<op>': <why>"."""
+        self.stats[kind] += 1
+        self._log(kind, request.sender, op, f"ps:{self.index} {verb} {op!r} from {request.sender}: {why}")
+        self.server.reply_error(request, f"ps:{self.index} {verb} {op!r}: {why}")
 
     def _check_slots(self, sender: str, message: protocol.PSRequest) -> None:
         """A request that names lane slots must name slots of its sender's lane."""
@@ -181,10 +182,7 @@ class ParameterServer:
     def _expire_held(self) -> None:
         """Answer the held requests past their deadline with an error saying what each waited for."""
         for (request, message), waited_for in self.updates.expire():
-            self.stats["expired"] += 1
-            line = f"ps:{self.index} gave up on {message.op!r} from {request.sender}: {waited_for}"
-            self._log("expired", request.sender, message.op, line)
-            self.server.reply_error(request, f"ps:{self.index} gave up on {message.op!r}: {waited_for}")
+            self._fail(request, "expired", message.op, "gave up on", waited_for)
 
     def _log(self, kind: str, peer: str, op: object, line: str) -> None:
         """Log `line`, the latest `kind` (a key of the stats) of problem with `peer`'s `op`, rate-limited."""
@@ -211,6 +209,15 @@ class ParameterServer:
     @property
     def config(self) -> ApplyConfig:
         return self.updates.config
+
+    @property
+    def capture_step(self) -> int | None:
+        """The global step captures count: this PS's, or (ApplyConfig.pushes_carry_global_step) the last push's."""
+        return self._pushed_step if self.config.pushes_carry_global_step else self.step
+
+    def _at(self, step: int) -> int:
+        """The step a span is recorded at: `step` of this PS, or (pushes_carry_global_step) the last push's."""
+        return step if (at := self._pushed_step) is None or not self.config.pushes_carry_global_step else at
 
     @property
     def finished(self) -> bool:
@@ -247,23 +254,21 @@ class ParameterServer:
             self._guarded(received.request, received.message, ParameterServer._answer_lookup)
             return
         if dropped:
-            reply = StepReply(step=self.step, stop=self.finished, dropped=True)
-            self.server.reply(received.request, reply.header())
+            self.server.reply(received.request, StepReply(step=self.step, stop=self.finished, dropped=True).header())
             return
         started = time.perf_counter_ns()
         self._reply_params(received, stale=stale, nonfinite=nonfinite)
         if (recorder := get_recorder()) is not None:
             message = received.message
             worker = message.worker_index if isinstance(message, protocol.Push | protocol.NonFinite) else -1
-            recorder.end(spans.REPLY, self.step - 1, started, worker)
+            recorder.end(spans.REPLY, self._at(self.step - 1), started, worker)
 
     def _apply(self, gradients: Gradients, pushes: list[Received]) -> None:
         """One update: the mean of the dense gradients and of the row-sparse ones of `len(pushes)` pushes."""
-        started = time.perf_counter_ns()
-        recorder = get_recorder()
+        started, recorder, step = time.perf_counter_ns(), get_recorder(), self._at(self.step)
         if recorder is not None:
             for request, _ in pushes:
-                recorder.flow(spans.APPLY, self.step, flow_id(request.sender, request.seq), start=False)
+                recorder.flow(spans.APPLY, step, flow_id(request.sender, request.seq), start=False)
         first = pushes[0].message
         lr = first.lr if isinstance(first, protocol.Push) else None
         self.shards.apply(gradients, len(pushes), self.step, lr, self.norm_exchange)
@@ -272,7 +277,7 @@ class ParameterServer:
         if recorder is not None:
             alone = len(pushes) == 1 and isinstance(first, protocol.Push | protocol.NonFinite)
             worker = first.worker_index if alone and not isinstance(first, protocol.Pull | protocol.Lookup) else -1
-            recorder.end(spans.APPLY, self.step, started, worker, nbytes(gradients))
+            recorder.end(spans.APPLY, step, started, worker, nbytes(gradients))
         new_step = self.step + 1  # the update rule counts it once this returns
         if self.snapshots.due(new_step):
             # Held until the chief has saved it; see state.MAX_SNAPSHOTS for what happens when it falls behind.
@@ -289,6 +294,7 @@ class ParameterServer:
         staging = Path(init.embedding_staging) if init.embedding_staging is not None else None
         self.shards = Shards.from_init(init, request.tensors, self.index, staging)
         self.progress = WorkerProgress(init.worker_steps, init.iterators)
+        self._pushed_step = None
         self.generation = init.generation
         # Pushes held back before a restore belong to the training before it; their workers have moved on.
         self._deferred_pushes = []
@@ -402,6 +408,7 @@ class ParameterServer:
 
     def _on_push(self, request: Request, push: protocol.Push) -> None:
         started, received = self._handling_since, Received(request, push)
+        self._pushed_step = push.local_step - 1
         schedule = self.shards.spec.schedule if self.shards.spec is not None else None
         if schedule is not None and schedule.from_workers and push.lr is None:
             problem = "its learning-rate schedule is a function of the step, so every push must carry its lr"
@@ -415,7 +422,7 @@ class ParameterServer:
         self.progress.took(push.worker_index, push.local_step, push.input_state)
         gradients = self._gradients(request, push)
         if (recorder := get_recorder()) is not None:
-            recorder.end(spans.RECEIVE, self.step, started, push.worker_index, nbytes(gradients))
+            recorder.end(spans.RECEIVE, self._at(self.step), started, push.worker_index, nbytes(gradients))
         # Checked before it is applied or (sync) accumulated, so a NaN never reaches the parameters, the optimizer
         # slots or the sum of the other replicas. A shardflow worker checks first and sends `NonFinite` to every
         # PS instead (ps/client.py); this is the last guard, for a push that only this PS would refuse.
@@ -445,13 +452,8 @@ class ParameterServer:
 
     def _refuse(self, received: Received, worker_index: int, base_step: int, found_in: str) -> None:
         self.updates.refuse(received, worker_index)
-        self._log(
-            "nonfinite",
-            f"worker:{worker_index}",
-            found_in,
-            f"ps:{self.index} refused a step of worker:{worker_index} on the parameters of global step {base_step}: "
-            f"its {found_in} held NaN or inf",
-        )
+        line = f"ps:{self.index} refused a step of worker:{worker_index} on the parameters of global step {base_step}"
+        self._log("nonfinite", f"worker:{worker_index}", found_in, f"{line}: its {found_in} held NaN or inf")
 
     def _on_done(self, request: Request, done: protocol.Done) -> None:
         self.lanes.drop(done.worker_index)

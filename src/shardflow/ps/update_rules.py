@@ -63,6 +63,9 @@ class ApplyConfig(UpdateRule):
     """How long a PS holds a request it cannot answer yet (a sync push waiting for the other replicas, an ssp
     push waiting for the slowest worker, a pull waiting for its step) before it answers it with an error saying
     what it waited for; the chief sets the strategy's `request_timeout_s`, after which the requester gave up."""
+    pushes_carry_global_step: bool = False
+    """sf.HybridStrategy: a push's `local_step` is the workers' global step + 1 (the all-reduced step its rows belong
+    to), so the PS records its spans at that step and a capture's window cuts its part as it cuts the workers'."""
     max_held_requests: int | None = None
     """How many pushes, and how many pulls, a PS holds at once; one more is refused with an error. None: 4 per
     worker and 16 more, well above the one push per worker that training holds (pulls never wait in training),

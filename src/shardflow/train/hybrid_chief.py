@@ -97,6 +97,7 @@ class _HybridChief(_Chief):
             max_staleness=strategy.max_staleness,
             max_steps=None,  # the PS count the tables' updates; the workers end training
             hold_timeout_s=strategy.request_timeout_s,
+            pushes_carry_global_step=True,
         )
         self.generation = 0
         """How many times every PS was restored after one was lost."""
@@ -184,11 +185,8 @@ class _HybridChief(_Chief):
             self.snapshot_held = None
 
     def capture_roles(self) -> list[str]:
-        """The workers', and in sync mode the PS's too: their global step is the workers' (in async mode a PS counts
-        every push, so its window of a capture would not be the workers')."""
-        assert isinstance(self.job.strategy, HybridStrategy)
-        sync = self.job.strategy.sparse_mode == "sync"
-        return [*super().capture_roles(), *(self.admin.peers if sync else [])]
+        """The workers' and the PS's: a PS records its spans at the workers' global step its pushes carry."""
+        return [*super().capture_roles(), *self.admin.peers]
 
     def _save(self, state: ModelState, *, final: bool) -> Path | None:
         return None if state is self.discarded else super()._save(state, final=final)

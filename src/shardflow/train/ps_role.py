@@ -156,7 +156,7 @@ def _serve(role: RoleContext, server: Server) -> None:
             norm_exchange=_norm_exchange(role),
             # The chief asks for a capture up front (profile_steps) before it initialises the PS: known here before
             # the first push. A periodic check (every 0.1 s) can come after a fast job's window has passed.
-            on_initialised=lambda: _check_captures(profiler, ps.step),
+            on_initialised=lambda: _check_captures(profiler, ps.capture_step),
         )
         # The sf.nn tables' rows, admissions and evictions go into captures as counters.
         profiler = RoleProfiler(role.task.name, role.control, steps_are_coarse=True, counters=ps.table_counters)
@@ -179,9 +179,11 @@ def _norm_exchange(role: RoleContext) -> StoreNormExchange | None:
     return StoreNormExchange(role.control, role.task.index, role.num_ps, role.control.timeout_s)
 
 
-def _check_captures(profiler: RoleProfiler, step: int) -> None:
+def _check_captures(profiler: RoleProfiler, step: int | None) -> None:
+    """`step`: the global step as captures count it (ParameterServer.capture_step); None before there is one."""
     profiler.check_requests()
-    profiler.at_step(step)
+    if step is not None:
+        profiler.at_step(step)
 
 
 class _Chores:
@@ -192,7 +194,7 @@ class _Chores:
         self.endpoint = control_keys.ps_endpoint(role.task.index)
         self.republish_at = time.monotonic() + _REPUBLISH_S
 
-    def __call__(self, step: int) -> None:
+    def __call__(self, step: int | None) -> None:
         _check_captures(self.profiler, step)
         if time.monotonic() >= self.republish_at:
             # A restarted chief's control service starts empty: it finds this PS again here.
