@@ -78,6 +78,7 @@ def _applied(model_dir: Path) -> torch.Tensor:
         ("ps:1", None, 5),
         ("worker:0+worker:1", 2, 9),
         ("ps:0>worker:1", 2, 10),
+        ("ps:0>ps:1+worker:1", 2, 11),
     ],
     ids=[
         "worker1",
@@ -87,6 +88,7 @@ def _applied(model_dir: Path) -> torch.Tensor:
         "ps1-no-checkpoint",
         "both-workers-checkpoints-every-2",
         "ps0-then-worker1-checkpoints-every-2",
+        "ps0-then-ps1-and-worker1-checkpoints-every-2",
     ],
 )
 def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(

@@ -97,9 +97,11 @@ class _HybridTrainer(_Trainer):
         try:
             super().__init__(job, role, model, optimizer, start_position, step, generation, replay)
             # The PS were restored since the job began: they take a new process's pushes once it rejoined (a worker
-            # of before rejoined as it rolled back; one restarted during a restore rejoins as it rolls back).
+            # of before rejoined as it rolled back; one restarted during a restore rejoins as it rolls back). A PS lost
+            # meanwhile begins another recovery, which this worker meets at its first step's collective.
             if self.recovery and not self.recovering:
-                self.params.rejoin()
+                with contextlib.suppress(PSRecovery):
+                    self.params.rejoin()
         except BaseException:
             self.params.close()
             raise
