@@ -114,18 +114,19 @@ def test_a_hybrid_capture_counts_the_ps_cores_as_the_workers_waits_for_it(hybrid
     assert hybrid.busy_cores == pytest.approx(2 * CPU_CORES_PER_WORKER + 600 / PERIOD_US)
 
 
-def test_a_hybrid_capture_with_its_ps_counts_the_cores_they_sampled(tmp_path):
-    # The PS's part: its applies of the rows, and the cores it sampled (0.3), which stand for the workers' waits.
+def test_a_hybrid_capture_with_its_ps_counts_their_cores_and_not_their_applies(tmp_path):
+    # Each PS's part: its applies of the rows, and the cores it sampled (0.15), which stand for the workers' waits.
     ps_step: list[tuple[str, float, float, int | None]] = [
         (spans.RECEIVE, 1050.0, 50.0, ROW_BYTES),
         (spans.APPLY, 1100.0, 400.0, ROW_BYTES),
     ]
-    traces = [_trace(f"worker:{i}", HYBRID_STEP, [_bucket]) for i in range(2)] + [_trace("ps:0", ps_step)]
-    for event in traces[-1]["traceEvents"]:
-        if event["ph"] == "C":
-            event["args"] = {"value": 0.3}
-    measured = calibrate(write_capture(traces, tmp_path / "profile" / "hybrid-with-ps"))
+    workers = [_trace(f"worker:{i}", HYBRID_STEP, [_bucket]) for i in range(2)]
+    servers = [_trace(f"ps:{k}", ps_step) for k in range(2)]
+    for event in (e for trace in servers for e in trace["traceEvents"] if e["ph"] == "C"):
+        event["args"] = {"value": 0.15}
+    measured = calibrate(write_capture(workers + servers, tmp_path / "profile" / "hybrid-with-ps"))
     assert measured.busy_cores == pytest.approx(2 * CPU_CORES_PER_WORKER + 0.3)
+    assert measured.ring is not None and measured.ring.apply_s == pytest.approx(200e-6)  # the workers' apply only
 
 
 def test_a_hybrid_calibration_reproduces_its_own_run_and_says_so(hybrid):

@@ -32,7 +32,7 @@ def ring_cost(
     # Medians, not means: on a shared machine other programs preempt the workers now and then.
     allreduce_s = _median(reduces) / 1e6
     compute_s = statistics.median(_per_step(spans[FORWARD] + spans[BACKWARD]).values()) / 1e6
-    apply_s = _median(spans[APPLY]) / 1e6
+    apply_s = _median([s for s in spans[APPLY] if s["role"].startswith("worker")]) / 1e6  # not a hybrid PS's
     copy_s = _copy_us(reduces, spans[ALLREDUCE_BUCKET]) / 1e6
     outside = _per_step(steps)
     for key, value in _per_step(reduces).items():
