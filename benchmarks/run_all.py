@@ -354,7 +354,7 @@ def _figure(value: float) -> str:
 def _ratio(value: float) -> str:
     if value != value:  # NaN: the peer's figure was 0
         return "-"
-    return f"{value:.2f}" if value >= 0.01 else f"1/{1 / value:,.0f}"
+    return f"{value:.2f}" if value >= 0.01 or value == 0 else f"1/{1 / value:,.0f}"
 
 
 if __name__ == "__main__":

@@ -63,3 +63,8 @@ def test_a_result_gives_one_line_per_row_with_its_ratio_target_and_load(tmp_path
     assert "| 2.40 | raw TCP | 3.00 | 0.80 | >= 0.8 | yes | 2026-11-27 08:00 UTC |" in first
     assert "load average 1.5 (max 2.0); other processes 0.50 of 2 cores" in first
     assert "| 751 | tf.data | 3,235,601 | 1/4,310 |" in second
+
+
+def test_a_ratio_of_zero_is_written_as_such():
+    # A winner check that missed: shardflow's figure 0 over the peer's 1.
+    assert run_all._ratio(0.0) == "0.00"
