@@ -217,7 +217,8 @@ class ParameterServer:
 
     def _at(self, step: int) -> int:
         """The step a span is recorded at: `step` of this PS, or (pushes_carry_global_step) the last push's."""
-        return step if (at := self._pushed_step) is None or not self.config.pushes_carry_global_step else at
+        pushed = self._pushed_step if self.config.pushes_carry_global_step else None
+        return step if pushed is None else pushed
 
     @property
     def finished(self) -> bool:
@@ -402,7 +403,7 @@ class ParameterServer:
             return False
         self.stats["repeated"] += 1
         # Its last step, in the sum of the next sync update still: answered with that update, as its first push.
-        if not (local_step == had and self.updates.repeated(received, worker_index)):
+        if not (local_step == had and self.updates.hold_repeat(received, worker_index)):
             self._reply_params(received, duplicate=True)
         return True
 

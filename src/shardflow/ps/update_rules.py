@@ -223,7 +223,7 @@ class Updates(Generic[Pending]):
         """sync: whether a step of the worker sits in the sum of the next global step, not applied yet."""
         return worker_index in self._accumulated_workers
 
-    def repeated(self, pending: Pending, worker_index: int) -> bool:
+    def hold_repeat(self, pending: Pending, worker_index: int) -> bool:
         """A push of a worker's step this PS had already (a restarted worker repeats it): held, as the step's first
         push was, while that step sits in the sum of the next update (True); else to be answered at once (False)."""
         if self.config.mode != "sync" or worker_index not in self._accumulated_workers:

@@ -223,13 +223,16 @@ class _Trainer:
                 self.step,
                 error,
             )
-        # A collective given up may still be in flight in gloo until its deadline, and the group's destructor waits
-        # for it: the old group is kept rather than dropped here.
+        self._form_again()
+        return None
+
+    def _form_again(self) -> None:
+        """Form the group anew, from the next generation. A collective given up may still be in flight in gloo until
+        its deadline, and the group's destructor waits for it: the old group is kept rather than dropped."""
         self.abandoned.append(self.reducer)
         self.reducer = self._join(
             self.generation + 1, restarted=False, timeout_s=self.job.strategy.worker_rejoin_timeout_s
         )
-        return None
 
     def _collective(self, had_batch: bool, mine: list[float], recorder: SpanRecorder) -> list[float]:
         """The step's exchange with the group; a RuntimeError where the group broke."""

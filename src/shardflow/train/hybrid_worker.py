@@ -129,9 +129,7 @@ class _HybridTrainer(_Trainer):
             with contextlib.suppress(PSRecovery):
                 self._check_recovery()
         log.warning("%s: a parameter server was lost before the final state was saved; training goes on", self.name)
-        self.abandoned.append(self.reducer)
-        timeout_s = self.job.strategy.worker_rejoin_timeout_s
-        self.reducer = self._join(self.generation + 1, restarted=False, timeout_s=timeout_s)
+        self._form_again()
         return True
 
     def _interrupt(self) -> None:
