@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -284,7 +285,8 @@ class _HybridTrainer(_Trainer):
         control = self.role.control
         if self.leader and not control.is_set(key.name):
             try:
-                self.replay.put(key, TablesSnapshot(step=_snapshot(self.params)))  # kept for a restarted chief
+                step = _snapshot(self.params, self._await_recovery)
+                self.replay.put(key, TablesSnapshot(step=step))  # kept for a restarted chief
             except PSRecovery:
                 # Not handed over: the next step's collective gives up (after the final one, `run` goes back), and
                 # the chief awaits state n again.
@@ -292,6 +294,16 @@ class _HybridTrainer(_Trainer):
         super()._hand_over(final=final, checkpoint=checkpoint, again=again, evaluate=evaluate)
         if not self.leader:
             self.snapshot_due = key
+
+    def _await_recovery(self) -> None:
+        """A PS was restarted and is not restored yet: the chief begins a recovery once it sees the new process; wait
+        for it (PSRecovery)."""
+        limit_s = self.job.strategy.request_timeout_s
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            self._check_recovery()
+            time.sleep(0.05)
+        raise TimeoutError(f"{self.name}: a parameter server was restarted and not restored within {limit_s:g}s")
 
     def _await_snapshot(self) -> None:
         """Wait for worker:0's snapshot of the last hand-over before pushing past it; a worker of the group lost
@@ -321,10 +333,14 @@ def _connect(
     return params
 
 
-def _snapshot(params: ParameterClient) -> int:
-    """Every PS snapshots its tables now (no worker pushes meanwhile); their step, alike on every PS."""
+def _snapshot(params: ParameterClient, await_recovery: Callable[[], None]) -> int:
+    """Every PS snapshots its tables now (no worker pushes meanwhile); their step, alike on every PS. A PS restarted
+    and not restored yet holds nothing to snapshot: `await_recovery` waits for the chief's recovery (PSRecovery)."""
     replies = params.exchange([protocol.Status()] * len(params.peers))
-    steps = {StatusReply.decode(header, peer).step for (header, _), peer in zip(replies, params.peers, strict=True)}
+    statuses = [StatusReply.decode(header, peer) for (header, _), peer in zip(replies, params.peers, strict=True)]
+    if not all(status.initialized for status in statuses):
+        await_recovery()
+    steps = {status.step for status in statuses}
     if len(steps) != 1:
         raise RuntimeError(f"the parameter servers are at different steps {sorted(steps)} with no push in flight")
     step = steps.pop()
