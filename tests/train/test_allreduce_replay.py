@@ -4,6 +4,7 @@ service on the chief's address starts empty but for the new chief's id, which th
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.spec import ClusterSpec, TaskSpec
+from shardflow.comm.errors import CommError
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.checkpoints.model_state import ModelState
@@ -33,7 +35,17 @@ def worker_0(plane: ControlPlane) -> Iterator[tuple[Replay, RoleContext]]:
 def _restart_chief(plane: ControlPlane) -> ControlPlane:
     """The chief's control service gone and a new, empty one on its address; the new chief's connection to it."""
     plane.close()
-    chief = ControlPlane.serve(plane.address, timeout_s=10)
+    # A socket closes in ZeroMQ's I/O thread, after close() returns: the port is free a moment later. (A chief
+    # restarted for real is a new process, whose old one the kernel closed.)
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            chief = ControlPlane.serve(plane.address, timeout_s=10)
+            break
+        except CommError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
     chief.set(control_keys.ALLREDUCE_CHIEF, "restarted")
     return chief
 
