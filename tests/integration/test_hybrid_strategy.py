@@ -147,7 +147,9 @@ def test_a_ps_lost_in_the_final_hand_over_sends_every_worker_back_and_the_job_en
     # trains to the end again.
     marker = tmp_path / "fault.fired"
     fault = {"role": "ps:0", "point": point, "marker": str(marker)}
-    job = _start_audited(start_job, env={**os.environ, "SHARDFLOW_FAULT": json.dumps(fault)}, step_delay_s=0.0)
+    end_log = tmp_path / "end.log"
+    env = {**os.environ, "SHARDFLOW_FAULT": json.dumps(fault)}
+    job = _start_audited(start_job, env=env, step_delay_s=0.0, end_log=str(end_log))
     code, output = job.finish(120)
     assert code == 0, output
     assert marker.exists(), output
@@ -155,6 +157,8 @@ def test_a_ps_lost_in_the_final_hand_over_sends_every_worker_back_and_the_job_en
     assert "every PS restored to global step 0 after ps:0 was lost" in output, output
     assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
     _exactly_once(tmp_path / "model")
+    # Each worker's `end` hooks ran once, after its true last step, not at the end dropped.
+    assert sorted(end_log.read_text().splitlines()) == [f"worker:0 {STEPS}", f"worker:1 {STEPS}"], output
 
 
 @pytest.mark.parametrize(

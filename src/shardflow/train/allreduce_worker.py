@@ -190,9 +190,13 @@ class _Trainer:
             evaluate = bool(flags[EVALUATE]) or bool(self.eval_every and self.step % self.eval_every == 0)
             if save or evaluate:
                 self._hand_over(final=False, checkpoint=save, evaluate=evaluate)
-        self.hooks.end(self.report.local_step, self.step)
+        self._trained_to_the_end()
         self.report.send(done=True)  # before the final state: the chief reads every report once it has that
         self._hand_over(final=True, checkpoint=True)
+
+    def _trained_to_the_end(self) -> None:
+        """After the last step, before the final hand-over: the user's `end` hooks."""
+        self.hooks.end(self.report.local_step, self.step)
 
     def _next_batches(self) -> list[Any]:
         """This step's batches: up to gradient_accumulation_steps of them, fewer where the input ends."""

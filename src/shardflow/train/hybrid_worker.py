@@ -117,8 +117,13 @@ class _HybridTrainer(_Trainer):
                 self.train(profiler)
                 while self._restored_after_the_end():
                     self.train(profiler)
+            self.hooks.end(self.report.local_step, self.step)
         finally:
             self.params.close()
+
+    def _trained_to_the_end(self) -> None:
+        """The `end` hooks wait for the end of the job (`run`): a PS lost before the final state is saved sends this
+        worker back to train on, and they run once, after its true last step."""
 
     def _restored_after_the_end(self) -> bool:
         """Once this worker's part of the final state is handed over: wait for the end of the job (False); or, where

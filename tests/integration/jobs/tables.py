@@ -66,6 +66,17 @@ def loss_fn(model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> torch.Ten
     return loss
 
 
+class EndLog(sf.Hook):
+    """A line per call of a worker's `end` hook: its role and the global step."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def end(self, info: sf.StepInfo) -> None:
+        with open(self.path, "a") as log:
+            log.write(f"{info.role} {info.global_step}\n")
+
+
 def main(config: dict[str, Any]) -> None:
     num_batches, batch = config.get("num_batches", 40), config.get("batch", 8)
     num_ids = config.get("num_ids", NUM_IDS)
@@ -125,9 +136,9 @@ def main(config: dict[str, Any]) -> None:
         clip_grad_norm=config.get("clip_grad_norm"),
         profile_steps=tuple(config["profile_steps"]) if "profile_steps" in config else None,
     )
-    result = sf.train_and_evaluate(
-        est, sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs", 1))
-    )
+    hooks = [EndLog(config["end_log"])] if config.get("end_log") else []
+    train_spec = sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs", 1), hooks=hooks)
+    result = sf.train_and_evaluate(est, train_spec)
     with open(config["result"], "w") as f:
         fields = ("global_step", "start_step", "first_loss", "final_loss", "ps_stats", "checkpoint")
         json.dump({name: getattr(result, name) for name in fields}, f)
