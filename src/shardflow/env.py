@@ -33,6 +33,8 @@ Set by users:
 Set by shardflow's own tools for the processes they start:
 
 - `SHARDFLOW_LOCAL_THREADS`: torch threads per role of a local cluster, so the roles share the cores.
+- `SHARDFLOW_WORKER_THREADS_UP_TO`: the cores per worker of a local cluster, where more than its share: a CPU worker
+  times its steps with both and keeps the faster (train/thread_tuning.py).
 - `SHARDFLOW_MODEL_DIR`: overrides `Estimator.model_dir` (`shardflow scale` gives each run its own).
 - `SHARDFLOW_PROFILE_STEPS`: `first,last` overrides `Estimator.profile_steps`.
 - `SHARDFLOW_RESULT_JSON`: where the chief writes what the run did, for the tool that started it.
@@ -60,6 +62,7 @@ BIND_ADDRESS = "SHARDFLOW_BIND_ADDRESS"
 MAX_FRAME_MB = "SHARDFLOW_MAX_FRAME_MB"
 RECORDER = "SHARDFLOW_RECORDER"
 LOCAL_THREADS = "SHARDFLOW_LOCAL_THREADS"
+WORKER_THREADS_UP_TO = "SHARDFLOW_WORKER_THREADS_UP_TO"
 MODEL_DIR = "SHARDFLOW_MODEL_DIR"
 PROFILE_STEPS = "SHARDFLOW_PROFILE_STEPS"
 RESULT_JSON = "SHARDFLOW_RESULT_JSON"
@@ -84,6 +87,7 @@ ALL = (
     MAX_FRAME_MB,
     RECORDER,
     LOCAL_THREADS,
+    WORKER_THREADS_UP_TO,
     MODEL_DIR,
     PROFILE_STEPS,
     RESULT_JSON,

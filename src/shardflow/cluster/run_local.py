@@ -18,11 +18,15 @@ def local_threads(spec: ClusterSpec) -> dict[str, str]:
     """The environment that shares this machine's cores among the roles: otherwise every worker starts one
     torch thread per core and they oversubscribe the machine many times over. A value the user set is kept. A PS
     counts as a role even when it idles between pushes: a worker given its core (SHARDFLOW_LOCAL_THREADS=2, 1w+1PS
-    on 2 loaded cores) waited at every op for a descheduled thread, 0.08x one process for the MLP, 0.23x for rec."""
+    on 2 loaded cores) waited at every op for a descheduled thread, 0.08x one process for the MLP, 0.23x for rec.
+    Where the cores per worker are more, the workers may take them (SHARDFLOW_WORKER_THREADS_UP_TO): each times
+    its steps with both counts and keeps the faster (train/thread_tuning.py)."""
     if env.get(env.LOCAL_THREADS) is not None:
         return {}
-    roles = max(spec.num("worker") + spec.num("ps"), 1)
-    return {env.LOCAL_THREADS: str(max(1, (os.cpu_count() or 1) // roles))}
+    cores = os.cpu_count() or 1
+    share = max(1, cores // max(spec.num("worker") + spec.num("ps"), 1))
+    up_to = max(1, cores // max(spec.num("worker"), 1))
+    return {env.LOCAL_THREADS: str(share)} | ({env.WORKER_THREADS_UP_TO: str(up_to)} if up_to > share else {})
 
 
 def run_local(

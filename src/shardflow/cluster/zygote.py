@@ -52,7 +52,7 @@ READY_TIMEOUT_S = 60.0
 SPAWN_TIMEOUT_S = 30.0
 ZYGOTE_NAME = "sf:zygote"
 _NAME_PREFIX = "sf:"
-JOB_VARIABLES = (env.CLUSTER_SECRET, env.LOCAL_THREADS, env.RUNTIME_DIR)
+JOB_VARIABLES = (env.CLUSTER_SECRET, env.LOCAL_THREADS, env.WORKER_THREADS_UP_TO, env.RUNTIME_DIR)
 """What a launcher adds to its roles' environment for the job: read when a role runs, never on import."""
 LOADING_VARIABLES = ("PYTHON", "LD_", "OMP_", "GOMP_", "MKL_", "OPENBLAS_", "TORCH", "PYTORCH_", "CUDA_")
 """The beginnings of the variables that Python, torch, numpy and their libraries read as they load. A zygote that

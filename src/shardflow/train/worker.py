@@ -30,6 +30,7 @@ from shardflow.train.job import JobConfig
 from shardflow.train.profiling import RoleProfiler
 from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
+from shardflow.train.thread_tuning import ThreadTuner
 from shardflow.train.worker_report import Report
 from shardflow.train.worker_step import WorkerStep, batch_to_device
 
@@ -267,6 +268,7 @@ def _train(worker: WorkerStep, hooks: StepHooks, profiler: RoleProfiler) -> int:
     # Async only: push step t, then compute step t+1 while the PS applies it (the result is one step staler).
     depth = 1 if worker.job.strategy.mode == "async" and worker.job.strategy.overlap else 0
     in_flight: deque[Pushed] = deque()
+    tuner = ThreadTuner.for_worker(worker.name, worker.params.staging.device)
     while not stop:
         step_started = time.perf_counter_ns()
         batch = position.next()
@@ -281,6 +283,8 @@ def _train(worker: WorkerStep, hooks: StepHooks, profiler: RoleProfiler) -> int:
             reply = worker.wait(in_flight.popleft())
             step, stop = reply.step, stop or reply.stop
         recorder.end(spans.STEP, recorded_step, step_started)
+        if tuner is not None:
+            tuner.step_done((time.perf_counter_ns() - step_started) / 1e9)
         report.step(float("nan") if loss is None else loss, position.epoch, recorded_step)
         stop = hooks.after_step(report.local_step, step, report.last_loss) or stop
         profiler.at_step(step)

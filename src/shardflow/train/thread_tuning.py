@@ -1,0 +1,104 @@
+"""A CPU worker of a local cluster chooses its torch threads by timing its own steps.
+
+The local launcher gives each role its share of the cores (SHARDFLOW_LOCAL_THREADS), counting a PS as a role even
+though it mostly waits for pushes. Whether a worker gains from the cores an idle PS leaves depends on the model:
+large matrix products run 1.4x faster on two threads (the rec benchmark model, 1 worker + 1 PS on 2 cores), while
+the small ops of the benchmark MLP run slower, each op waiting for a thread that the PS or another program took
+the core from. So where the launcher offers more (SHARDFLOW_WORKER_THREADS_UP_TO: the cores per worker), a worker
+times its steps with each count in turns, keeps the faster, and times them again every RETUNE_S, as the machine's
+load may change.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from shardflow import env
+
+WARMUP_STEPS = 10
+"""Steps not timed at the start: the first ones allocate, fill caches and connect."""
+STEPS_EACH = 8
+"""Steps with one thread count in a row; the first of them is not counted (the thread pool changes size in it)."""
+ROUNDS = 2
+"""Each count is timed this many times, in turns, so that a change of the machine's load meets both."""
+RETUNE_S = 60.0
+"""Seconds between two timings."""
+SLOWER = 1.5
+"""Between timings: steps this much slower than the choice was timed at (the median of STEPS_EACH) time it again
+at once; more threads than a role's share can cost 10x once other programs take the cores."""
+
+
+class ThreadTuner:
+    """Told each step's wall time (`step_done`), it sets torch's intra-op threads for the next step."""
+
+    def __init__(
+        self, name: str, choices: Sequence[int], clock: Callable[[], float] = time.monotonic, warmup: int = WARMUP_STEPS
+    ) -> None:
+        if len(set(choices)) < 2 or min(choices) < 1:
+            raise ValueError(f"ThreadTuner needs at least two thread counts of 1 or more, got {list(choices)}")
+        self.name = name
+        self.choices = sorted(set(choices))
+        self.threads = torch.get_num_threads()
+        self._clock = clock
+        self._skip = warmup
+        self._plan: list[int] = []
+        self._times: dict[int, list[float]] = {}
+        self._next_timing = clock()
+        self._chosen_s = 0.0
+        self._since: list[float] = []
+        self.timings = 0
+        """Timings completed."""
+
+    @classmethod
+    def for_worker(cls, name: str, device: torch.device) -> ThreadTuner | None:
+        """The tuner of a CPU worker that the launcher offers more threads than it has; None otherwise."""
+        up_to = env.get_int(env.WORKER_THREADS_UP_TO)
+        have = torch.get_num_threads()
+        if device.type != "cpu" or up_to is None or up_to <= have:
+            return None
+        return cls(name, (have, up_to))
+
+    def step_done(self, seconds: float) -> None:
+        if self._skip > 0:
+            self._skip -= 1
+            return
+        if not self._plan:
+            if self._clock() < self._next_timing and not self._slowed(seconds):
+                return
+            self._plan = [count for _ in range(ROUNDS) for count in self.choices for _ in range(STEPS_EACH)]
+            self._times = {count: [] for count in self.choices}
+            self._set(self._plan[0])
+            return  # this step ran with the threads chosen before
+        threads = self._plan.pop(0)
+        if len(self._plan) % STEPS_EACH != STEPS_EACH - 1:  # not the first step of its run
+            self._times[threads].append(seconds)
+        if self._plan:
+            self._set(self._plan[0])
+        else:
+            self._choose()
+
+    def _slowed(self, seconds: float) -> bool:
+        """Whether the last STEPS_EACH steps' median is SLOWER times the choice's."""
+        self._since = [*self._since[1 - STEPS_EACH :], seconds]
+        return len(self._since) == STEPS_EACH and statistics.median(self._since) > SLOWER * self._chosen_s
+
+    def _choose(self) -> None:
+        medians = {count: statistics.median(times) for count, times in self._times.items()}
+        best = min(medians, key=lambda count: medians[count])
+        if best != self.threads or self.timings == 0:
+            others = ", ".join(f"{medians[count] * 1e3:.3g} ms with {count}" for count in medians if count != best)
+            # On the role's output, as the PS's threads are (a role's log records below warnings go nowhere).
+            print(f"{self.name}: {best} torch threads, {medians[best] * 1e3:.3g} ms a step ({others})", flush=True)
+        self._set(best)
+        self._chosen_s, self._since = medians[best], []
+        self.timings += 1
+        self._next_timing = self._clock() + RETUNE_S
+
+    def _set(self, threads: int) -> None:
+        if threads != self.threads:
+            torch.set_num_threads(threads)
+            self.threads = threads
