@@ -233,11 +233,6 @@ class HybridStrategy(AllReduceStrategy):
         _check_int(self, "max_staleness", 0)
         if self.sparse_mode not in SPARSE_MODES:
             raise ValueError(f"HybridStrategy.sparse_mode must be one of {SPARSE_MODES}, got {self.sparse_mode!r}")
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(
-                "HybridStrategy.gradient_accumulation_steps is not offered yet (the tables' rows go to the PS batch "
-                "by batch): use larger batches, or AllReduceStrategy or ParameterServerStrategy, which offer it"
-            )
 
 
 Strategy = ParameterServerStrategy | AllReduceStrategy
