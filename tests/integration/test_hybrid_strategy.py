@@ -53,19 +53,20 @@ def _start_audited(start_job, env: dict[str, str] | None = None, **config: Any) 
     return start_job("tables.py", env, **{**settings, **config})
 
 
-def _exactly_once(model_dir: Path) -> None:
+def _exactly_once(model_dir: Path, accumulation: int = 1) -> None:
     """Every record's row applied once: none twice, none never."""
-    applied = _applied(model_dir)
+    applied = _applied(model_dir, accumulation)
     twice, never = (applied > 1).nonzero().view(-1), (applied < 1).nonzero().view(-1)
     assert not twice.numel() and not never.numel(), f"applied twice: {twice.tolist()}; never: {never.tolist()}"
 
 
-def _applied(model_dir: Path) -> torch.Tensor:
-    """How many times each record was applied, from the audit table's rows in the latest checkpoint."""
+def _applied(model_dir: Path, accumulation: int = 1) -> torch.Tensor:
+    """How many times each record was applied, from the audit table's rows in the latest checkpoint (with
+    `accumulation`, each loss is divided by it: a push of a record adds 1 / accumulation)."""
     latest = store.latest(model_dir)
     assert latest is not None, f"no checkpoint in {model_dir}"
     rows = CheckpointRows(latest, "audit", lambda ids: torch.zeros(ids.numel(), 1))
-    return rows.lookup(torch.arange(2 * STEPS * BATCH)).view(-1)
+    return rows.lookup(torch.arange(2 * STEPS * BATCH * accumulation)).view(-1) * accumulation
 
 
 @pytest.mark.parametrize(
@@ -116,6 +117,25 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     result = json.loads((tmp_path / "result.json").read_text())
     assert result["global_step"] == STEPS, output
     _exactly_once(tmp_path / "model")
+
+
+def test_with_gradient_accumulation_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
+    start_job, tmp_path
+):
+    """2 batches per worker and global step, their rows' gradients in one push: worker:1 SIGKILLed is restarted, the
+    group drops the step in progress and trains it again with the same batches, and the job ends at its exact
+    global step with every record applied once."""
+    steps_log = tmp_path / "steps.log"
+    job = _start_audited(
+        start_job, accumulation=2, num_batches=4 * STEPS, save_checkpoints_steps=4, step_log=str(steps_log)
+    )
+    _wait_for_batches(job, steps_log, random.Random(12).randint(16, 80))
+    job.roles()["worker:1"].kill()
+    code, output = job.finish(120)
+    assert code == 0, output
+    assert "restarting it" in output and "joined the all-reduce group at global step" in output, output
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
+    _exactly_once(tmp_path / "model", accumulation=2)
 
 
 def test_a_worker_restarted_while_the_ps_are_restored_takes_part_in_the_restore(start_job, tmp_path):

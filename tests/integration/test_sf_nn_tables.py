@@ -242,6 +242,27 @@ def test_hybrid_sync_with_uneven_shards_equals_one_process(run_job, tmp_path):
     assert_equals_one_process(tmp_path / "model", one_process("Adagrad", lr, steps, batch, num_batches=11))
 
 
+def test_hybrid_sync_with_gradient_accumulation_equals_one_process_on_batches_four_times_larger(run_job, tmp_path):
+    """2 workers accumulating 2 batches each per global step: each worker pushes the rows' gradients of its 2 batches
+    to every PS at once, and the PS apply their mean over the workers once per global step, as one process does on
+    the 4 batches together."""
+    steps, batch, lr = 3, 8, 0.1
+    proc, result = run_job(
+        "tables.py",
+        strategy="hybrid",
+        optimizer="Adagrad",
+        lr=lr,
+        mode="sync",
+        num_workers=2,
+        accumulation=2,
+        num_batches=4 * steps,
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == steps
+    # one_process's steps take 2 of its batches: of 2 * 8 records, 4 of the job's batches.
+    assert_equals_one_process(tmp_path / "model", one_process("Adagrad", lr, steps, 2 * batch))
+
+
 def test_hybrid_trains_in_ssp_mode(run_job):
     proc, result = run_job("tables.py", strategy="hybrid", optimizer="Adagrad", mode="ssp", num_batches=12)
     assert proc.returncode == 0, proc.stdout

@@ -130,6 +130,10 @@ def test_init_refuses_a_malformed_schedule_or_clipping(optimizer):
         protocol.decode_request(_init_header(optimizer), [], None, "chief")
 
 
+def test_hybrid_strategy_offers_gradient_accumulation():
+    assert sf.HybridStrategy(gradient_accumulation_steps=2, sparse_mode="sync").gradient_accumulation_steps == 2
+
+
 def test_strategy_options_are_checked():
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         sf.ParameterServerStrategy(gradient_accumulation_steps=0)
@@ -139,7 +143,7 @@ def test_strategy_options_are_checked():
         sf.HybridStrategy(mixed_precision="fp16")
     with pytest.raises(ValueError, match=r"AllReduceStrategy.gradient_accumulation_steps must be an int >= 1"):
         sf.AllReduceStrategy(gradient_accumulation_steps=0)
-    with pytest.raises(ValueError, match=r"HybridStrategy.gradient_accumulation_steps is not offered yet"):
-        sf.HybridStrategy(gradient_accumulation_steps=2)
+    with pytest.raises(ValueError, match=r"HybridStrategy.gradient_accumulation_steps must be an int >= 1"):
+        sf.HybridStrategy(gradient_accumulation_steps=0)
     with pytest.raises(ValueError, match="save_summary_steps"):
         sf.Estimator(torch.nn.Linear(1, 1), _loss, save_summary_steps=0)

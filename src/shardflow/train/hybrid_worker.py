@@ -92,6 +92,8 @@ class _HybridTrainer(_Trainer):
             # part in the recovery as the others do (`_join` rolls back first), rather than wait for them to form.
             self.recovery, self.recovering = recovery.generation - 1, True
         self.rolled_back = False
+        self.step_begun = False
+        """Whether this step's push was begun: its first batch begins it, the others' rows' gradients join it."""
         self.recovery_checked = time.monotonic()
         """When the step's collective last looked for a recovery itself."""
         self.params = _connect(job, role, model, self._interrupt)
@@ -243,19 +245,29 @@ class _HybridTrainer(_Trainer):
             self.retry, self.rolled_back = None, False
         return super()._next_batch()
 
+    def _next_batches(self) -> list[Any]:
+        self.step_begun = False  # a step retried begins anew, its rows' gradients of before dropped
+        return super()._next_batches()
+
     def _forward_backward(self, batch: Any, recorder: SpanRecorder, scale: float = 1.0) -> float:
+        """As an all-reduce worker's, its rows looked up on the PS. The first batch of a step begins its push and
+        sends the lookups of the next step's first batch ahead (every batch of this step is read already); the
+        others' rows' gradients join the same push, their rows looked up when forward asks: as of this step (sync:
+        no PS applies it before this worker's push)."""
         params = self.params
-        params.local_step = self.step  # begin_push counts this step's: global step + 1, the same when trained again
-        if self.sync:
-            params.assume_steps(self.step)
-        params.begin_push(self.step)
         tables = params.tables
         assert tables is not None
+        if not self.step_begun:
+            self.step_begun = True
+            params.local_step = self.step  # begin_push counts this step's: global step + 1, the same when retried
+            if self.sync:
+                params.assume_steps(self.step)
+            params.begin_push(self.step)
+            upcoming = self.position.peek() if isinstance(self.position, Lookahead) else None
+            if upcoming is not None:
+                # Sync: the rows once this step's are applied; async: as they are when the lookup arrives.
+                tables.prefetch(upcoming, [self.step + 1 if self.sync else 0] * len(params.peers))
         tables.set_batch(batch)
-        upcoming = self.position.peek() if isinstance(self.position, Lookahead) else None
-        if upcoming is not None:
-            # Sync: the rows once this step's are applied; async: as they are when the lookup arrives.
-            tables.prefetch(upcoming, [self.step + 1 if self.sync else 0] * len(params.peers))
         try:
             return super()._forward_backward(batch, recorder, scale)
         except PSRecovery:  # a lookup found the PS lost: given up at the step's collective

@@ -176,7 +176,8 @@ class AllReduceStrategy:
     the optimizer stay float32. None: float32 throughout."""
     gradient_accumulation_steps: int = 1
     """Each worker step sums the gradients of this many batches (each loss divided by it: their mean) before the
-    all-reduce: the same as batches this many times larger. Not offered with HybridStrategy yet."""
+    all-reduce: the same as batches this many times larger. HybridStrategy pushes the k batches' table rows to the
+    PS at once, one update per global step."""
     evaluator: bool = False
     """The embedded local cluster also starts an evaluator process that follows checkpoints (then the chief does not
     evaluate while training: the evaluator's last evaluation is the job's metrics)."""
@@ -233,11 +234,6 @@ class HybridStrategy(AllReduceStrategy):
         _check_int(self, "max_staleness", 0)
         if self.sparse_mode not in SPARSE_MODES:
             raise ValueError(f"HybridStrategy.sparse_mode must be one of {SPARSE_MODES}, got {self.sparse_mode!r}")
-        if self.gradient_accumulation_steps != 1:
-            raise ValueError(
-                "HybridStrategy.gradient_accumulation_steps is not offered yet (the tables' rows go to the PS batch "
-                "by batch): use larger batches, or AllReduceStrategy or ParameterServerStrategy, which offer it"
-            )
 
 
 Strategy = ParameterServerStrategy | AllReduceStrategy

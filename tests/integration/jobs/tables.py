@@ -94,6 +94,7 @@ def main(config: dict[str, Any]) -> None:
             num_ps=config.get("num_ps", 2),
             num_workers=config.get("num_workers", 2),
             sparse_mode=config.get("mode", "sync"),
+            gradient_accumulation_steps=config.get("accumulation", 1),
             max_restarts=config.get("max_restarts", 0),
             restart_backoff_s=0.1,
         )
