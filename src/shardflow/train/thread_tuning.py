@@ -43,6 +43,8 @@ class ThreadTuner:
         self.name = name
         self.choices = sorted(set(choices))
         self.threads = torch.get_num_threads()
+        self.chosen = self.threads
+        """The count the last timing chose (before any: the one it began with)."""
         self._clock = clock
         self._skip = warmup
         self._plan: list[int] = []
@@ -89,12 +91,12 @@ class ThreadTuner:
     def _choose(self) -> None:
         medians = {count: statistics.median(times) for count, times in self._times.items()}
         best = min(medians, key=lambda count: medians[count])
-        if best != self.threads or self.timings == 0:
+        if best != self.chosen or self.timings == 0:
             others = ", ".join(f"{medians[count] * 1e3:.3g} ms with {count}" for count in medians if count != best)
             # On the role's output, as the PS's threads are (a role's log records below warnings go nowhere).
             print(f"{self.name}: {best} torch threads, {medians[best] * 1e3:.3g} ms a step ({others})", flush=True)
         self._set(best)
-        self._chosen_s, self._since = medians[best], []
+        self.chosen, self._chosen_s, self._since = best, medians[best], []
         self.timings += 1
         self._next_timing = self._clock() + RETUNE_S
 
