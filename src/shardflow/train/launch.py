@@ -10,6 +10,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,6 +53,8 @@ from shardflow.train.strategy import Strategy
 from shardflow.train.worker import run_worker_role
 
 log = logging.getLogger(__name__)
+GONE_AFTER_S = 3.0
+"""At the end of the job: a role whose heartbeat (one a second) stood still this long is not waited for."""
 
 OnConnect = Callable[[PSConnection | None], None]
 """Told the role's client to the PS while it exists, then None."""
@@ -231,13 +234,38 @@ def _run_chief(
 
 
 def _await_goodbyes(role: RoleContext, timeout_s: float = 10.0) -> None:
-    """Wait (briefly) until every other role has said it saw the end of the job, or is gone."""
-    others = [control_keys.goodbye(task.name) for task in role.spec.tasks() if task != role.task]
+    """Wait (briefly) until every other role has said it saw the end of the job, or is gone: its heartbeat has not
+    moved for GONE_AFTER_S since this wait began (killed, stopped, or lost for good), so that a job with a role
+    lost does not end that much later. A role that does not beat (the evaluator) is waited for up to `timeout_s`."""
+    waiting = {task.name for task in role.spec.tasks() if task != role.task}
+    beats: dict[str, tuple[str, float]] = {}
+    deadline = time.monotonic() + timeout_s
     try:
-        role.control.wait(others, waiting_for="every role to see the end of the job", timeout_s=timeout_s)
+        while waiting and time.monotonic() < deadline:
+            for name in sorted(waiting):
+                if role.control.is_set(control_keys.goodbye(name)) or _gone(role.control, name, beats):
+                    waiting.discard(name)
+            if waiting:
+                time.sleep(0.1)
     except ControlPlaneError:
-        missing = [key for key in others if not role.control.is_set(key)]
-        log.info("the chief ends without goodbyes from %s (gone already, or still finishing)", ", ".join(missing))
+        pass
+    if waiting:
+        log.info(
+            "the chief ends without goodbyes from %s (gone already, or still finishing)", ", ".join(sorted(waiting))
+        )
+
+
+def _gone(control: ControlPlane, name: str, beats: dict[str, tuple[str, float]]) -> bool:
+    """Whether role `name`'s heartbeat stood still for GONE_AFTER_S of this wait; `beats` holds each one's last."""
+    key = control_keys.heartbeat(name)
+    if not control.is_set(key):
+        return False
+    beat, now = control.get(key, waiting_for=f"{name}'s heartbeat"), time.monotonic()
+    last = beats.get(name)
+    if last is None or last[0] != beat:
+        beats[name] = (beat, now)
+        return False
+    return now - last[1] >= GONE_AFTER_S
 
 
 def _run_other_role(job: JobConfig[Strategy], spec: ClusterSpec, task: TaskSpec, on_connect: OnConnect) -> NoReturn:
