@@ -36,12 +36,12 @@ def saved_rows(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def test_admission_after_two_sightings_makes_rows_for_exactly_the_ids_seen_twice(run_job):
-    config = {"num_batches": 150, "batch": 2048, "num_ranks": 1 << 40}
+    config = {"num_batches": 100, "batch": 2048, "num_ranks": 1 << 40}
     proc, result = run_job("dynamic.py", timeout_s=300, **config)
     assert proc.returncode == 0, proc.stdout
-    assert result["global_step"] == 150
-    ids, counts = np.unique(job.make_ids(150, 2048, 1 << 40), return_counts=True)
-    assert ids.size > 2_000_000  # several million distinct ids, most seen once
+    assert result["global_step"] == 100
+    ids, counts = np.unique(job.make_ids(100, 2048, 1 << 40), return_counts=True)
+    assert ids.size > 1_500_000 and (counts >= 2).sum() < ids.size // 5  # ~2M distinct ids, most seen once
     rows = saved_rows(Path(result["checkpoint"]))
     expected = torch.from_numpy(ids[counts >= 2])
     missing, extra = np.setdiff1d(expected, rows["ids"]).size, np.setdiff1d(rows["ids"], expected).size
