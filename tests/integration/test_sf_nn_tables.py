@@ -92,15 +92,24 @@ def trained_tables(model_dir: Path) -> tuple[dict[str, torch.Tensor], dict[str, 
 
 
 @pytest.mark.parametrize(
-    ("strategy", "optimizer"),
-    [("ps", "SGD"), ("ps", "Adagrad"), ("ps", "Adam"), ("hybrid", "Adagrad"), ("hybrid", "Adam")],
+    ("strategy", "optimizer", "accumulation"),
+    [
+        ("ps", "SGD", 1),
+        ("ps", "Adagrad", 1),
+        ("ps", "Adam", 1),
+        ("hybrid", "Adagrad", 1),
+        ("hybrid", "Adam", 1),
+        ("hybrid", "Adagrad", 2),
+    ],
 )
 def test_sync_training_of_sf_nn_tables_equals_one_process_with_torch_sparse_optimizers(
-    run_job, tmp_path, strategy, optimizer
+    run_job, tmp_path, strategy, optimizer, accumulation
 ):
     """ParameterServerStrategy in sync mode, and HybridStrategy with sparse_mode="sync" (the head all-reduced, the
-    tables' rows applied once per global step on the PS)."""
-    steps, batch, lr = 6, 8, 0.1
+    tables' rows applied once per global step on the PS). With gradient accumulation, each worker pushes the rows'
+    gradients of its batches of a step to every PS at once, and the PS apply their mean over the workers once per
+    global step, as one process does on all of them together."""
+    steps, batch, lr = 6 // accumulation, 8, 0.1
     proc, result = run_job(
         "tables.py",
         strategy=strategy,
@@ -109,11 +118,13 @@ def test_sync_training_of_sf_nn_tables_equals_one_process_with_torch_sparse_opti
         mode="sync",
         num_workers=2,
         num_ps=2,
-        num_batches=2 * steps,
+        accumulation=accumulation,
+        num_batches=2 * accumulation * steps,
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
-    assert_equals_one_process(tmp_path / "model", one_process(optimizer, lr, steps, batch))
+    # Each of one_process's steps takes 2 of its batches: one per worker, of `accumulation` of the job's batches.
+    assert_equals_one_process(tmp_path / "model", one_process(optimizer, lr, steps, accumulation * batch))
 
 
 def test_a_table_of_40_million_rows_trains_while_the_chief_and_workers_hold_none_of_it(start_job, tmp_path):
@@ -240,27 +251,6 @@ def test_hybrid_sync_with_uneven_shards_equals_one_process(run_job, tmp_path):
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
     assert_equals_one_process(tmp_path / "model", one_process("Adagrad", lr, steps, batch, num_batches=11))
-
-
-def test_hybrid_sync_with_gradient_accumulation_equals_one_process_on_batches_four_times_larger(run_job, tmp_path):
-    """2 workers accumulating 2 batches each per global step: each worker pushes the rows' gradients of its 2 batches
-    to every PS at once, and the PS apply their mean over the workers once per global step, as one process does on
-    the 4 batches together."""
-    steps, batch, lr = 3, 8, 0.1
-    proc, result = run_job(
-        "tables.py",
-        strategy="hybrid",
-        optimizer="Adagrad",
-        lr=lr,
-        mode="sync",
-        num_workers=2,
-        accumulation=2,
-        num_batches=4 * steps,
-    )
-    assert proc.returncode == 0, proc.stdout
-    assert result["global_step"] == steps
-    # one_process's steps take 2 of its batches: of 2 * 8 records, 4 of the job's batches.
-    assert_equals_one_process(tmp_path / "model", one_process("Adagrad", lr, steps, 2 * batch))
 
 
 def test_hybrid_trains_in_ssp_mode(run_job):
