@@ -19,7 +19,9 @@ STEPS_OF_A_TIMING = thread_tuning.ROUNDS * 2 * thread_tuning.STEPS_EACH
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
+def one_thread(monkeypatch) -> Iterator[None]:
+    # Runs of STEPS_EACH steps for the steps of 10 ms and more the tests feed; 50 for steps of 1 ms.
+    monkeypatch.setattr(thread_tuning, "RUN_S", 0.05)
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -51,8 +53,26 @@ def test_a_model_faster_on_more_threads_keeps_them_and_says_so(capsys):
 
 def test_a_model_slower_on_more_threads_goes_back_to_its_share():
     tuner = ThreadTuner("worker:0", (1, 2), warmup=0)
-    _steps(tuner, 1 + STEPS_OF_A_TIMING, lambda threads: 0.001 if threads == 1 else 0.0013)
+    _steps(tuner, 1 + STEPS_OF_A_TIMING, lambda threads: 0.010 if threads == 1 else 0.013)
     assert torch.get_num_threads() == 1 and tuner.timings == 1
+
+
+def test_more_threads_barely_faster_are_not_taken():
+    tuner = ThreadTuner("worker:0", (1, 2), warmup=0)
+    _steps(tuner, 1 + STEPS_OF_A_TIMING, lambda threads: 0.010 if threads == 1 else 0.0097)
+    assert torch.get_num_threads() == 1 and tuner.timings == 1
+
+
+def test_short_steps_are_timed_over_runs_of_at_least_run_s():
+    # 1 ms steps: runs of 50 steps, sized from the warm-up's steps.
+    tuner = ThreadTuner("worker:0", (1, 2), warmup=3)
+    each = round(thread_tuning.RUN_S / 0.001)
+    _steps(tuner, 3 + 1 + STEPS_OF_A_TIMING, lambda threads: 0.001 if threads == 1 else 0.0005)
+    assert tuner.timings == 0
+    _steps(
+        tuner, thread_tuning.ROUNDS * 2 * each - STEPS_OF_A_TIMING, lambda threads: 0.001 if threads == 1 else 0.0005
+    )
+    assert tuner.timings == 1 and torch.get_num_threads() == 2
 
 
 def test_the_first_step_of_each_run_is_not_counted():

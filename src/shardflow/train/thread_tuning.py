@@ -11,6 +11,7 @@ load may change.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -22,7 +23,12 @@ from shardflow import env
 WARMUP_STEPS = 10
 """Steps not timed at the start: the first ones allocate, fill caches and connect."""
 STEPS_EACH = 8
-"""Steps with one thread count in a row; the first of them is not counted (the thread pool changes size in it)."""
+"""Steps with one thread count in a row, at least; the first of them is not counted (the thread pool changes size in
+it)."""
+RUN_S = 0.3
+"""A run of one count lasts about this long at least: short steps (1 ms) are timed over more of them."""
+MARGIN = 0.05
+"""More threads than the share are kept only when this much faster: they cost the most when the load changes."""
 ROUNDS = 2
 """Each count is timed this many times, in turns, so that a change of the machine's load meets both."""
 RETUNE_S = 60.0
@@ -51,6 +57,7 @@ class ThreadTuner:
         self._times: dict[int, list[float]] = {}
         self._next_timing = clock()
         self._chosen_s = 0.0
+        self._each = STEPS_EACH
         self._since: list[float] = []
         self.timings = 0
         """Timings completed."""
@@ -67,16 +74,19 @@ class ThreadTuner:
     def step_done(self, seconds: float) -> None:
         if self._skip > 0:
             self._skip -= 1
+            self._since = [*self._since[1 - STEPS_EACH :], seconds]
             return
         if not self._plan:
             if self._clock() < self._next_timing and not self._slowed(seconds):
                 return
-            self._plan = [count for _ in range(ROUNDS) for count in self.choices for _ in range(STEPS_EACH)]
+            typical = statistics.median(self._since) if self._since else seconds
+            self._each = max(STEPS_EACH, min(100 * STEPS_EACH, math.ceil(RUN_S / max(typical, 1e-6))))
+            self._plan = [count for _ in range(ROUNDS) for count in self.choices for _ in range(self._each)]
             self._times = {count: [] for count in self.choices}
             self._set(self._plan[0])
             return  # this step ran with the threads chosen before
         threads = self._plan.pop(0)
-        if len(self._plan) % STEPS_EACH != STEPS_EACH - 1:  # not the first step of its run
+        if len(self._plan) % self._each != self._each - 1:  # not the first step of its run
             self._times[threads].append(seconds)
         if self._plan:
             self._set(self._plan[0])
@@ -90,7 +100,9 @@ class ThreadTuner:
 
     def _choose(self) -> None:
         medians = {count: statistics.median(times) for count, times in self._times.items()}
-        best = min(medians, key=lambda count: medians[count])
+        best, share = min(medians, key=lambda count: medians[count]), self.choices[0]
+        if medians[best] > (1 - MARGIN) * medians[share]:
+            best = share
         if best != self.chosen or self.timings == 0:
             others = ", ".join(f"{medians[count] * 1e3:.3g} ms with {count}" for count in medians if count != best)
             # On the role's output, as the PS's threads are (a role's log records below warnings go nowhere).
