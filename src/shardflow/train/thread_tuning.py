@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 
 import torch
@@ -53,12 +54,13 @@ class ThreadTuner:
         """The count the last timing chose (before any: the one it began with)."""
         self._clock = clock
         self._skip = warmup
-        self._plan: list[int] = []
+        self._plan: deque[int] = deque()
         self._times: dict[int, list[float]] = {}
         self._next_timing = clock()
         self._chosen_s = 0.0
         self._each = STEPS_EACH
-        self._since: list[float] = []
+        self._since: deque[float] = deque(maxlen=STEPS_EACH)
+        """The last steps' times: before a timing, they size its runs; after it, they tell a slowdown."""
         self.timings = 0
         """Timings completed."""
 
@@ -74,18 +76,18 @@ class ThreadTuner:
     def step_done(self, seconds: float) -> None:
         if self._skip > 0:
             self._skip -= 1
-            self._since = [*self._since[1 - STEPS_EACH :], seconds]
+            self._since.append(seconds)
             return
         if not self._plan:
             if self._clock() < self._next_timing and not self._slowed(seconds):
                 return
             typical = statistics.median(self._since) if self._since else seconds
             self._each = max(STEPS_EACH, min(100 * STEPS_EACH, math.ceil(RUN_S / max(typical, 1e-6))))
-            self._plan = [count for _ in range(ROUNDS) for count in self.choices for _ in range(self._each)]
+            self._plan = deque(count for _ in range(ROUNDS) for count in self.choices for _ in range(self._each))
             self._times = {count: [] for count in self.choices}
             self._set(self._plan[0])
             return  # this step ran with the threads chosen before
-        threads = self._plan.pop(0)
+        threads = self._plan.popleft()
         if len(self._plan) % self._each != self._each - 1:  # not the first step of its run
             self._times[threads].append(seconds)
         if self._plan:
@@ -95,7 +97,7 @@ class ThreadTuner:
 
     def _slowed(self, seconds: float) -> bool:
         """Whether the last STEPS_EACH steps' median is SLOWER times the choice's."""
-        self._since = [*self._since[1 - STEPS_EACH :], seconds]
+        self._since.append(seconds)
         return len(self._since) == STEPS_EACH and statistics.median(self._since) > SLOWER * self._chosen_s
 
     def _choose(self) -> None:
@@ -108,7 +110,8 @@ class ThreadTuner:
             # On the role's output, as the PS's threads are (a role's log records below warnings go nowhere).
             print(f"{self.name}: {best} torch threads, {medians[best] * 1e3:.3g} ms a step ({others})", flush=True)
         self._set(best)
-        self.chosen, self._chosen_s, self._since = best, medians[best], []
+        self.chosen, self._chosen_s = best, medians[best]
+        self._since.clear()
         self.timings += 1
         self._next_timing = self._clock() + RETUNE_S
 
