@@ -22,15 +22,17 @@ JOB = Path(__file__).parents[1] / "cli" / "jobs" / "tiny_classifier.py"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Two workers and one PS train the tiny job for 300 steps, profiling steps [100, 250)."""
+    """Two workers and one PS train the tiny job for 800 steps, profiling steps [100, 700): about 0.25 s, 25 samples
+    of the cores' counters (every 10 ms). A window of 150 steps (60 ms) left the CPU time of the window to 6 samples,
+    10% off when another program shared the cores."""
     directory = tmp_path_factory.mktemp("compute-cpu")
     env = {
         **os.environ,
         "SHARDFLOW_MODEL_DIR": str(directory / "model"),
         "SHARDFLOW_RESULT_JSON": str(directory / "result.json"),
-        "SHARDFLOW_PROFILE_STEPS": "100,250",
+        "SHARDFLOW_PROFILE_STEPS": "100,700",
     }
-    command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "1", str(JOB), "300", "1000"]
+    command = [sys.executable, "-m", "shardflow", "launch", "--workers", "2", "--ps", "1", str(JOB), "800", "1000"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stdout + done.stderr
     return directory / "model"
