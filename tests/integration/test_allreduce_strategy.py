@@ -8,6 +8,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -47,6 +48,32 @@ def test_two_workers_of_batch_b_equal_one_process_on_batches_of_2b(run_job, tmp_
 
     expected = _one_process(
         [slice(2 * s * batch, (2 * s + 2) * batch) for s in range(steps)], "sgd", 0.1, 2 * steps * batch
+    )
+    trained = _trained(tmp_path / "model")
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: workers that compute on a GPU")
+def test_two_workers_sharing_a_gpu_equal_one_process_with_adam_and_a_checkpoint_on_the_way(run_job, tmp_path):
+    # Both workers on the machine's first GPU: gloo sums their gradients through pinned host buffers. Adam's slots
+    # live on the GPU and go to the checkpoint of step 5 from there.
+    steps, batch = 10, 8
+    proc, result = run_job(
+        "allreduce.py",
+        num_workers=2,
+        epochs=1,
+        num_batches=2 * steps,
+        batch=batch,
+        lr=0.05,
+        optimizer="adam",
+        device="cuda:0",
+        save_checkpoints_steps=5,
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == steps
+    expected = _one_process(
+        [slice(2 * s * batch, (2 * s + 2) * batch) for s in range(steps)], "adam", 0.05, 2 * steps * batch
     )
     trained = _trained(tmp_path / "model")
     for name, value in expected.state_dict().items():

@@ -21,7 +21,11 @@ worker: whether that worker had a batch, so that every worker counts the batches
 
 class GradientReducer:
     """The parameters' gradients in buckets of at most `bucket_bytes` (one dtype each, in the order of
-    `parameters`), each copied into a flat buffer of its own, reused every step, and all-reduced at once."""
+    `parameters`), each copied into a flat buffer of its own, reused every step, and all-reduced at once.
+
+    The buffers are in host memory, where gloo sums them: page-locked where the parameters are on a GPU, so that
+    each gradient comes over in one asynchronous copy and the mean goes back as one (several workers may then share
+    a GPU, which NCCL refuses). On the CPU the gradients become views of the buffers: no copy back."""
 
     def __init__(
         self,
@@ -58,7 +62,13 @@ class GradientReducer:
         self.separate_flags = not self.buckets or self.buckets[0][0].dtype not in (torch.float32, torch.float64)
         if not self.separate_flags:
             sizes[0] += num_flags
-        self.flat = [torch.empty(size, dtype=bucket[0].dtype) for size, bucket in zip(sizes, self.buckets, strict=True)]
+        self.device = next((param.device for param in parameters), torch.device("cpu"))
+        """Where the parameters are; the buffers are in host memory whatever it is."""
+        pinned = self.device.type == "cuda"
+        self.flat = [
+            torch.empty(size, dtype=bucket[0].dtype, pin_memory=pinned)
+            for size, bucket in zip(sizes, self.buckets, strict=True)
+        ]
         if self.separate_flags:
             self.flags = torch.zeros(num_flags, dtype=torch.float64)
         else:
@@ -74,6 +84,9 @@ class GradientReducer:
         self.flags.copy_(torch.tensor(flags, dtype=self.flags.dtype))
         # Per collective: its work, its bucket (-1: the flags alone), its bytes and when it was issued.
         works = [self._issue(self.flags, -1)] if self.separate_flags else []
+        on_device = self.device.type != "cpu"
+        if on_device:  # the last step's mean may still be on its way to the device from these buffers
+            torch.cuda.synchronize(self.device)
         for index, (bucket, flat) in enumerate(zip(self.buckets, self.flat, strict=True)):
             offset = 0
             for param in bucket:
@@ -81,8 +94,10 @@ class GradientReducer:
                 if param.grad is None:
                     part.zero_()
                 else:
-                    part.copy_(param.grad.reshape(-1))
+                    part.copy_(param.grad.reshape(-1), non_blocking=on_device)
                 offset += param.numel()
+            if on_device:  # the bucket's copies done before gloo reads it
+                torch.cuda.synchronize(self.device)
             works.append(self._issue(flat, index))
         for work, index, nbytes, issued in works:
             self.wait(work)
@@ -103,7 +118,8 @@ class GradientReducer:
             flat.div_(contributors)
             offset = 0
             for param in bucket:
-                param.grad = flat[offset : offset + param.numel()].view_as(param)
+                mean = flat[offset : offset + param.numel()].view_as(param)
+                param.grad = mean if mean.device == param.device else mean.to(param.device, non_blocking=True)
                 offset += param.numel()
 
 

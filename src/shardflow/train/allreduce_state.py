@@ -26,13 +26,13 @@ WINDOW = 8
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int) -> ModelState:
     """A copy of the model's values and its optimizer's state at global step `step`: a tensor slot of more than
     zero dimensions by variable name, anything else (Adam's step count) a scalar shared by all, as a PS keeps them
-    (ps/state.py `capture`)."""
-    params = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    (ps/state.py `capture`). The copy is in host memory, wherever the model computes."""
+    params = {name: _host_copy(tensor) for name, tensor in model.state_dict().items()}
     state = ModelState(step=step, params=params)
     for name, param in model.named_parameters():
         for key, value in optimizer.state.get(param, {}).items():
             if isinstance(value, torch.Tensor) and value.dim() > 0:
-                state.slots.setdefault(key, {})[name] = value.detach().clone()
+                state.slots.setdefault(key, {})[name] = _host_copy(value)
             elif value is not None:
                 state.scalars[key] = float(value)
     return state
@@ -40,15 +40,19 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer, step: int)
 
 def restore(model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: ModelState) -> None:
     """Load `state` into `model` and `optimizer`: a variable with any slot gets the shared scalars too, in the types
-    torch.optim keeps them in (ps/state.py `load_slots`)."""
+    torch.optim keeps them in (ps/state.py `load_slots`); the slots on the variable's device."""
     model.load_state_dict(state.params)
     for name, param in model.named_parameters():
         slots: dict[str, torch.Tensor] = {
-            key: by_name[name].clone() for key, by_name in state.slots.items() if name in by_name
+            key: by_name[name].to(param.device, copy=True) for key, by_name in state.slots.items() if name in by_name
         }
         if slots:
             scalars = {key: torch.tensor(value, dtype=torch.float32) for key, value in state.scalars.items()}
             optimizer.state[param] = {**slots, **scalars}
+
+
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().to("cpu", copy=True)
 
 
 def to_bytes(state: ModelState) -> bytes:

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
 import torch
 
 from shardflow.cluster import control_keys
+from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
 from shardflow.data.torch_edge import to_torch
 from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
@@ -33,6 +35,7 @@ from shardflow.train.role_context import RoleContext
 from shardflow.train.specs import InputContext
 from shardflow.train.strategy import AllReduceStrategy
 from shardflow.train.worker_report import Report
+from shardflow.train.worker_step import batch_to_device
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ def run_allreduce_worker(
             job_keys.ALLREDUCE_START, waiting_for="the chief to restore the model", timeout_s=strategy.startup_timeout_s
         )
         replay.keep(job_keys.ALLREDUCE_START, start)
-        model = job.build_model()
+        model = job.build_model().to(strategy.worker_device(local_worker_index(role.spec, role.task)))
         optimizer = job.optimizer.build(list(model.parameters()))
         generation = allreduce_group.generation_to_join(role)
         if start.checkpoint is not None and generation == 0:  # a restarted worker gets the state of now from the group
@@ -82,6 +85,23 @@ def run_allreduce_worker(
         profiler.finish()
         replay.stop()
         heartbeat.stop()
+
+
+def local_worker_index(spec: ClusterSpec, task: TaskSpec) -> int:
+    """Worker `task`'s place among the workers of its machine (torchrun's LOCAL_RANK where it set one; else the
+    workers before it at the same host in `spec`; its index where the spec names no host)."""
+    if (local_rank := os.environ.get("LOCAL_RANK", "")).isdigit():
+        return int(local_rank)
+    host = _host(spec.address(task))
+    if host is None:
+        return task.index
+    return sum(_host(spec.address(TaskSpec("worker", other))) == host for other in range(task.index))
+
+
+def _host(address: str) -> str | None:
+    if address == DYNAMIC:
+        return None
+    return address.removeprefix("tcp://").rpartition(":")[0].strip("[]") or None
 
 
 class _Trainer:
@@ -109,6 +129,8 @@ class _Trainer:
         self.step = step
         self.leader = self.index == 0
         self.parameters = [p for p in model.parameters() if p.requires_grad]
+        self.device = next((p.device for p in self.parameters), torch.device("cpu"))
+        """Where the model computes (AllReduceStrategy.device): each batch goes there."""
         self.batches_applied = [0] * role.num_workers
         """Per worker: how many of its batches the global steps of this run applied (each step's flags say)."""
         self.had_batch = [True] * role.num_workers
@@ -329,7 +351,7 @@ class _Trainer:
     def _forward_backward(self, batch: Any, recorder: SpanRecorder, scale: float = 1.0) -> float:
         started, cpu = time.perf_counter_ns(), time.thread_time_ns()
         with autocast(self.job.strategy.mixed_precision), user_code("loss_fn", self.name, self.step):
-            loss = self.job.loss_fn(self.model, to_torch(batch))
+            loss = self.job.loss_fn(self.model, batch_to_device(to_torch(batch), self.device))
         recorder.end(spans.FORWARD, self.step, started, time.thread_time_ns() - cpu)
         check_loss(loss, self.name)
         started, cpu = time.perf_counter_ns(), time.thread_time_ns()

@@ -105,7 +105,7 @@ class ParameterServerStrategy(UpdateRule):
         check_mixed_precision(self.mixed_precision)
         if self.wire_dtype not in (None, "bf16"):
             raise ValueError(f"ParameterServerStrategy.wire_dtype must be 'bf16' or None, got {self.wire_dtype!r}")
-        _parse_device(self.device)
+        _parse_device(self.device, type(self).__name__)
         if self.termination_grace_s <= 0:
             raise ValueError(
                 f"ParameterServerStrategy.termination_grace_s must be positive, got {self.termination_grace_s}; "
@@ -115,21 +115,7 @@ class ParameterServerStrategy(UpdateRule):
     def worker_device(self) -> torch.device:
         """The device a worker computes on, resolved in the worker's own process: the chief's and the PS's
         machines may have no GPU. Raises ValueError, naming `device`, for a GPU this process cannot use."""
-        device = _parse_device(self.device)
-        if device is None:
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if device.type == "cuda":
-            if not torch.cuda.is_available():
-                raise ValueError(
-                    f"ParameterServerStrategy.device={self.device!r}, but this process sees no CUDA device "
-                    "(torch.cuda.is_available() is False): use device='cpu', or None for the GPU where there is one"
-                )
-            if device.index is not None and device.index >= torch.cuda.device_count():
-                raise ValueError(
-                    f"ParameterServerStrategy.device={self.device!r}, but this process sees "
-                    f"{torch.cuda.device_count()} CUDA device(s), numbered from 0"
-                )
-        return device
+        return resolve_device(self.device, type(self).__name__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,17 +167,33 @@ class AllReduceStrategy:
     evaluator: bool = False
     """The embedded local cluster also starts an evaluator process that follows checkpoints (then the chief does not
     evaluate while training: the evaluator's last evaluation is the job's metrics)."""
+    device: str | torch.device | None = None
+    """Where each worker's model computes: "cpu", "cuda", "cuda:N" or a torch.device; None: "cuda" where the
+    worker's process sees one, else "cpu". "cuda" (or None) puts the workers of a machine on its GPUs in turn, by
+    their order among the machine's workers. The gradients are all-reduced by gloo through pinned host buffers
+    (allreduce_gradients.py), so several workers may share one GPU; the chief evaluates on the CPU.
+    HybridStrategy computes on the CPU."""
 
     @property
     def num_ps(self) -> int:
         """No parameter servers."""
         return 0
 
+    def worker_device(self, local_index: int = 0) -> torch.device:
+        """The device of a worker that is the `local_index`-th of its machine's workers, resolved in its own process:
+        "cuda" without an index is the GPU local_index modulo the GPUs it sees. Raises ValueError, naming `device`,
+        for a GPU this process cannot use."""
+        device = resolve_device(self.device, type(self).__name__)
+        if device.type == "cuda" and device.index is None:
+            return torch.device("cuda", local_index % torch.cuda.device_count())
+        return device
+
     def __post_init__(self) -> None:
         _check_int(self, "num_workers", 1)
         _check_int(self, "bucket_bytes", 1)
         _check_int(self, "gradient_accumulation_steps", 1)
         check_mixed_precision(self.mixed_precision, type(self).__name__)
+        _parse_device(self.device, type(self).__name__)
         _check_roles(
             self,
             timeouts=(
@@ -234,6 +236,17 @@ class HybridStrategy(AllReduceStrategy):
         _check_int(self, "max_staleness", 0)
         if self.sparse_mode not in SPARSE_MODES:
             raise ValueError(f"HybridStrategy.sparse_mode must be one of {SPARSE_MODES}, got {self.sparse_mode!r}")
+        device = _parse_device(self.device, "HybridStrategy")
+        if device is not None and device.type != "cpu":
+            raise ValueError(
+                f"HybridStrategy.device={self.device!r}: the hybrid workers compute on the CPU (their table rows come "
+                "from the PS in host memory); use device=None or 'cpu', or AllReduceStrategy or "
+                "ParameterServerStrategy for a GPU"
+            )
+
+    def worker_device(self, local_index: int = 0) -> torch.device:
+        """The CPU, always (see `device`)."""
+        return torch.device("cpu")
 
 
 Strategy = ParameterServerStrategy | AllReduceStrategy
@@ -261,7 +274,27 @@ def _check_roles(strategy: ParameterServerStrategy | AllReduceStrategy, *, timeo
         raise ValueError(f"{owner}.fail_on_save_error must be True or False, got {strategy.fail_on_save_error!r}")
 
 
-def _parse_device(device: str | torch.device | None) -> torch.device | None:
+def resolve_device(device: str | torch.device | None, owner: str) -> torch.device:
+    """The device `owner`.device names, resolved in the worker's own process: None is "cuda" where it sees one, else
+    "cpu". Raises ValueError, naming the setting, for a GPU this process cannot use."""
+    parsed = _parse_device(device, owner)
+    if parsed is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{owner}.device={device!r}, but this process sees no CUDA device "
+                "(torch.cuda.is_available() is False): use device='cpu', or None for the GPU where there is one"
+            )
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"{owner}.device={device!r}, but this process sees "
+                f"{torch.cuda.device_count()} CUDA device(s), numbered from 0"
+            )
+    return parsed
+
+
+def _parse_device(device: str | torch.device | None, owner: str) -> torch.device | None:
     """The device `device` names, checked to be one a worker can compute on; None stays None."""
     if device is None:
         return None
@@ -270,7 +303,5 @@ def _parse_device(device: str | torch.device | None) -> torch.device | None:
     except RuntimeError:
         parsed = None
     if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ValueError(
-            f"ParameterServerStrategy.device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}"
-        )
+        raise ValueError(f"{owner}.device must be 'cpu', 'cuda', 'cuda:N' or a torch.device, got {device!r}")
     return parsed

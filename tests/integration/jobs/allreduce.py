@@ -55,6 +55,7 @@ else:
         mixed_precision=config.get("mixed_precision"),
         gradient_accumulation_steps=config.get("accumulation", 1),
         evaluator=config.get("evaluator", False),
+        device=config.get("device"),
     )
 optimizers = {"sgd": sf.optim.SGD(lr=config.get("lr", 0.05)), "adam": sf.optim.Adam(lr=config.get("lr", 0.05))}
 est = sf.Estimator(
