@@ -68,6 +68,8 @@ class TableLookups:
         self._calls: dict[int, int] = {}
         self._ahead: dict[tuple[int, int], tuple[_Round, _Ids]] = {}
         self._next: dict[tuple[int, int], tuple[_Round, _Ids]] = {}
+        self._later: list[tuple[Any, dict[tuple[int, int], tuple[_Round, _Ids]]]] = []
+        """The lookups sent ahead for the rest of this step's batches (gradient accumulation), in their order."""
         self._looked: list[tuple[_Ids, torch.Tensor]] = []
 
     def __len__(self) -> int:
@@ -78,18 +80,30 @@ class TableLookups:
     def begin_step(self) -> None:
         """A new step: the rows looked up before are forgotten; the lookups sent ahead for its batch are ready."""
         self._looked = []
-        self._ahead, self._next = self._next, {}
+        self._ahead, self._next, self._later = self._next, {}, []
 
     def set_batch(self, batch: Any) -> None:
-        """The batch the model is about to be run on (each of a step's batches, with accumulation)."""
+        """The batch the model is about to be run on (each of a step's batches, with accumulation): the lookups
+        `prefetch_later` sent for it are ready."""
         self._batch = batch
         self._calls = {}
+        if self._later and self._later[0][0] is batch:
+            self._ahead = self._later.pop(0)[1]
 
     def prefetch(self, batch: Any, min_step: Sequence[int]) -> None:
         """Send the lookups of `batch`, the next step's, for every table whose ids are known to sit in the batch;
         ps:k answers once its step is at least `min_step[k]`."""
-        if not self.prefetch_enabled:
-            return
+        if self.prefetch_enabled:
+            self._next = self._sent_ahead(batch, min_step)
+
+    def prefetch_later(self, batches: Sequence[Any], min_step: Sequence[int]) -> None:
+        """Send the lookups of the rest of this step's batches now (gradient accumulation reads them all before the
+        first one's forward), a round each; ps:k answers once its step is at least `min_step[k]`."""
+        if self.prefetch_enabled:
+            self._later = [(batch, self._sent_ahead(batch, min_step)) for batch in batches]
+
+    def _sent_ahead(self, batch: Any, min_step: Sequence[int]) -> dict[tuple[int, int], tuple[_Round, _Ids]]:
+        """The lookups of `batch` sent, in one round, for every table whose ids are known to sit in a batch."""
         wanted: list[_Ids] = []
         keys: list[tuple[int, int]] = []
         for key, path in self.paths.items():
@@ -97,9 +111,10 @@ class TableLookups:
             if isinstance(ids, torch.Tensor):
                 wanted.append(self._prepare(key[0], ids))
                 keys.append(key)
-        if wanted:
-            lookup_round = self._send(wanted, min_step)
-            self._next = {key: (lookup_round, ids) for key, ids in zip(keys, wanted, strict=True)}
+        if not wanted:
+            return {}
+        lookup_round = self._send(wanted, min_step)
+        return {key: (lookup_round, ids) for key, ids in zip(keys, wanted, strict=True)}
 
     def lookup(self, module: TableModule, ids: torch.Tensor) -> Looked:
         """The rows of `ids` for `module`'s forward: those sent ahead if they are of these ids, else fetched now."""

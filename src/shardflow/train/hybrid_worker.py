@@ -92,6 +92,8 @@ class _HybridTrainer(_Trainer):
             # part in the recovery as the others do (`_join` rolls back first), rather than wait for them to form.
             self.recovery, self.recovering = recovery.generation - 1, True
         self.rolled_back = False
+        self.step_batches: list[Any] = []
+        """This step's batches (gradient accumulation): the first one's forward sends the others' lookups ahead."""
         self.step_begun = False
         """Whether this step's push was begun: its first batch begins it, the others' rows' gradients join it."""
         self.recovery_checked = time.monotonic()
@@ -121,6 +123,13 @@ class _HybridTrainer(_Trainer):
                     self.train(profiler)
             self.hooks.end(self.report.local_step, self.step)
         finally:
+            tables = self.params.tables
+            if tables is not None and tables.not_prefetched:
+                log.info(
+                    "%s: %d sf.nn table lookups were made when forward asked, not sent ahead",
+                    self.name,
+                    tables.not_prefetched,
+                )
             self.params.close()
 
     def _trained_to_the_end(self) -> None:
@@ -247,7 +256,8 @@ class _HybridTrainer(_Trainer):
 
     def _next_batches(self) -> list[Any]:
         self.step_begun = False  # a step retried begins anew, its rows' gradients of before dropped
-        return super()._next_batches()
+        self.step_batches = super()._next_batches()
+        return self.step_batches
 
     def _forward_backward(self, batch: Any, recorder: SpanRecorder, scale: float = 1.0) -> float:
         """As an all-reduce worker's, its rows looked up on the PS. The first batch of a step begins its push and
@@ -263,6 +273,9 @@ class _HybridTrainer(_Trainer):
             if self.sync:
                 params.assume_steps(self.step)
             params.begin_push(self.step)
+            # The rows of the step's other batches as of this step (sync: ps:k is at it already, and applies it only
+            # once this worker pushed); async: as they are when each lookup arrives.
+            tables.prefetch_later(self.step_batches[1:], [self.step if self.sync else 0] * len(params.peers))
             upcoming = self.position.peek() if isinstance(self.position, Lookahead) else None
             if upcoming is not None:
                 # Sync: the rows once this step's are applied; async: as they are when the lookup arrives.
