@@ -350,7 +350,7 @@ class _Trainer:
 
     def _forward_backward(self, batch: Any, recorder: SpanRecorder, scale: float = 1.0) -> float:
         started, cpu = time.perf_counter_ns(), time.thread_time_ns()
-        with autocast(self.job.strategy.mixed_precision), user_code("loss_fn", self.name, self.step):
+        with autocast(self.job.strategy.mixed_precision, self.device.type), user_code("loss_fn", self.name, self.step):
             loss = self.job.loss_fn(self.model, batch_to_device(to_torch(batch), self.device))
         recorder.end(spans.FORWARD, self.step, started, time.thread_time_ns() - cpu)
         check_loss(loss, self.name)
