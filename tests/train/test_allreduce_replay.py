@@ -119,4 +119,5 @@ def test_a_chief_restarted_amid_a_streamed_state_gets_it_whole_from_its_start(pl
         sender.join()
         assert torch.equal(again.params["w"], state.params["w"])
     finally:
+        replay.stop()  # before the service it talks to goes: else its last call waits out its 10 s deadline
         chief.close()
