@@ -39,6 +39,15 @@ def _one_process(batches: list[slice], optimizer: str, lr: float, num_rows: int)
     return model
 
 
+def _assert_equals_one_process(model_dir: Path, rows_per_step: int, steps: int, optimizer: str, lr: float) -> None:
+    """The final checkpoint equals one process that took `rows_per_step` rows a step, in order, to 1e-5."""
+    batches = [slice(s * rows_per_step, (s + 1) * rows_per_step) for s in range(steps)]
+    expected = _one_process(batches, optimizer, lr, steps * rows_per_step)
+    trained = _trained(model_dir)
+    for name, value in expected.state_dict().items():
+        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
+
+
 def test_two_workers_of_batch_b_equal_one_process_on_batches_of_2b(run_job, tmp_path):
     steps, batch = 10, 8
     proc, result = run_job("allreduce.py", num_workers=2, epochs=1, num_batches=2 * steps, batch=batch, lr=0.1)
@@ -46,12 +55,7 @@ def test_two_workers_of_batch_b_equal_one_process_on_batches_of_2b(run_job, tmp_
     assert result["global_step"] == steps
     assert result["worker_steps"] == {"worker:0": steps, "worker:1": steps}
 
-    expected = _one_process(
-        [slice(2 * s * batch, (2 * s + 2) * batch) for s in range(steps)], "sgd", 0.1, 2 * steps * batch
-    )
-    trained = _trained(tmp_path / "model")
-    for name, value in expected.state_dict().items():
-        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
+    _assert_equals_one_process(tmp_path / "model", 2 * batch, steps, "sgd", 0.1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device: workers that compute on a GPU")
@@ -59,25 +63,13 @@ def test_two_workers_sharing_a_gpu_equal_one_process_with_adam_and_a_checkpoint_
     # Both workers on the machine's first GPU: gloo sums their gradients through pinned host buffers. Adam's slots
     # live on the GPU and go to the checkpoint of step 5 from there.
     steps, batch = 10, 8
+    config = {"optimizer": "adam", "device": "cuda:0", "save_checkpoints_steps": 5}
     proc, result = run_job(
-        "allreduce.py",
-        num_workers=2,
-        epochs=1,
-        num_batches=2 * steps,
-        batch=batch,
-        lr=0.05,
-        optimizer="adam",
-        device="cuda:0",
-        save_checkpoints_steps=5,
+        "allreduce.py", num_workers=2, epochs=1, num_batches=2 * steps, batch=batch, lr=0.05, **config
     )
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
-    expected = _one_process(
-        [slice(2 * s * batch, (2 * s + 2) * batch) for s in range(steps)], "adam", 0.05, 2 * steps * batch
-    )
-    trained = _trained(tmp_path / "model")
-    for name, value in expected.state_dict().items():
-        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
+    _assert_equals_one_process(tmp_path / "model", 2 * batch, steps, "adam", 0.05)
 
 
 def test_bf16_mixed_precision_computes_the_forward_in_bfloat16_and_trains(run_job, tmp_path):
@@ -101,12 +93,7 @@ def test_two_workers_accumulating_2_batches_of_b_equal_one_process_on_batches_of
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == steps
     # Worker w reads batches w, w + 2, ...: step s holds batches 4s to 4s + 3, on the two workers together.
-    expected = _one_process(
-        [slice(4 * s * batch, (4 * s + 4) * batch) for s in range(steps)], "sgd", 0.1, 4 * steps * batch
-    )
-    trained = _trained(tmp_path / "model")
-    for name, value in expected.state_dict().items():
-        torch.testing.assert_close(trained[name], value, atol=1e-5, rtol=0)
+    _assert_equals_one_process(tmp_path / "model", 4 * batch, steps, "sgd", 0.1)
 
 
 def test_max_steps_is_exact(run_job):
