@@ -84,7 +84,7 @@ class GradientReducer:
         self.flags.copy_(torch.tensor(flags, dtype=self.flags.dtype))
         # Per collective: its work, its bucket (-1: the flags alone), its bytes and when it was issued.
         works = [self._issue(self.flags, -1)] if self.separate_flags else []
-        on_device = self.device.type != "cpu"
+        on_device = self.device.type == "cuda"
         if on_device:  # the last step's mean may still be on its way to the device from these buffers
             torch.cuda.synchronize(self.device)
         for index, (bucket, flat) in enumerate(zip(self.buckets, self.flat, strict=True)):
