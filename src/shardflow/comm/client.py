@@ -29,6 +29,10 @@ HEARTBEAT_TIMEOUT_MS = 6000
 _SEND_QUEUE_LIMIT = 100_000
 # How often a wait for a reply looks whether the connection was made again meanwhile.
 _RECONNECT_CHECK_S = 0.5
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+"""The monitor's events of a handshake that failed: the connection is not made again (`_resend`)."""
 # Sent again on one new connection at most: the one made once a silent peer wakes. A request that itself makes the
 # server drop the connection (over its size limits) is not sent for ever, and ZeroMQ's queue to a peer whose
 # connections keep dropping was seen to stall for good after a few such copies.
@@ -112,7 +116,7 @@ class Client:
         socket.rcvhwm = _SEND_QUEUE_LIMIT
         # A fixed routing id keeps replies routable across reconnects (the server enables handover).
         socket.routing_id = self.sender_id.encode()
-        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        monitor = socket.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
         try:
             socket.connect(address)
         except zmq.ZMQError as error:
@@ -256,12 +260,24 @@ class Client:
         first: the old connection may have lost the request, or its reply. Marked as resent, so that the server
         applies each at most once by its (sender, seq) and sends the kept reply of one it answered already; a new
         process at the address (a restarted PS) drops them, knowing nothing of this sender."""
-        handshakes = connection.handshakes
+        handshakes, failed = connection.handshakes, False
         while connection.monitor.poll(0):
-            recv_monitor_message(connection.monitor)
-            connection.handshakes += 1
+            if recv_monitor_message(connection.monitor)["event"] & _HANDSHAKE_FAILED:
+                failed = True
+            else:
+                connection.handshakes += 1
+        if failed and handshakes == connection.handshakes:
+            # libzmq gives a connection up for good when its handshake breaks the protocol (whatever squatted the
+            # port while the peer was down): what this socket queued may never leave, though it still takes more.
+            self._reopen(connection)
+            self._send_pending(connection)
+            return
         if handshakes == connection.handshakes or connection.handshakes < 2:
             return
+        self._send_pending(connection)
+
+    def _send_pending(self, connection: _Peer) -> None:
+        """Every request in flight to `connection`, oldest first, marked as resent (`_resend`)."""
         for _, request in sorted(connection.pending.items()):
             if request.resends < _MAX_RESENDS:
                 request.resends += 1
