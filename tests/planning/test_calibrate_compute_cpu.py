@@ -67,7 +67,10 @@ def test_a_ps_calibration_with_the_compute_cpu_time_reproduces_its_own_run(measu
         calibrated_on=measured.strategy,
     )
     predicted = predict_strategy(config, "ps").global_steps_per_s
-    assert predicted == pytest.approx(measured.global_steps_per_s, rel=0.05)
+    # Alone on the machine, within 0.5% (four runs beside a busy loop too); beside the suite's other test process,
+    # whose load comes and goes within the window, +10% and +16% in two CI runs. Within 25%: the model's identity,
+    # not the machine's quiet (benchmarks/plan_validation.py measures the error on a quiet machine).
+    assert predicted == pytest.approx(measured.global_steps_per_s, rel=0.25)
 
 
 def test_a_capture_whose_table_predates_the_cpu_time_calibrates_without_it(model_dir, measured, tmp_path):
