@@ -9,7 +9,12 @@ on CUDA, rec and mlp on the CPU (dense takes about a second a step on a small CP
 1w+1PS >= 0.8x.
 
 Usage: python benchmarks/gpu_training.py [--device cpu|cuda] [--models rec,dense,mlp] [--setups async-1w1ps,...]
-       [--steps N] [--local-steps N] [--repeats R] [--rec-rows N] [--rec-tables sfnn|sparse]
+       [--steps N] [--local-steps N] [--mlp-steps N] [--mlp-local-steps N] [--repeats R] [--rec-rows N]
+       [--rec-tables sfnn|sparse]
+
+The mlp model's steps take about 1 ms, so its jobs run --mlp-steps and its one-process loop --mlp-local-steps: a
+CPU worker of a local cluster times its steps on one and two threads for about a second after its first 10
+(train/thread_tuning.py), and a 1,000-step job would measure little else.
 """
 
 from __future__ import annotations
@@ -101,11 +106,16 @@ class LocalLoop:
 
 def shardflow_job(model_name: str, setup: str, args: argparse.Namespace) -> dict[str, Any]:
     mode, workers, ps = parse_setup(setup)
-    command = [str(HERE / "jobs" / "gpu_model.py"), model_name, str(workers), str(ps), str(args.steps), mode]
+    steps = job_steps(model_name, args)
+    command = [str(HERE / "jobs" / "gpu_model.py"), model_name, str(workers), str(ps), str(steps), mode]
     result = run_json([*command, args.device, str(args.rec_rows), args.rec_tables])
-    if result["global_step"] != args.steps:
+    if result["global_step"] != steps:
         raise RuntimeError(f"shardflow's {model_name} {setup} job ended at global step {result['global_step']}")
     return result
+
+
+def job_steps(model_name: str, args: argparse.Namespace) -> int:
+    return args.mlp_steps if model_name == "mlp" else args.steps
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
@@ -115,7 +125,8 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         local = LocalLoop(model_name, torch.device(args.device), args.rec_rows)
         runs[model_name] = {name: [] for name in ("local", *args.setups)}
         for _ in range(args.repeats):
-            runs[model_name]["local"].append(local.steps_per_s(args.local_steps))
+            local_steps = args.mlp_local_steps if model_name == "mlp" else args.local_steps
+            runs[model_name]["local"].append(local.steps_per_s(local_steps))
             for setup in args.setups:
                 runs[model_name][setup].append(shardflow_job(model_name, setup, args)["steps_per_s"])
             latest = ", ".join(f"{name} {rates[-1]:,.1f}" for name, rates in runs[model_name].items())
@@ -172,7 +183,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated, MODE-NwMps: " + ", ".join(SETUPS))
     parser.add_argument("--steps", type=int, default=1000, help="global steps of each shardflow job")
+    parser.add_argument("--mlp-steps", type=int, default=8000, help="global steps of each job of the mlp model")
     parser.add_argument("--local-steps", type=int, default=500, help="timed steps of the one-process loop")
+    parser.add_argument("--mlp-local-steps", type=int, default=3000, help="timed steps of the mlp model's loop")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--rec-rows", type=int, default=gm.REC_ROWS, help="rows of each of the rec model's tables")
     parser.add_argument("--rec-tables", choices=("sfnn", "sparse"), default="sfnn")
@@ -198,6 +211,7 @@ def main() -> None:
     figures: dict[str, Any] = {
         "device": device_name(args.device),
         "steps": args.steps,
+        "mlp_steps": args.mlp_steps,
         "rec_rows": args.rec_rows,
         "rec_tables": args.rec_tables,
         "runs": runs,

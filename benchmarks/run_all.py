@@ -76,7 +76,10 @@ BENCHMARKS = [
     Benchmark(
         name="gpu_training",
         script="gpu_training.py",
-        quick_flags=("--steps", "100", "--local-steps", "50", "--rec-rows", "100000", "--setups", "async-1w1ps"),
+        quick_flags=(
+            *("--steps", "100", "--local-steps", "50", "--mlp-steps", "300", "--mlp-local-steps", "100"),
+            *("--rec-rows", "100000", "--setups", "async-1w1ps"),
+        ),
     ),
     Benchmark(
         name="ps_sync",
@@ -121,8 +124,22 @@ BENCHMARKS = [
     Benchmark(
         name="gpu_training_1w",
         script="gpu_training.py",
-        flags=("--setups", "async-1w1ps", "--steps", "500", "--local-steps", "200", "--repeats", "2"),
-        quick_flags=("--steps", "100", "--local-steps", "50", "--rec-rows", "100000", "--repeats", "1"),
+        flags=(
+            "--setups",
+            "async-1w1ps",
+            "--steps",
+            "500",
+            "--local-steps",
+            "200",
+            "--mlp-steps",
+            "6000",
+            "--repeats",
+            "2",
+        ),
+        quick_flags=(
+            *("--steps", "100", "--local-steps", "50", "--mlp-steps", "300", "--mlp-local-steps", "100"),
+            *("--rec-rows", "100000", "--repeats", "1"),
+        ),
         in_make_bench=False,
         about="gpu_training's 1 worker + 1 PS only (rec and the PS-training MLP on the CPU, the issue's CPU "
         "targets; rec and dense on a GPU): fits a small machine.",

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_training_runs_on_the_cpu_and_rates_the_cpu_targets():
     command = [sys.executable, str(ROOT / "benchmarks" / "gpu_training.py"), "--device", "cpu", "--models", "rec,mlp"]
     command += ["--setups", "async-1w1ps", "--steps", "40", "--local-steps", "10", "--rec-rows", "1000"]
+    command += ["--mlp-steps", "40", "--mlp-local-steps", "10"]
     src = str(ROOT / "src")
     environ = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=environ)
