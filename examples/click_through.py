@@ -35,6 +35,12 @@ def parse_args() -> argparse.Namespace:
         default="ps",
         help="everything on the PS, async; or hybrid: the sf.nn tables on the PS (async), the rest all-reduced (ps)",
     )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        help="seeds the dense layers' initial values and the shuffle, so that runs differ only by the timing of async "
+        "updates (none: a new draw each run)",
+    )
     return parser.parse_args()
 
 
@@ -223,7 +229,7 @@ def main(args: argparse.Namespace) -> None:
         files = data.auto_shard(files, ctx.num_workers, ctx.worker_index, data.AutoShardPolicy.FILE)
         return (
             files.interleave(data.TFRecordDataset, cycle_length=4, num_parallel_calls=data.AUTOTUNE)
-            .shuffle(10_000)
+            .shuffle(10_000, seed=None if args.seed is None else args.seed + ctx.worker_index)
             .batch(BATCH_SIZE)
             .map(parse, num_parallel_calls=data.AUTOTUNE)
             .prefetch(data.AUTOTUNE)
@@ -234,6 +240,8 @@ def main(args: argparse.Namespace) -> None:
         records = data.TFRecordDataset(sorted(str(path) for path in data_dir.glob("test-*.tfrecord")))
         return records.batch(meta["num_test"]).map(parse)
 
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
     est = sf.Estimator(
         model_fn=ClickModel,
         loss_fn=loss_fn,
