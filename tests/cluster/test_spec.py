@@ -12,6 +12,7 @@ from shardflow.cluster.spec import (
     ClusterSpecError,
     TaskSpec,
     cluster_from_env,
+    host_of,
 )
 
 TF_CONFIG = {
@@ -224,3 +225,11 @@ def test_local_gives_every_task_a_distinct_bindable_port():
         host, _, port = address.rpartition(":")
         with socket.socket() as sock:
             sock.bind((host, int(port)))
+
+
+def test_host_of_an_address_with_or_without_a_scheme_and_an_ipv6_host_without_brackets():
+    assert host_of("10.0.0.2:2222") == "10.0.0.2"
+    assert host_of("tcp://host1:2222") == "host1"
+    assert host_of("[::1]:2222") == "::1"
+    assert host_of("tcp://[fe80::2]:2222") == "fe80::2"
+    assert host_of(DYNAMIC) == ""

@@ -300,6 +300,11 @@ def _count(num: int, role: str) -> str:
     return f"{num} {role}" if role == "ps" or num == 1 else f"{num} {role}s"
 
 
+def host_of(address: str) -> str:
+    """The host of "host:port" or "tcp://host:port", without an IPv6 host's brackets ("" for none)."""
+    return address.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+
+
 def _bracketed(host: str) -> str:
     """An IPv6 host in brackets, so that "host:port" splits at the last colon."""
     return f"[{host}]" if ":" in host and not host.startswith("[") else host

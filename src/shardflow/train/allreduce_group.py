@@ -16,7 +16,7 @@ from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
 
 from shardflow.cluster import control_keys
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
-from shardflow.cluster.spec import TaskSpec
+from shardflow.cluster.spec import TaskSpec, host_of
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.job_keys import RejoinState
@@ -167,7 +167,7 @@ def form(
     store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s, setter=setter)
     # The spec's host; under torchrun, which names only the chief's, loopback or this machine's address (as a PS's).
     advertised = advertised_address(role.spec.address(role.task), role.spec.address(TaskSpec("chief", 0)))
-    host = advertised.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    host = host_of(advertised)
     return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
 
 

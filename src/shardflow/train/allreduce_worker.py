@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from shardflow.cluster import control_keys
-from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec
+from shardflow.cluster.spec import DYNAMIC, ClusterSpec, TaskSpec, host_of
 from shardflow.data.torch_edge import to_torch
 from shardflow.profile import spans
 from shardflow.profile.recorder import SpanRecorder
@@ -101,7 +101,7 @@ def local_worker_index(spec: ClusterSpec, task: TaskSpec) -> int:
 def _host(address: str) -> str | None:
     if address == DYNAMIC:
         return None
-    return address.removeprefix("tcp://").rpartition(":")[0].strip("[]") or None
+    return host_of(address) or None
 
 
 class _Trainer:
