@@ -5,6 +5,7 @@ import socket
 from typing import Any, cast
 
 import pytest
+import zmq
 
 from shardflow.cluster.spec import (
     DYNAMIC,
@@ -13,6 +14,7 @@ from shardflow.cluster.spec import (
     TaskSpec,
     cluster_from_env,
     host_of,
+    release_local_ports,
 )
 
 TF_CONFIG = {
@@ -216,15 +218,20 @@ def test_cluster_from_env_under_torchrun_needs_num_ps():
         cluster_from_env({**TORCHRUN, "RANK": "1"})
 
 
-def test_local_gives_every_task_a_distinct_bindable_port():
+def test_local_gives_every_task_a_distinct_port_its_role_can_listen_on():
     spec = ClusterSpec.local(num_workers=4, num_ps=2, evaluator=True)
 
     addresses = [spec.address(task) for task in spec.tasks()]
     assert len(addresses) == len(set(addresses)) == 8
-    for address in addresses:
-        host, _, port = address.rpartition(":")
-        with socket.socket() as sock:
-            sock.bind((host, int(port)))
+    try:
+        for address in addresses:
+            host, _, port = address.rpartition(":")
+            with socket.socket() as sock:  # as a role's ZeroMQ socket does
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((host, int(port)))
+                sock.listen()
+    finally:
+        release_local_ports(spec)
 
 
 def test_host_of_an_address_with_or_without_a_scheme_and_an_ipv6_host_without_brackets():
@@ -233,3 +240,33 @@ def test_host_of_an_address_with_or_without_a_scheme_and_an_ipv6_host_without_br
     assert host_of("[::1]:2222") == "::1"
     assert host_of("tcp://[fe80::2]:2222") == "fe80::2"
     assert host_of(DYNAMIC) == ""
+
+
+def test_a_local_clusters_ports_are_held_for_its_roles_sockets_and_refused_to_other_binds_until_released():
+    spec = ClusterSpec.local(num_workers=1, num_ps=2)
+    addresses = [spec.address(TaskSpec("ps", index)) for index in range(2)]
+    ports = {int(address.rpartition(":")[2]) for address in addresses}
+    try:
+        for port in ports:
+            with socket.socket() as other, pytest.raises(OSError):
+                other.bind(("127.0.0.1", port))
+        others = [socket.socket() for _ in range(2000)]
+        try:
+            for other in others:
+                other.bind(("127.0.0.1", 0))
+            assert not ports & {other.getsockname()[1] for other in others}
+        finally:
+            for other in others:
+                other.close()
+        for _ in range(2):  # a PS's ZeroMQ socket binds its held port, and again after a restart
+            context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+            server = context.socket(zmq.ROUTER)
+            server.linger = 0
+            server.bind(f"tcp://{addresses[0]}")
+            server.close()
+            context.term()  # the listener is closed when term returns (close alone lets ZeroMQ's thread do it)
+    finally:
+        release_local_ports(spec)
+    for port in ports:
+        with socket.socket() as other:
+            other.bind(("127.0.0.1", port))

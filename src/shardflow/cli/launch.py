@@ -85,19 +85,22 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # Here, not at the top: the launcher brings torch and ZeroMQ, which `shardflow --help` need not wait for.
     from shardflow.cluster.run_local import run_local
-    from shardflow.cluster.spec import ClusterSpec
+    from shardflow.cluster.spec import ClusterSpec, release_local_ports
 
     spec = ClusterSpec.local(args.workers, args.ps, evaluator=args.evaluator)
     command = [sys.executable, args.script, *args.script_args]
-    return run_local(
-        spec,
-        command,
-        grace_s=args.grace,
-        termination_grace_s=args.termination_grace,
-        max_restarts=args.max_restarts,
-        restart_backoff_s=args.restart_backoff,
-        hung_timeout_s=args.hung_timeout,
-    )
+    try:
+        return run_local(
+            spec,
+            command,
+            grace_s=args.grace,
+            termination_grace_s=args.termination_grace,
+            max_restarts=args.max_restarts,
+            restart_backoff_s=args.restart_backoff,
+            hung_timeout_s=args.hung_timeout,
+        )
+    finally:
+        release_local_ports(spec)
 
 
 def _count(minimum: int) -> Callable[[str], int]:

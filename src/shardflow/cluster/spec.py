@@ -19,6 +19,9 @@ DYNAMIC = "*"
 _TASK_ORDER = ("chief", "ps", "worker", "evaluator")
 _SINGLE_ROLES = ("chief", "evaluator")
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+_held: dict[str, socket.socket] = {}
+"""The ports of local clusters this process made, by address, each held by a socket bound to it that never listens
+(ClusterSpec.local); release_local_ports closes them."""
 
 
 class ClusterSpecError(ValueError):
@@ -144,7 +147,12 @@ class ClusterSpec:
 
     @classmethod
     def local(cls, num_workers: int, num_ps: int, evaluator: bool = False, host: str = "127.0.0.1") -> ClusterSpec:
-        """A cluster on `host` with a distinct free TCP port for every task."""
+        """A cluster on `host` with a distinct free TCP port for every task, held for it until
+        `release_local_ports(spec)`: each by a socket of this process bound to it with SO_REUSEADDR that never
+        listens. The kernel then hands the port to no other bind to port 0 and no outgoing connection, while the
+        role's ZeroMQ socket (SO_REUSEADDR too) binds and listens on it, and again after each restart. A free port
+        that was let go, as before, could be taken by another program between the pick and the role's bind: a
+        PS of a test job failed to bind its port for 3.5 s while the other test process ran jobs beside it."""
         for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
             if value < 0:
                 raise ClusterSpecError(f"{name} must be >= 0, got {value}")
@@ -321,10 +329,24 @@ def _free_ports(host: str, count: int) -> list[int]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sockets = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
     try:
-        # All stay bound until every port is read, so the kernel hands out distinct ones.
         for sock in sockets:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.set_inheritable(False)
             sock.bind((host.strip("[]"), 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
+    except OSError:
         for sock in sockets:
             sock.close()
+        raise
+    ports = [sock.getsockname()[1] for sock in sockets]
+    for sock, port in zip(sockets, ports, strict=True):
+        _held[f"{_bracketed(host)}:{port}"] = sock
+    return ports
+
+
+def release_local_ports(spec: ClusterSpec) -> None:
+    """Lets go of the ports ClusterSpec.local held for `spec`'s tasks (none held: nothing)."""
+    for role in ROLES:
+        for index in range(spec.num(role)):
+            held = _held.pop(spec.address(TaskSpec(role, index)), None)
+            if held is not None:
+                held.close()

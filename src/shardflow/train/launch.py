@@ -23,7 +23,7 @@ from shardflow.cluster import control_keys, liveness
 from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.launcher import USER_ERROR_EXIT_CODE, LocalLauncher, RoleExit
 from shardflow.cluster.run_local import local_threads
-from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env
+from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env, release_local_ports
 from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
 from shardflow.comm.security import new_secret
@@ -457,4 +457,5 @@ def _run_embedded(job: JobConfig[Strategy], on_connect: OnConnect) -> TrainResul
         preemption.uninstall()
         if control is not None:
             control.close()
+        release_local_ports(spec)
     return result
