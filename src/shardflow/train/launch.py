@@ -399,9 +399,18 @@ def _embedded_command() -> list[str]:
 
 
 def _run_embedded(job: JobConfig[Strategy], on_connect: OnConnect) -> TrainResult:
-    """No cluster in the environment: this process becomes the chief and starts the other roles itself."""
+    """No cluster in the environment: this process becomes the chief and starts the other roles itself, on ports it
+    holds for them until the job ends."""
     strategy = job.strategy
     spec = ClusterSpec.local(num_workers=strategy.num_workers, num_ps=strategy.num_ps, evaluator=strategy.evaluator)
+    try:
+        return _run_local_cluster(job, spec, on_connect)
+    finally:
+        release_local_ports(spec)
+
+
+def _run_local_cluster(job: JobConfig[Strategy], spec: ClusterSpec, on_connect: OnConnect) -> TrainResult:
+    strategy = job.strategy
     chief = TaskSpec("chief", 0)
     if not any(env.get(name) for name in (env.CLUSTER_SECRET, env.CLUSTER_SECRET_FILE, env.INSECURE)):
         # This process is the chief: it and the roles it starts share one fresh secret (the launcher's rule).
@@ -457,5 +466,4 @@ def _run_embedded(job: JobConfig[Strategy], on_connect: OnConnect) -> TrainResul
         preemption.uninstall()
         if control is not None:
             control.close()
-        release_local_ports(spec)
     return result
