@@ -150,9 +150,8 @@ class ClusterSpec:
         """A cluster on `host` with a distinct free TCP port for every task, held for it until
         `release_local_ports(spec)`: each by a socket of this process bound to it with SO_REUSEADDR that never
         listens. The kernel then hands the port to no other bind to port 0 and no outgoing connection, while the
-        role's ZeroMQ socket (SO_REUSEADDR too) binds and listens on it, and again after each restart. A free port
-        that was let go, as before, could be taken by another program between the pick and the role's bind: a
-        PS of a test job failed to bind its port for 3.5 s while the other test process ran jobs beside it."""
+        role's ZeroMQ socket (SO_REUSEADDR too) binds and listens on it, and again after each restart (a port let
+        go could be taken by another program before its role bound it: docs/architecture.md)."""
         for name, value in (("num_workers", num_workers), ("num_ps", num_ps)):
             if value < 0:
                 raise ClusterSpecError(f"{name} must be >= 0, got {value}")
@@ -331,7 +330,6 @@ def _free_ports(host: str, count: int) -> list[int]:
     try:
         for sock in sockets:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.set_inheritable(False)
             sock.bind((host.strip("[]"), 0))
     except OSError:
         for sock in sockets:
