@@ -106,7 +106,7 @@ class LocalLoop:
 
 def shardflow_job(model_name: str, setup: str, args: argparse.Namespace) -> dict[str, Any]:
     mode, workers, ps = parse_setup(setup)
-    steps = job_steps(model_name, args)
+    steps, _ = run_steps(model_name, args)
     command = [str(HERE / "jobs" / "gpu_model.py"), model_name, str(workers), str(ps), str(steps), mode]
     result = run_json([*command, args.device, str(args.rec_rows), args.rec_tables])
     if result["global_step"] != steps:
@@ -114,8 +114,11 @@ def shardflow_job(model_name: str, setup: str, args: argparse.Namespace) -> dict
     return result
 
 
-def job_steps(model_name: str, args: argparse.Namespace) -> int:
-    return args.mlp_steps if model_name == "mlp" else args.steps
+def run_steps(model_name: str, args: argparse.Namespace) -> tuple[int, int]:
+    """Global steps of the model's shardflow jobs and timed steps of its one-process loop."""
+    if model_name == "mlp":
+        return args.mlp_steps, args.mlp_local_steps
+    return args.steps, args.local_steps
 
 
 def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
@@ -125,8 +128,7 @@ def measure(args: argparse.Namespace) -> dict[str, dict[str, list[float]]]:
         local = LocalLoop(model_name, torch.device(args.device), args.rec_rows)
         runs[model_name] = {name: [] for name in ("local", *args.setups)}
         for _ in range(args.repeats):
-            local_steps = args.mlp_local_steps if model_name == "mlp" else args.local_steps
-            runs[model_name]["local"].append(local.steps_per_s(local_steps))
+            runs[model_name]["local"].append(local.steps_per_s(run_steps(model_name, args)[1]))
             for setup in args.setups:
                 runs[model_name][setup].append(shardflow_job(model_name, setup, args)["steps_per_s"])
             latest = ", ".join(f"{name} {rates[-1]:,.1f}" for name, rates in runs[model_name].items())
