@@ -30,7 +30,7 @@ from typing import Any
 
 from shardflow import env
 
-POINTS = ("push", "apply", "checkpoint", "state", "stop", "lost", "snapshot", "snapshot_state")
+POINTS = ("push", "apply", "checkpoint", "state", "hold", "stop", "lost", "snapshot", "snapshot_state")
 
 
 @cache

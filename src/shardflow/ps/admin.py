@@ -30,9 +30,14 @@ class PSAdmin(PSConnection):
         """Steps complete without this worker until it rejoins (lost_worker_policy "continue")."""
         self.broadcast(protocol.Lost(worker_index=worker_index))
 
-    def stop(self) -> None:
-        """End training at the current step: every PS drops later pushes and tells the workers to stop."""
-        self.broadcast(protocol.Stop())
+    def stop(self) -> int:
+        """End training now, at one global step on every PS; that step. Async PS may be a push apart (a worker's
+        push reached one, not yet the other): so every PS first holds the workers' pushes and says its step, then
+        all end at the furthest one's, the others applying the pushes it had. Then they drop later pushes and tell
+        the workers to stop. Without this, each PS's checkpoint would be of another step."""
+        step = max(reply.step for reply in self.broadcast(protocol.Hold()))
+        self.broadcast(protocol.Stop(step=step))
+        return step
 
     def shutdown(self) -> None:
         """The job is over: every PS stops serving."""

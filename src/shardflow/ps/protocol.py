@@ -360,9 +360,16 @@ class ReleaseSnapshots(Request, tag="release_snapshots", frozen=True):
     through_step: Count
 
 
+class Hold(Request, tag="hold", frozen=True):
+    """chief -> every PS, as training is to end early (preemption, early stopping): hold the workers' pushes,
+    neither applied nor answered, until `Stop`. The reply's step is where this PS holds."""
+
+
 class Stop(Request, tag="stop", frozen=True):
-    """chief -> every PS: end training at the current step (early stopping): later pushes are dropped, workers
-    told to stop."""
+    """chief -> every PS: end training at global step `step` (the step the furthest PS held at), or None: at the
+    current step. The held pushes are applied up to it, later ones dropped, and the workers told to stop."""
+
+    step: Count | None = None
 
 
 class Shutdown(Request, tag="shutdown", frozen=True):
@@ -384,6 +391,7 @@ PSRequest = (
     | GetState
     | SnapshotAt
     | ReleaseSnapshots
+    | Hold
     | Stop
     | Shutdown
 )

@@ -60,6 +60,8 @@ class StatusReply(_Answer, frozen=True):
     """How many times this PS was restored after a PS was lost (protocol `Init`): a restarted chief goes on with it."""
     pid: Count = 0
     """The PS's process, as its heartbeat names it: the chief knows which process a restore reached."""
+    holding: bool = False
+    """The chief sent `Hold` and not yet `Stop` (ps/admin.py `PSAdmin.stop`): a chief restarted meanwhile ends it."""
 
 
 class RejoinReply(_Answer, frozen=True):

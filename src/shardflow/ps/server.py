@@ -8,7 +8,7 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -17,6 +17,7 @@ from shardflow.comm.server import LogLimiter, Request, Server
 from shardflow.profile import spans
 from shardflow.profile.recorder import flow_id, get_recorder
 from shardflow.ps import clipping, protocol
+from shardflow.ps.deferred import Deferred, Received
 from shardflow.ps.lanes import AttachedLanes, LaneError
 from shardflow.ps.protocol import PSProtocolError, StatusReply, StepReply
 from shardflow.ps.shards import Shards, finite, nbytes
@@ -36,13 +37,6 @@ COUNTERS = ("apply_s", "malformed", "failed", "repeated", "refused", "expired", 
 """A PS's own counters: "refused" and "expired" count requests this PS would not hold and held ones past their
 deadline (see apply.Updates); "lane_pushes" the pushes whose gradients came through a shared-memory lane,
 "lanes_refused" the lanes this PS could not map (their workers use the socket)."""
-
-
-class Received(NamedTuple):
-    """A push, pull or lookup with its decoded message: what the update rule holds until it is answered."""
-
-    request: Request
-    message: protocol.Push | protocol.NonFinite | protocol.Pull | protocol.Lookup
 
 
 Handler = Callable[["ParameterServer", Request, Any], None]
@@ -72,7 +66,6 @@ class ParameterServer:
         """Called once the chief's init is applied, before it is answered: no worker has pushed yet."""
         self.updates: Updates[Received] = Updates(ApplyConfig(), 0, self._apply, self._answer)
         self.stats: dict[str, float] = dict.fromkeys(COUNTERS, 0)
-        """Counters; see COUNTERS."""
         self.lanes = AttachedLanes()
         """The shared-memory lanes of this machine's workers (ps/lanes.py), by sender: at most one per worker."""
         # Checkpoint snapshots taken at exact steps, until the chief saved them, with the input positions.
@@ -82,7 +75,7 @@ class ParameterServer:
         # belong to the state before and are refused; by sender, so those a worker's previous client left queued too.
         self.generation = 0
         self.rejoined: set[str] = set()
-        self._deferred_pushes: list[Received] = []
+        self.deferred = Deferred()
         self._handling_since = 0
         self._pushed_step: int | None = None  # the workers' global step the last push carried
         self._shutdown = False
@@ -130,7 +123,7 @@ class ParameterServer:
             self._log("malformed", request.sender, error.op, f"ps:{self.index} refused a malformed request: {error}")
             self.server.reply_error(request, f"ps:{self.index} refused a malformed request: {error}")
             return
-        if isinstance(message, protocol.Push | protocol.NonFinite) and self.snapshots.full:
+        if self.deferred.waits(message, self.snapshots.full):
             self._guarded(request, message, ParameterServer._defer)
         else:
             self._guarded(request, message, HANDLERS[type(message)])
@@ -170,14 +163,12 @@ class ParameterServer:
         if problem is not None:
             raise PSProtocolError(message.op, problem[0], sender, problem[1])
 
-    def _defer(self, request: Request, push: protocol.Push | protocol.NonFinite) -> None:
-        """Hold a push until the chief saved the snapshots this PS holds (see `_on_release_snapshots`)."""
-        if len(self._deferred_pushes) >= self.config.held_limit:
-            raise Refused(
-                f"{len(self._deferred_pushes)} pushes wait already for the chief to save this PS's snapshots, the "
-                "most a PS holds (ApplyConfig.max_held_requests)"
-            )
-        self._deferred_pushes.append(Received(request, push))
+    def _defer(self, request: Request, message: protocol.Push | protocol.NonFinite | protocol.Done) -> None:
+        self.deferred.add((request, message), self.config.held_limit)
+
+    def _handle_deferred(self) -> None:
+        for request, message in self.deferred.release(lambda: self.snapshots.full):
+            self._guarded(request, message, HANDLERS[type(message)])
 
     def _expire_held(self) -> None:
         """Answer the held requests past their deadline with an error saying what each waited for."""
@@ -297,8 +288,7 @@ class ParameterServer:
         self.progress = WorkerProgress(init.worker_steps, init.iterators)
         self._pushed_step = None
         self.generation = init.generation
-        # Pushes held back before a restore belong to the training before it; their workers have moved on.
-        self._deferred_pushes = []
+        self.deferred.clear()
         if isinstance(self.norm_exchange, clipping.StoreNormExchange):
             self.norm_exchange.generation = init.generation
         self.rejoined = set()
@@ -317,6 +307,7 @@ class ParameterServer:
             stats=self._stats(),
             generation=self.generation,
             pid=os.getpid(),
+            holding=self.deferred.holding,
         )
         self.server.reply(request, reply.header())
 
@@ -345,19 +336,29 @@ class ParameterServer:
         self.snapshots.release(release.through_step)
         self.shards.embeddings.prune([r for state in self.snapshots.held.values() for r in state.table_files])
         self._reply(request)
-        while self._deferred_pushes and not self.snapshots.full:
-            request, push = self._deferred_pushes.pop(0)
-            self._guarded(request, push, HANDLERS[type(push)])
+        self._handle_deferred()
 
     def _on_lost(self, request: Request, lost: protocol.Lost) -> None:
         faults.reached("lost", self.name, self.step)
         self._reply(request)
         self.updates.lost(lost.worker_index)
 
-    def _on_stop(self, request: Request, _: protocol.Stop) -> None:
-        faults.reached("stop", self.name, self.step)
+    def _on_hold(self, request: Request, _: protocol.Hold) -> None:
+        faults.reached("hold", self.name, self.step)
+        self.deferred.holding = True
         self._reply(request)
-        self.updates.stop()
+
+    def _on_stop(self, request: Request, stop: protocol.Stop) -> None:
+        """At the step asked for (the held pushes apply up to it); at this PS's step if that one passed (an error)."""
+        faults.reached("stop", self.name, self.step)
+        passed = stop.step is not None and stop.step < self.step
+        self.updates.stop(None if passed else stop.step)
+        self.deferred.holding = False
+        if passed:
+            self._handle_deferred()
+            raise ValueError(f"training cannot end at global step {stop.step}: ps:{self.index} is at {self.step}")
+        self._reply(request)
+        self._handle_deferred()
 
     def _on_shutdown(self, request: Request, _: protocol.Shutdown) -> None:
         self._reply(request)
@@ -484,6 +485,7 @@ HANDLERS: dict[type[protocol.PSRequest], Handler] = {
     protocol.SnapshotAt: ParameterServer._on_snapshot_at,
     protocol.ReleaseSnapshots: ParameterServer._on_release_snapshots,
     protocol.Lost: ParameterServer._on_lost,
+    protocol.Hold: ParameterServer._on_hold,
     protocol.Stop: ParameterServer._on_stop,
     protocol.Shutdown: ParameterServer._on_shutdown,
     protocol.Attach: ParameterServer._on_attach,

@@ -305,9 +305,15 @@ class Updates(Generic[Pending]):
         if worker_index not in self.finished_workers:
             self.active.add(worker_index)
 
-    def stop(self) -> None:
-        """End training at the current step: everything waiting is answered, later pushes are dropped."""
-        self.config = dataclasses.replace(self.config, max_steps=self.step)
+    def stop(self, at_step: int | None = None) -> None:
+        """End training at global step `at_step` (None: the current one; never beyond max_steps): pushes go on
+        until it, later ones are dropped; once there, everything waiting is answered."""
+        max_steps = self.step if at_step is None else max(at_step, self.step)
+        if self.config.max_steps is not None:
+            max_steps = min(max_steps, self.config.max_steps)
+        self.config = dataclasses.replace(self.config, max_steps=max_steps)
+        if not self.finished:
+            return
         self._release_held()
         self._release_pulls()
         waiting, self._waiting_for_update, self._accumulated = self._waiting_for_update, [], None

@@ -192,10 +192,10 @@ class ChiefLoop:
                     self.client.lost(int(name.rpartition(":")[2]))
 
     def _stop_training(self) -> None:
-        """Every PS ends training at its current step. One restarted meanwhile is told again once every PS is
-        restored (`_tell_restored`)."""
+        """Every PS ends training at one step, the furthest one's (ps/admin.py `PSAdmin.stop`). One restarted
+        meanwhile is told again once every PS is restored (`_tell_restored`)."""
         try:
-            self.client.stop()
+            self.global_step = self.client.stop()
         except PSRestarted as restarted:
             log.warning("%s as the chief ended training; every PS is restored next, then told", restarted)
 

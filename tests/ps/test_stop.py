@@ -1,0 +1,92 @@
+"""Ending training early on several PS (ps/admin.py `PSAdmin.stop`): async PS may be a push apart when the chief
+decides, so each first holds the workers' pushes and says its step, then all end at the furthest one's. Real PS
+on loopback sockets, a real worker's pushes."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from shardflow.comm.errors import CommError
+from shardflow.ps import protocol
+from shardflow.ps.client import ParameterClient, PushRequest
+from shardflow.ps.optimizers import SGD
+from shardflow.ps.placement import place
+from shardflow.ps.update_rules import ApplyConfig
+from shardflow.train.checkpoints.servers import fetch_state, init_servers
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+
+
+def _push(worker: ParameterClient, model: torch.nn.Module) -> protocol.StepReply:
+    worker.begin_push(0)
+    model(torch.ones(1, 2)).sum().backward()
+    return worker.wait_push(worker.push(PushRequest()))
+
+
+def _wait(condition, what: str) -> None:
+    deadline = time.monotonic() + 5
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.005)
+
+
+def test_a_push_one_ps_applied_before_the_stop_is_applied_by_every_ps(start_cluster):
+    cluster = start_cluster(2)
+    model = _model()
+    placement = place(model.named_parameters(), 2)
+    assert {p.ps for p in placement.pieces} == {0, 1}
+    admin = cluster.admin(model, placement)
+    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=2))
+    worker_model = _model()
+    worker = cluster.client(worker_model, placement)
+    # The race, made certain: ps:0 holds (as if the chief's Hold reached it first), ps:1 applies the push.
+    admin.client.request("ps:0", protocol.Hold().header(), timeout_s=5)
+    replies: list[protocol.StepReply] = []
+    pushing = threading.Thread(target=lambda: replies.append(_push(worker, worker_model)))
+    pushing.start()
+    _wait(lambda: cluster.ps[1].step == 1 and len(cluster.ps[0].deferred.requests) == 1, "ps:1 applied, ps:0 held")
+    assert cluster.ps[0].step == 0
+    assert admin.stop() == 1  # the furthest PS's step: ps:0 applies the push it held
+    pushing.join(5)
+    assert [(r.step, r.stop) for r in replies] == [(1, True)]
+    assert [ps.step for ps in cluster.ps] == [1, 1]
+    after = _push(worker, worker_model)  # later pushes are dropped by every PS
+    assert (after.step, after.stop) == (1, True)
+    state = fetch_state(admin)
+    assert state.step == 1 and [s["applied"] for s in state.stats.values()] == [1, 1]
+    assert [s["dropped_after_max_steps"] for s in state.stats.values()] == [1, 1]
+
+
+def test_a_stop_at_a_step_already_passed_ends_training_there_and_says_so(start_cluster):
+    cluster = start_cluster(1)
+    model = _model()
+    placement = place(model.named_parameters(), 1)
+    admin = cluster.admin(model, placement)
+    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
+    worker_model = _model()
+    worker = cluster.client(worker_model, placement)
+    _push(worker, worker_model)
+    _push(worker, worker_model)
+    with pytest.raises(CommError, match="training cannot end at global step 1: ps:0 is at 2"):
+        admin.broadcast(protocol.Stop(step=1))
+    after = _push(worker, worker_model)
+    assert (after.step, after.stop, cluster.ps[0].updates.stats["dropped_after_max_steps"]) == (2, True, 1)
+
+
+def test_a_restarted_chief_sees_a_hold_its_predecessor_left(start_cluster):
+    cluster = start_cluster(2)
+    model = _model()
+    placement = place(model.named_parameters(), 2)
+    admin = cluster.admin(model, placement)
+    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
+    admin.broadcast(protocol.Hold())
+    assert [reply.holding for reply in admin.status()] == [True, True]
+    assert admin.stop() == 0
+    assert [(reply.holding, reply.stop) for reply in admin.status()] == [(False, True), (False, True)]
