@@ -257,3 +257,15 @@ def test_hybrid_trains_in_ssp_mode(run_job):
     proc, result = run_job("tables.py", strategy="hybrid", optimizer="Adagrad", mode="ssp", num_batches=12)
     assert proc.returncode == 0, proc.stdout
     assert result["global_step"] == 6 and result["final_loss"] < result["first_loss"]
+
+
+def test_time_based_evaluation_of_tables_on_two_async_ps_reads_one_step_of_every_ps(run_job):
+    """EvalSpec(every_n_secs) on an async job with tables on 2 PS at full speed: the PS are a few pushes apart at
+    any moment, so each evaluation reads a snapshot every PS takes at one step (its tables' files of that step)."""
+    proc, result = run_job(
+        "tables.py", timeout_s=120, mode="async", num_batches=1200, batch=4, eval_every_secs=0.25, optimizer="SGD"
+    )
+    assert proc.returncode == 0, proc.stdout
+    during = [e for e in result["eval_history"] if e["global_step"] < result["global_step"]]
+    assert len(during) >= 2, result["eval_history"]
+    assert all(e["metrics"]["loss"] > 0 for e in result["eval_history"]), result["eval_history"]

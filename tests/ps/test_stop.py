@@ -80,7 +80,7 @@ def test_a_stop_at_a_step_already_passed_ends_training_there_and_says_so(start_c
     assert (after.step, after.stop, cluster.ps[0].updates.stats["dropped_after_max_steps"]) == (2, True, 1)
 
 
-def test_a_restarted_chief_sees_a_hold_its_predecessor_left(start_cluster):
+def test_a_hold_shows_in_the_status_until_a_snapshot_ends_it(start_cluster):
     cluster = start_cluster(2)
     model = _model()
     placement = place(model.named_parameters(), 2)
@@ -88,5 +88,27 @@ def test_a_restarted_chief_sees_a_hold_its_predecessor_left(start_cluster):
     init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
     admin.broadcast(protocol.Hold())
     assert [reply.holding for reply in admin.status()] == [True, True]
-    assert admin.stop() == 0
-    assert [(reply.holding, reply.stop) for reply in admin.status()] == [(False, True), (False, True)]
+    assert admin.snapshot_at_furthest() == 0
+    assert [(reply.holding, reply.stop, reply.snapshots) for reply in admin.status()] == [(False, False, (0,))] * 2
+
+
+def test_a_snapshot_asked_for_while_the_ps_are_a_push_apart_is_of_one_step_on_every_ps(start_cluster):
+    """Time-based checkpoints and evaluations: each PS holds the pushes, then all snapshot the furthest one's step,
+    which none can have passed; the PS behind take it once their held pushes bring them there."""
+    cluster = start_cluster(2)
+    model = _model()
+    placement = place(model.named_parameters(), 2)
+    admin = cluster.admin(model, placement)
+    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
+    worker_model = _model()
+    worker = cluster.client(worker_model, placement)
+    _push(worker, worker_model)
+    admin.client.request("ps:0", protocol.Hold().header(), timeout_s=5)
+    replies: list[protocol.StepReply] = []
+    pushing = threading.Thread(target=lambda: replies.append(_push(worker, worker_model)))
+    pushing.start()
+    _wait(lambda: cluster.ps[1].step == 2 and len(cluster.ps[0].deferred.requests) == 1, "ps:1 applied, ps:0 held")
+    assert admin.snapshot_at_furthest() == 2
+    pushing.join(5)
+    assert [(r.step, r.stop) for r in replies] == [(2, False)]
+    assert [(reply.snapshots, reply.holding) for reply in admin.status()] == [((2,), False), ((2,), False)]

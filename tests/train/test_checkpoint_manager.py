@@ -22,20 +22,23 @@ from shardflow.train.strategy import ParameterServerStrategy
 
 @dataclass
 class FakeServers:
-    """The PS as the manager sees them: their snapshot requests and releases, recorded."""
+    """The PS as the manager sees them: their snapshot requests and releases, recorded; `furthest`, the step the
+    furthest PS holds at when asked."""
 
     asked_at: list[int] = field(default_factory=list)
     released_through: list[int] = field(default_factory=list)
+    furthest: int = 0
 
-    def snapshot_at(self, step: int) -> None:
-        self.asked_at.append(step)
+    def snapshot_at_furthest(self) -> int:
+        self.asked_at.append(self.furthest)
+        return self.furthest
 
     def release_snapshots(self, through_step: int) -> None:
         self.released_through.append(through_step)
 
 
-def _status(step: int, *snapshots: int) -> Any:
-    return SimpleNamespace(step=step, snapshots=snapshots)
+def _status(step: int, *snapshots: int, holding: bool = False) -> Any:
+    return SimpleNamespace(step=step, snapshots=snapshots, holding=holding)
 
 
 def _manager(
@@ -75,21 +78,32 @@ def test_snapshots_every_ps_holds_are_checkpointed_at_multiples_oldest_first_the
     assert not checkpoints.save_snapshots(replies, lambda state: evaluated.append(state.step))
 
 
-def test_a_time_based_checkpoint_asks_for_a_step_ahead_of_the_furthest_ps_and_saves_it(tmp_path, monkeypatch):
+def test_a_time_based_checkpoint_asks_every_ps_for_the_furthest_step_and_saves_it(tmp_path, monkeypatch):
     checkpoints, servers = _manager(tmp_path, monkeypatch, save_checkpoints_secs=60.0)
+    servers.furthest = 42
     checkpoints.poll([_status(40), _status(42)], lambda state: None)
     assert servers.asked_at == []  # not due yet
     checkpoints.last_checkpoint_time -= 61
     checkpoints.poll([_status(40), _status(42)], lambda state: None)
-    assert servers.asked_at == [42 + 2 + 1]  # async: ahead by the number of workers plus one
-    checkpoints.poll([_status(46, 45), _status(45, 45)], lambda state: None)
-    assert _saved_steps(tmp_path) == [45]
+    assert servers.asked_at == [42]
+    checkpoints.poll([_status(46, 42), _status(45, 42)], lambda state: None)
+    assert _saved_steps(tmp_path) == [42]
 
 
-def test_in_sync_mode_the_step_asked_for_is_the_next_one(tmp_path, monkeypatch):
-    checkpoints, servers = _manager(tmp_path, monkeypatch, mode="sync")
-    checkpoints.request_snapshot(7)
-    assert servers.asked_at == [8]
+def test_a_snapshot_asked_for_an_evaluation_is_handed_on_not_saved_and_shared_while_pending(tmp_path, monkeypatch):
+    checkpoints, servers = _manager(tmp_path, monkeypatch)
+    servers.furthest = 43
+    assert checkpoints.request_snapshot(checkpoint=False) == 43
+    servers.furthest = 44
+    assert checkpoints.request_snapshot() == 43  # a PS waits for one step to snapshot: the checkpoint shares it
+    assert servers.asked_at == [43]
+    evaluated: list[int] = []
+    checkpoints.save_snapshots([_status(44, 43), _status(43, 43)], lambda state: evaluated.append(state.step))
+    assert (evaluated, _saved_steps(tmp_path)) == ([43], [43])
+    servers.furthest = 53
+    assert checkpoints.request_snapshot(checkpoint=False) == 53  # taken: the next one is asked for anew
+    checkpoints.save_snapshots([_status(53, 53), _status(54, 53)], lambda state: evaluated.append(state.step))
+    assert (evaluated, _saved_steps(tmp_path), servers.asked_at) == ([43, 53], [43], [43, 53])
 
 
 def test_a_step_count_turns_time_based_checkpoints_off(tmp_path, monkeypatch):
@@ -100,8 +114,9 @@ def test_a_step_count_turns_time_based_checkpoints_off(tmp_path, monkeypatch):
 
 
 def test_after_every_ps_was_restored_a_requested_snapshot_is_no_longer_saved(tmp_path, monkeypatch):
-    checkpoints, _ = _manager(tmp_path, monkeypatch)
-    checkpoints.request_snapshot(10)
+    checkpoints, servers = _manager(tmp_path, monkeypatch)
+    servers.furthest = 10
+    checkpoints.request_snapshot()
     checkpoints.restored(5)
     assert not checkpoints.save_snapshots([_status(5, 5)], lambda state: None)  # not newer than the restore
     checkpoints.save_snapshots([_status(13, 13)], lambda state: None)
@@ -111,7 +126,7 @@ def test_after_every_ps_was_restored_a_requested_snapshot_is_no_longer_saved(tmp
 def test_a_restarted_chief_saves_the_snapshots_newer_than_the_latest_checkpoint(tmp_path, monkeypatch):
     store.save(tmp_path, 20, {"w": torch.zeros(2)}, {})
     checkpoints, servers = _manager(tmp_path, monkeypatch, save_checkpoints_steps=10)
-    checkpoints.adopt([_status(35, 20, 30)], step=35)
+    checkpoints.adopt([_status(35, 20, 30)])
     assert servers.asked_at == []  # the PS hold snapshots: those come first
     checkpoints.save_snapshots([_status(35, 20, 30)], lambda state: None)
     assert _saved_steps(tmp_path) == [20, 30]
@@ -122,8 +137,16 @@ def test_a_restarted_chief_saves_the_snapshots_newer_than_the_latest_checkpoint(
 
 def test_a_restarted_chief_over_ps_without_snapshots_asks_for_one_at_once(tmp_path, monkeypatch):
     checkpoints, servers = _manager(tmp_path, monkeypatch)
-    checkpoints.adopt([_status(35), _status(36)], step=36)
-    assert servers.asked_at == [36 + 2 + 1]
+    servers.furthest = 36
+    checkpoints.adopt([_status(35), _status(36)])
+    assert servers.asked_at == [36]
+
+
+def test_a_restarted_chief_ends_a_hold_its_predecessor_left_with_a_snapshot(tmp_path, monkeypatch):
+    checkpoints, servers = _manager(tmp_path, monkeypatch)
+    servers.furthest = 36
+    checkpoints.adopt([_status(35, 30, holding=True), _status(36, 30, holding=True)])
+    assert servers.asked_at == [36]
 
 
 def test_the_final_checkpoint_holds_the_ps_counters(tmp_path, monkeypatch):

@@ -18,9 +18,13 @@ class PSAdmin(PSConnection):
         replies = self.exchange([protocol.Status()] * len(self.peers), timeout_s=timeout_s)
         return [StatusReply.decode(h, peer) for (h, _), peer in zip(replies, self.peers, strict=True)]
 
-    def snapshot_at(self, step: int) -> None:
-        """Every PS snapshots its state when the global step reaches `step`."""
+    def snapshot_at_furthest(self) -> int:
+        """Every PS snapshots its state at one global step, the furthest PS's now; that step. As in `stop`, each
+        first holds the workers' pushes and says its step, so none can pass the step asked for; the others snapshot
+        once their held pushes bring them there."""
+        step = max(reply.step for reply in self.broadcast(protocol.Hold()))
         self.broadcast(protocol.SnapshotAt(step=step))
+        return step
 
     def release_snapshots(self, through_step: int) -> None:
         """The snapshots up to `through_step` are saved; the PS may drop them."""

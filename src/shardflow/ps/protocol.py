@@ -348,8 +348,8 @@ class GetState(Request, tag="state", frozen=True):
 
 
 class SnapshotAt(Request, tag="snapshot_at", frozen=True):
-    """chief -> every PS: snapshot the state when the global step reaches `step` (a time-based checkpoint picks
-    one just ahead)."""
+    """chief -> every PS: snapshot the state when the global step reaches `step`, the step the furthest PS held at
+    (`Hold`, sent first: so no PS has passed it); the held pushes then go on."""
 
     step: Count
 
@@ -361,8 +361,8 @@ class ReleaseSnapshots(Request, tag="release_snapshots", frozen=True):
 
 
 class Hold(Request, tag="hold", frozen=True):
-    """chief -> every PS, as training is to end early (preemption, early stopping): hold the workers' pushes,
-    neither applied nor answered, until `Stop`. The reply's step is where this PS holds."""
+    """chief -> every PS, before `Stop` or `SnapshotAt` names one step for all (async PS are a few pushes apart):
+    hold the workers' pushes, neither applied nor answered, until then. The reply's step is where this PS holds."""
 
 
 class Stop(Request, tag="stop", frozen=True):

@@ -61,7 +61,8 @@ class StatusReply(_Answer, frozen=True):
     pid: Count = 0
     """The PS's process, as its heartbeat names it: the chief knows which process a restore reached."""
     holding: bool = False
-    """The chief sent `Hold` and not yet `Stop` (ps/admin.py `PSAdmin.stop`): a chief restarted meanwhile ends it."""
+    """The chief sent `Hold` and not yet `Stop` or `SnapshotAt` (ps/admin.py): a chief restarted meanwhile asks for a
+    snapshot, which ends it (train/checkpoints/manager.py `adopt`)."""
 
 
 class RejoinReply(_Answer, frozen=True):

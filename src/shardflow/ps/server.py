@@ -330,7 +330,9 @@ class ParameterServer:
             self.snapshots.held[step] = self._capture(self.step)
         else:
             self.snapshots.at = step
+        self.deferred.holding = False
         self._reply(request)
+        self._handle_deferred()
 
     def _on_release_snapshots(self, request: Request, release: protocol.ReleaseSnapshots) -> None:
         self.snapshots.release(release.through_step)

@@ -210,9 +210,7 @@ def _chief_loop(
     if start.adopted:
         # Snapshots the PS took for the chief that died are checkpointed now, oldest first; without any, one is
         # asked for at once: what a PS lost from now on is restored to.
-        checkpoints.adopt(start.replies, start.step)
-        if any(reply.holding for reply in start.replies):  # the chief that died was ending training: end it
-            loop.global_step = admin.stop()
+        checkpoints.adopt(start.replies)
     return loop
 
 

@@ -18,7 +18,6 @@ from shardflow.profile import spans
 from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.train import job_keys
 from shardflow.train.checkpoints.saved_tables import saved_tables
-from shardflow.train.checkpoints.servers import fetch_state
 from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import Handover, ProgressReport
@@ -73,6 +72,8 @@ class ChiefLoop:
         self.stopped_early = False
         self.preempted = False
         self.last_eval_time = time.monotonic()
+        self.eval_snapshot: int | None = None
+        """The step of the snapshot a time-based evaluation asked for, until it is evaluated."""
         self.summaries = Summaries(
             job.model_dir,
             save_summary_steps=job.save_summary_steps,
@@ -174,6 +175,7 @@ class ChiefLoop:
                 state = self.recovery.restore(restarted[0], self.global_step)
                 self.global_step = state.step
                 self.checkpoints.restored(state.step)
+                self.eval_snapshot = None  # the PS took none since
                 self._tell_restored()
             except PSRestarted as again:
                 log.warning("%s; every PS is restored again", again)
@@ -293,21 +295,23 @@ class ChiefLoop:
 
     def _evaluate_snapshot(self, state: ModelState) -> None:
         """Evaluate a snapshot the checkpoints hand over (CheckpointManager.save_snapshots) at a multiple of its
-        step count: exactly there, however late the chief looks."""
+        step count, exactly there however late the chief looks; or the one a time-based evaluation asked for."""
         every_eval = self.eval_spec.every_n_steps if self.eval_spec is not None else None
-        if every_eval is not None and state.step % every_eval == 0 and not self.stopped_early:
+        asked = state.step == self.eval_snapshot
+        if asked:
+            self.eval_snapshot = None
+        if (asked or (every_eval is not None and state.step % every_eval == 0)) and not self.stopped_early:
             self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
             self._evaluate_and_maybe_stop(state)
 
     def _evaluate_if_due(self) -> None:
-        """Time-based evaluation, of the parameters as they are now (step-based ones use exact snapshots)."""
+        """Time-based evaluation: of a snapshot every PS takes at one step, as for a time-based checkpoint (async
+        PS are a few pushes apart at any moment: their state now is of no one step, nor are their tables' files)."""
         spec = self.eval_spec
-        if spec is None or spec.every_n_secs is None or self.stopped_early:
+        if spec is None or spec.every_n_secs is None or self.stopped_early or self.eval_snapshot is not None:
             return
         if time.monotonic() - self.last_eval_time >= spec.every_n_secs:
-            state = fetch_state(self.client)
-            self.model.load_state_dict(state.params, strict=False)  # parameters only; buffers stay
-            self._evaluate_and_maybe_stop(state)
+            self.eval_snapshot = self.checkpoints.request_snapshot(checkpoint=False)
 
     def _evaluate_and_maybe_stop(self, state: ModelState) -> None:
         assert self.eval_spec is not None

@@ -139,9 +139,17 @@ def main(config: dict[str, Any]) -> None:
     )
     hooks = [EndLog(config["end_log"])] if config.get("end_log") else []
     train_spec = sf.TrainSpec(input_fn, max_steps=config.get("max_steps"), epochs=config.get("epochs", 1), hooks=hooks)
-    result = sf.train_and_evaluate(est, train_spec)
+    eval_spec = None
+    if config.get("eval_every_secs"):  # the chief evaluates the first 10 batches this often while training
+
+        def eval_input_fn(ctx: sf.InputContext):
+            for b in range(10):
+                yield {key: value[b * batch : (b + 1) * batch] for key, value in data.items()}
+
+        eval_spec = sf.EvalSpec(eval_input_fn, every_n_secs=config["eval_every_secs"])
+    result = sf.train_and_evaluate(est, train_spec, eval_spec)
     with open(config["result"], "w") as f:
-        fields = ("global_step", "start_step", "first_loss", "final_loss", "ps_stats", "checkpoint")
+        fields = ("global_step", "start_step", "first_loss", "final_loss", "ps_stats", "checkpoint", "eval_history")
         json.dump({name: getattr(result, name) for name in fields}, f)
 
 

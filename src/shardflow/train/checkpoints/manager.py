@@ -70,8 +70,6 @@ class CheckpointManager:
         self.every_n_steps = job.save_checkpoints_steps
         self.every_n_secs = None if job.save_checkpoints_steps else job.save_checkpoints_secs
         """Time-based checkpoints only where no step count is given."""
-        # Ahead of every PS, so each snapshots exactly the step asked for (async PS may be a few updates apart).
-        self.snapshot_ahead = 1 if job.strategy.mode == "sync" else role.num_workers + 1
         self.manifest: dict[str, Any] = {
             "placement": placement.to_json(),
             "mode": job.strategy.mode,
@@ -83,23 +81,26 @@ class CheckpointManager:
         self.last_snapshot_step = start_step
         """The newest snapshot handled: those after it are saved (if checkpoints) and evaluated next."""
         self.requested_snapshot: int | None = None
+        """The step asked for (`request_snapshot`) to checkpoint."""
+        self.pending_snapshot: int | None = None
+        """The step asked for last, for a checkpoint or an evaluation."""
         self.last_checkpoint_time = time.monotonic()
 
-    def adopt(self, replies: Sequence[StatusReply], step: int) -> None:
-        """A restarted chief over live PS, now at `step`: the snapshots they took for the chief that died and that are
-        newer than the latest checkpoint are saved next, oldest first; without any, one is asked for at once: what a
-        PS lost from now on is restored to."""
+    def adopt(self, replies: Sequence[StatusReply]) -> None:
+        """A restarted chief over live PS: the snapshots they took for the chief that died and that are newer than
+        the latest checkpoint are saved next, oldest first; without any, one is asked for at once: what a PS lost
+        from now on is restored to. So too where the chief died between its `Hold` and what follows: that ends it."""
         self.last_snapshot_step = store.latest_step(self.model_dir)
-        if not any(reply.snapshots for reply in replies):
-            self.request_snapshot(step)
+        if not any(reply.snapshots for reply in replies) or any(reply.holding for reply in replies):
+            self.request_snapshot()
 
     def poll(self, replies: Sequence[StatusReply], evaluate: Callable[[ModelState], None]) -> None:
         """On each status poll of the PS: save their snapshots (`save_snapshots`); with none to save, ask for one
-        just ahead of the furthest PS once a time-based checkpoint is due."""
+        once a time-based checkpoint is due."""
         if self.save_snapshots(replies, evaluate):
             return
         if self.every_n_secs is not None and time.monotonic() - self.last_checkpoint_time >= self.every_n_secs:
-            self.request_snapshot(max(reply.step for reply in replies))
+            self.request_snapshot()
 
     def save_snapshots(self, replies: Sequence[StatusReply], evaluate: Callable[[ModelState], None]) -> bool:
         """Checkpoint, oldest first, every snapshot all PS hold that is not handled yet, and hand each to `evaluate`
@@ -117,18 +118,25 @@ class CheckpointManager:
             self.client.release_snapshots(ready[-1])
         return bool(ready)
 
-    def request_snapshot(self, highest_step: int) -> None:
-        """Every PS snapshots the step just ahead of `highest_step`, the furthest of them; it is then checkpointed."""
-        target = highest_step + self.snapshot_ahead
-        self.client.snapshot_at(target)
-        self.requested_snapshot = target
-        self.last_checkpoint_time = time.monotonic()
+    def request_snapshot(self, checkpoint: bool = True) -> int:
+        """Every PS snapshots one step, the furthest PS's now (PSAdmin.snapshot_at_furthest), or the step asked for
+        already while not every PS has taken it (a PS waits for one such step: asking for another before would
+        leave a snapshot on some PS only, and their table files' chains apart). It is then checkpointed if
+        `checkpoint` (else only handed to `evaluate`, see `save_snapshots`). That step."""
+        target = self.pending_snapshot
+        if target is None or target <= self.last_snapshot_step:
+            target = self.client.snapshot_at_furthest()
+            self.pending_snapshot = target
+        if checkpoint:
+            self.requested_snapshot = target
+            self.last_checkpoint_time = time.monotonic()
+        return target
 
     def restored(self, step: int) -> None:
         """Every PS was restored to `step` (restore.py `Recovery`): the snapshots they held, asked for or not, are
         gone."""
         self.last_snapshot_step = step
-        self.requested_snapshot = None
+        self.requested_snapshot = self.pending_snapshot = None
 
     def save(self, state: ModelState) -> Path | None:
         """A periodic checkpoint, and where it was written. One that cannot be written (a full or read-only disk)
