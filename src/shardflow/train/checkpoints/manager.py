@@ -1,6 +1,7 @@
 """When, what and where the chief checkpoints while a job runs: at exact multiples of save_checkpoints_steps, or
-every save_checkpoints_secs at the furthest PS's step (asked for once every PS holds its pushes), and once more when training ends (preempted or
-not); of the whole model state the PS snapshot at that step; into model_dir, through the store."""
+every save_checkpoints_secs at the furthest PS's step (asked for once every PS holds its pushes), and once more when
+training ends (preempted or not); of the whole model state the PS snapshot at that step; into model_dir, through the
+store."""
 
 from __future__ import annotations
 
