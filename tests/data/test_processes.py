@@ -123,3 +123,19 @@ def test_elements_of_different_shapes_cross_one_by_one(same_elements: Any) -> No
 
     in_processes = list(D.range(50).map(ragged, num_parallel_calls=2, use_processes=True))
     same_elements(in_processes, list(D.range(50).map(ragged)))
+
+
+def test_a_chunk_of_more_buffers_than_one_writev_takes_is_written_whole(tmp_path: Any) -> None:
+    """A chunk of many small elements is more buffers than IOV_MAX (one writev of them all failed with EINVAL, and
+    the map's worker died); some empty, one large."""
+    from shardflow.data.processes import _IOV_MAX, write_all
+
+    pieces: list[Any] = [bytes([k % 251]) * (k % 7) for k in range(3 * _IOV_MAX + 5)]
+    pieces.append(np.arange(1 << 20, dtype=np.float32))
+    path = tmp_path / "segment"
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        write_all(descriptor, pieces)
+    finally:
+        os.close(descriptor)
+    assert path.read_bytes() == b"".join(bytes(memoryview(piece).cast("B")) for piece in pieces)

@@ -26,6 +26,8 @@ _SHM_DIRECTORY = "/dev/shm"
 _SEGMENT_PREFIX = "shardflow-map-"
 _ZEROS = bytes(codec.aligned(1))
 _POLL_S = 0.1
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
+"""The most buffers one writev takes (1024 on Linux)."""
 
 
 class _Worker:
@@ -70,6 +72,21 @@ class _Worker:
         )
 
 
+def write_all(descriptor: int, pieces: list[Any]) -> None:
+    """Write the buffers `pieces` in order with as few writev calls as may be: at most IOV_MAX buffers each (more
+    is EINVAL), and on from where one stopped early (writev may, on very large chunks)."""
+    views = [view for view in (memoryview(piece).cast("B") for piece in pieces) if view.nbytes]
+    first = 0
+    while first < len(views):
+        written = os.writev(descriptor, views[first : first + _IOV_MAX])
+        while written:
+            if written >= views[first].nbytes:
+                written -= views[first].nbytes
+                first += 1
+            else:
+                views[first], written = views[first][written:], 0
+
+
 class _Segments:
     """Shared-memory segments of one map: files in the POSIX shared-memory directory named after the map.
 
@@ -97,9 +114,7 @@ class _Segments:
             total += item.nbytes
         descriptor = os.open(os.path.join(_SHM_DIRECTORY, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            written = os.writev(descriptor, pieces) if pieces else 0
-            if written < total:  # writev may stop early on very large chunks
-                os.write(descriptor, b"".join(bytes(piece) for piece in pieces)[written:])
+            write_all(descriptor, pieces)
         finally:
             os.close(descriptor)
         return name, offsets
