@@ -123,8 +123,8 @@ class ParameterServer:
             self._log("malformed", request.sender, error.op, f"ps:{self.index} refused a malformed request: {error}")
             self.server.reply_error(request, f"ps:{self.index} refused a malformed request: {error}")
             return
-        if self.deferred.waits(message, self.snapshots.full):
-            self._guarded(request, message, ParameterServer._defer)
+        if self.deferred.waits(message, self.snapshots.full):  # held: ps/deferred.py
+            self._guarded(request, message, lambda ps, r, m: ps.deferred.add((r, m), ps.config.held_limit))
         else:
             self._guarded(request, message, HANDLERS[type(message)])
 
@@ -163,10 +163,8 @@ class ParameterServer:
         if problem is not None:
             raise PSProtocolError(message.op, problem[0], sender, problem[1])
 
-    def _defer(self, request: Request, message: protocol.Push | protocol.NonFinite | protocol.Done) -> None:
-        self.deferred.add((request, message), self.config.held_limit)
-
-    def _handle_deferred(self) -> None:
+    def _handle_deferred(self, end_hold: bool = False) -> None:
+        self.deferred.holding &= not end_hold
         for request, message in self.deferred.release(lambda: self.snapshots.full):
             self._guarded(request, message, HANDLERS[type(message)])
 
@@ -324,15 +322,15 @@ class ParameterServer:
     def _on_snapshot_at(self, request: Request, snapshot_at: protocol.SnapshotAt) -> None:
         step = snapshot_at.step
         faults.reached("snapshot", self.name, step)
-        if step < self.step:
+        if step < self.step:  # not after a Hold
+            self._handle_deferred(end_hold=True)
             raise ValueError(f"snapshot step {step} already passed; ps:{self.index} is at {self.step}")
         if step == self.step:
             self.snapshots.held[step] = self._capture(self.step)
         else:
             self.snapshots.at = step
-        self.deferred.holding = False
         self._reply(request)
-        self._handle_deferred()
+        self._handle_deferred(end_hold=True)
 
     def _on_release_snapshots(self, request: Request, release: protocol.ReleaseSnapshots) -> None:
         self.snapshots.release(release.through_step)
@@ -355,12 +353,11 @@ class ParameterServer:
         faults.reached("stop", self.name, self.step)
         passed = stop.step is not None and stop.step < self.step
         self.updates.stop(None if passed else stop.step)
-        self.deferred.holding = False
         if passed:
-            self._handle_deferred()
+            self._handle_deferred(end_hold=True)
             raise ValueError(f"training cannot end at global step {stop.step}: ps:{self.index} is at {self.step}")
         self._reply(request)
-        self._handle_deferred()
+        self._handle_deferred(end_hold=True)
 
     def _on_shutdown(self, request: Request, _: protocol.Shutdown) -> None:
         self._reply(request)
