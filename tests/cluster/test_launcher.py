@@ -27,7 +27,11 @@ if action == "ignore-sigterm":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print("ignoring SIGTERM", flush=True)
     time.sleep(60)
-elif action == "sleep":
+elif action in ("sleep", "done-on-sigterm", "preempted-on-sigterm"):
+    if action != "sleep":  # a chief whose job had ended when SIGTERM came, or that checkpointed and exits 143
+        code = 0 if action == "done-on-sigterm" else 143
+        signal.signal(signal.SIGTERM, lambda *_: sys.exit(code))
+        print("SIGTERM handled", flush=True)
     time.sleep(60)
 elif action == "fail-once":
     marker = os.path.join(os.path.dirname(os.path.abspath(__file__)), name + ".failed")
@@ -179,6 +183,20 @@ def test_stop_kills_a_task_that_ignores_sigterm_after_the_grace_period(spec, rol
     finally:
         launcher.stop()
     assert_gone(launcher.pids.values())
+
+
+@pytest.mark.parametrize(("action", "code"), [("done-on-sigterm", 0), ("preempted-on-sigterm", 143)])
+def test_preempt_says_how_the_chief_ended(spec, role_command, action, code):
+    """So `shardflow launch` exits 0, not 143, when SIGTERM came after the job had ended: nothing to run again."""
+    output = io.StringIO()
+    launcher = LocalLauncher(spec, role_command({"chief:0": action}), output=output)
+    with launcher:
+        launcher.start()
+        deadline = time.monotonic() + 30
+        while "SIGTERM handled" not in output.getvalue():
+            assert time.monotonic() < deadline, output.getvalue()
+            time.sleep(0.05)
+        assert launcher.preempt(grace_s=5.0) == code
 
 
 def test_start_with_a_missing_program_raises(spec, tmp_path):

@@ -26,7 +26,8 @@ with an error, a role raises, or the restarts run out), the others are stopped a
 The roles share a fresh secret made for this job (unless SHARDFLOW_CLUSTER_SECRET is set): no
 other process can push to, pull from, stop, or write a control key of the job.
 SIGTERM, as a cluster manager sends on preemption, goes to the chief: it checkpoints at the current
-step and ends the job, every role exits, and the exit code is 143; launching again resumes there.
+step and ends the job, every role exits, and the exit code is 143; launching again resumes there. (0 if the
+job had ended before SIGTERM reached its chief: there is nothing to resume.)
 """
 
 

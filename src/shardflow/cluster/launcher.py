@@ -319,9 +319,10 @@ class LocalLauncher:
         for reader in self._readers:
             reader.join(max(0.0, deadline - time.monotonic()))
 
-    def preempt(self, grace_s: float) -> None:
+    def preempt(self, grace_s: float) -> int | None:
         """SIGTERM to the chief alone, which checkpoints and ends the job (see train/preemption.py); waits up to
-        grace_s for every task to exit. How they exit is no failure; stop() ends what is left."""
+        grace_s for every task to exit. How they exit is no failure; stop() ends what is left. The chief's exit
+        status, None while it runs."""
         with self._state:
             self._stopping = True
             self._state.notify_all()
@@ -332,6 +333,7 @@ class LocalLauncher:
                 chief.send_signal(signal.SIGTERM)
         with self._state:
             self._state.wait_for(lambda: len(self._exits) == len(self._processes), grace_s)
+            return next((ended.returncode for ended in self._exits if ended.task.type == "chief"), None)
 
     def __enter__(self) -> LocalLauncher:
         return self

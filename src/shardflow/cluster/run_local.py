@@ -77,9 +77,13 @@ def run_local(
             flush=True,
         )
         try:
-            launcher.preempt(termination_grace_s)
+            chief = launcher.preempt(termination_grace_s)
         except Interrupted:  # a second signal: stop now
             print("shardflow launch: interrupted; stopping all roles", file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT_CODE
+        if chief == 0:  # training had ended (its final checkpoint written) when SIGTERM reached the chief
+            print("shardflow launch: the job had ended before SIGTERM reached the chief; it is done", file=sys.stderr)
+            return 0
         return PREEMPTED_EXIT_CODE
     finally:
         ignore_interrupts(previous)
