@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
 
 from shardflow.comm.errors import CommError
 from shardflow.ps import protocol
+from shardflow.ps.admin import PSAdmin
 from shardflow.ps.client import ParameterClient, PushRequest
 from shardflow.ps.optimizers import SGD
 from shardflow.ps.placement import place
@@ -30,6 +32,18 @@ def _push(worker: ParameterClient, model: torch.nn.Module) -> protocol.StepReply
     return worker.wait_push(worker.push(PushRequest()))
 
 
+def _started(start_cluster, num_ps: int, num_workers: int = 1) -> tuple[Any, PSAdmin, ParameterClient, torch.nn.Module]:
+    """`num_ps` PS initialised with the model (SGD, async), the chief's client to them and a worker's, and its model."""
+    cluster = start_cluster(num_ps)
+    model = _model()
+    placement = place(model.named_parameters(), num_ps)
+    assert {p.ps for p in placement.pieces} == set(range(num_ps))
+    admin = cluster.admin(model, placement)
+    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=num_workers))
+    worker_model = _model()
+    return cluster, admin, cluster.client(worker_model, placement), worker_model
+
+
 def _wait(condition, what: str) -> None:
     deadline = time.monotonic() + 5
     while not condition():
@@ -38,14 +52,7 @@ def _wait(condition, what: str) -> None:
 
 
 def test_a_push_one_ps_applied_before_the_stop_is_applied_by_every_ps(start_cluster):
-    cluster = start_cluster(2)
-    model = _model()
-    placement = place(model.named_parameters(), 2)
-    assert {p.ps for p in placement.pieces} == {0, 1}
-    admin = cluster.admin(model, placement)
-    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=2))
-    worker_model = _model()
-    worker = cluster.client(worker_model, placement)
+    cluster, admin, worker, worker_model = _started(start_cluster, 2, num_workers=2)
     # The race, made certain: ps:0 holds (as if the chief's Hold reached it first), ps:1 applies the push.
     admin.client.request("ps:0", protocol.Hold().header(), timeout_s=5)
     replies: list[protocol.StepReply] = []
@@ -65,13 +72,7 @@ def test_a_push_one_ps_applied_before_the_stop_is_applied_by_every_ps(start_clus
 
 
 def test_a_stop_at_a_step_already_passed_ends_training_there_and_says_so(start_cluster):
-    cluster = start_cluster(1)
-    model = _model()
-    placement = place(model.named_parameters(), 1)
-    admin = cluster.admin(model, placement)
-    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
-    worker_model = _model()
-    worker = cluster.client(worker_model, placement)
+    cluster, admin, worker, worker_model = _started(start_cluster, 1)
     _push(worker, worker_model)
     _push(worker, worker_model)
     with pytest.raises(CommError, match="training cannot end at global step 1: ps:0 is at 2"):
@@ -81,11 +82,7 @@ def test_a_stop_at_a_step_already_passed_ends_training_there_and_says_so(start_c
 
 
 def test_a_hold_shows_in_the_status_until_a_snapshot_ends_it(start_cluster):
-    cluster = start_cluster(2)
-    model = _model()
-    placement = place(model.named_parameters(), 2)
-    admin = cluster.admin(model, placement)
-    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
+    _, admin, _, _ = _started(start_cluster, 2)
     admin.broadcast(protocol.Hold())
     assert [reply.holding for reply in admin.status()] == [True, True]
     assert admin.snapshot_at_furthest() == 0
@@ -95,13 +92,7 @@ def test_a_hold_shows_in_the_status_until_a_snapshot_ends_it(start_cluster):
 def test_a_snapshot_asked_for_while_the_ps_are_a_push_apart_is_of_one_step_on_every_ps(start_cluster):
     """Time-based checkpoints and evaluations: each PS holds the pushes, then all snapshot the furthest one's step,
     which none can have passed; the PS behind take it once their held pushes bring them there."""
-    cluster = start_cluster(2)
-    model = _model()
-    placement = place(model.named_parameters(), 2)
-    admin = cluster.admin(model, placement)
-    init_servers(admin, SGD(lr=0.5), ApplyConfig(num_workers=1))
-    worker_model = _model()
-    worker = cluster.client(worker_model, placement)
+    cluster, admin, worker, worker_model = _started(start_cluster, 2)
     _push(worker, worker_model)
     admin.client.request("ps:0", protocol.Hold().header(), timeout_s=5)
     replies: list[protocol.StepReply] = []
