@@ -22,7 +22,7 @@ class PSAdmin(PSConnection):
         """Every PS snapshots its state at one global step, the furthest PS's now; that step. As in `stop`, each
         first holds the workers' pushes and says its step, so none can pass the step asked for; the others snapshot
         once their held pushes bring them there."""
-        step = max(reply.step for reply in self.broadcast(protocol.Hold()))
+        step = self._hold()
         self.broadcast(protocol.SnapshotAt(step=step))
         return step
 
@@ -39,9 +39,14 @@ class PSAdmin(PSConnection):
         push reached one, not yet the other): so every PS first holds the workers' pushes and says its step, then
         all end at the furthest one's, the others applying the pushes it had. Then they drop later pushes and tell
         the workers to stop. Without this, each PS's checkpoint would be of another step."""
-        step = max(reply.step for reply in self.broadcast(protocol.Hold()))
+        step = self._hold()
         self.broadcast(protocol.Stop(step=step))
         return step
+
+    def _hold(self) -> int:
+        """Every PS holds the workers' pushes from now (protocol `Hold`): the furthest one's step, which none passes
+        until the chief's next request names one step for all."""
+        return max(reply.step for reply in self.broadcast(protocol.Hold()))
 
     def shutdown(self) -> None:
         """The job is over: every PS stops serving."""
