@@ -1,20 +1,19 @@
 """A CPU worker's choice of torch threads (train/thread_tuning.py), fed step times that depend on the threads it
-set, and the launcher's offer of more threads (cluster/run_local.py local_threads)."""
+set, and the launcher's offer of more threads (cluster/local_job.py local_threads)."""
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from shardflow import env
+from shardflow.cluster import local_job
 from shardflow.cluster.spec import ClusterSpec
 from shardflow.train import thread_tuning
 from shardflow.train.thread_tuning import RETUNE_S, ThreadTuner
 
-run_local = importlib.import_module("shardflow.cluster.run_local")  # the package exports a function of that name
 STEPS_OF_A_TIMING = thread_tuning.ROUNDS * 2 * thread_tuning.STEPS_EACH
 
 
@@ -139,10 +138,10 @@ def test_the_launcher_offers_the_workers_the_cores_per_worker_beyond_their_share
     monkeypatch, cores, workers, ps, expected
 ):
     monkeypatch.delenv(env.LOCAL_THREADS, raising=False)
-    monkeypatch.setattr(run_local.os, "cpu_count", lambda: cores)
-    assert run_local.local_threads(ClusterSpec.local(num_workers=workers, num_ps=ps)) == expected
+    monkeypatch.setattr("shardflow.cluster.local_job.os.cpu_count", lambda: cores)
+    assert local_job.local_threads(ClusterSpec.local(num_workers=workers, num_ps=ps)) == expected
 
 
 def test_threads_the_user_set_are_kept_and_not_tuned(monkeypatch):
     monkeypatch.setenv(env.LOCAL_THREADS, "1")
-    assert run_local.local_threads(ClusterSpec.local(num_workers=1, num_ps=1)) == {}
+    assert local_job.local_threads(ClusterSpec.local(num_workers=1, num_ps=1)) == {}

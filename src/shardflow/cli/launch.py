@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     # Here, not at the top: the launcher brings torch and ZeroMQ, which `shardflow --help` need not wait for.
-    from shardflow.cluster.run_local import run_local
+    from shardflow.cluster.local_job import run_local
     from shardflow.cluster.spec import ClusterSpec, release_local_ports
 
     spec = ClusterSpec.local(args.workers, args.ps, evaluator=args.evaluator)

@@ -8,14 +8,14 @@ from shardflow._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
     from shardflow.cluster.launcher import LocalLauncher, RoleExit
-    from shardflow.cluster.run_local import run_local
+    from shardflow.cluster.local_job import run_local
     from shardflow.cluster.spec import DYNAMIC, ROLES, ClusterSpec, ClusterSpecError, TaskSpec, cluster_from_env
 
 # Imported on first use: the launcher brings torch and ZeroMQ, which `shardflow --help` and a module of this package
 # that needs neither (liveness, control_keys) should not wait for.
 _LAZY = {
     **dict.fromkeys(("LocalLauncher", "RoleExit"), "shardflow.cluster.launcher"),
-    "run_local": "shardflow.cluster.run_local",
+    "run_local": "shardflow.cluster.local_job",
     **dict.fromkeys(("DYNAMIC", "ROLES", "ClusterSpec", "ClusterSpecError", "TaskSpec"), "shardflow.cluster.spec"),
     "cluster_from_env": "shardflow.cluster.spec",
 }

@@ -22,7 +22,7 @@ from shardflow import env
 from shardflow.cluster import control_keys, liveness
 from shardflow.cluster.control_plane import ControlPlane, ControlPlaneError
 from shardflow.cluster.launcher import USER_ERROR_EXIT_CODE, LocalLauncher, RoleExit
-from shardflow.cluster.run_local import local_threads
+from shardflow.cluster.local_job import local_threads
 from shardflow.cluster.spec import ClusterSpec, TaskSpec, cluster_from_env, release_local_ports
 from shardflow.cluster.zygote import exit_without_final_collection, installed_modules
 from shardflow.comm.errors import CommError
