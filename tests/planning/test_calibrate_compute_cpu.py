@@ -67,10 +67,10 @@ def test_a_ps_calibration_with_the_compute_cpu_time_reproduces_its_own_run(measu
         calibrated_on=measured.strategy,
     )
     predicted = predict_strategy(config, "ps").global_steps_per_s
-    # Alone on the machine, within 0.5% (four runs beside a busy loop too); beside the suite's other test process,
-    # whose load comes and goes within the window, +10% and +16% in two CI runs. Within 25%: the model's identity,
-    # not the machine's quiet (benchmarks/plan_validation.py measures the error on a quiet machine).
-    assert predicted == pytest.approx(measured.global_steps_per_s, rel=0.25)
+    # Alone on the machine, within 0.5%; beside busy loops that come and go, within 4% in twelve runs. Two CI runs
+    # had planned +16% and +54%: the workers' rate was the sum of each one's over its own window, so a worker kept
+    # off the cores at the start counted that time as work (test_calibrate_ps_rate.py).
+    assert predicted == pytest.approx(measured.global_steps_per_s, rel=0.15)
 
 
 def test_a_capture_whose_table_predates_the_cpu_time_calibrates_without_it(model_dir, measured, tmp_path):
