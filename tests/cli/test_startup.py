@@ -40,3 +40,9 @@ def test_dir_of_shardflow_data_lists_the_example_codec_and_file_sources():
     from shardflow import data
 
     assert {"parse_example", "FixedLenFeature", "TFRecordDataset", "make_csv_dataset", "Dataset"} <= set(dir(data))
+
+
+def test_the_local_launcher_that_shardflow_launch_runs_imports_no_torch():
+    # Its roles import torch (forked from the zygote, which imports it once); the launcher itself would spend ~1.3 s
+    # of CPU on it, beside the zygote's own import, on the cores the job starts on.
+    assert "torch" not in imported_after("import shardflow.cluster.local_job, shardflow.cluster.launcher")
