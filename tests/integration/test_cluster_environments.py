@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -15,13 +17,29 @@ JOBS = Path(__file__).parent / "jobs"
 
 
 def _free_ports(count: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(count)]
-    for s in sockets:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for s in sockets:
-        s.close()
-    return ports
+    """`count` consecutive ports free now, below the kernel's range of ephemeral ports (32768 and up): a port it
+    hands out for another test's bind to port 0, or for an outgoing connection, is never one of them. (A port bound
+    to 0 and let go here was taken so once, under torchrun's MASTER_PORT + 1.)"""
+    chooser = random.Random()
+    for _ in range(100):
+        base = chooser.randrange(20_000, 32_000)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return list(range(base, base + count))
+    raise RuntimeError(f"no {count} consecutive free ports in 20000-32000")
+
+
+def _torchrun(nproc: int, script: Path, config: Path) -> list[str]:
+    """torchrun on one machine, its store on a free port whose next one is free too: the chief's control service
+    listens on MASTER_PORT + 1 (cluster/spec.py)."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    port, _ = _free_ports(2)
+    rendezvous = ["--nnodes", "1", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port)]
+    return [str(torchrun), *rendezvous, "--nproc-per-node", str(nproc), str(script), str(config)]
 
 
 def _config(tmp_path: Path) -> Path:
@@ -70,9 +88,8 @@ def test_tf_config_in_each_process_runs_the_job(tmp_path):
 
 def test_torchrun_ranks_map_to_chief_ps_and_workers(tmp_path):
     config = _config(tmp_path)
-    torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", "4", str(JOBS / "regression.py"), str(config)],
+        _torchrun(4, JOBS / "regression.py", config),
         env={**os.environ, "SHARDFLOW_NUM_PS": "1"},
         capture_output=True,
         text=True,
@@ -97,9 +114,8 @@ def test_torchrun_ranks_map_to_the_roles_of_allreduce_and_hybrid_jobs(tmp_path, 
     chief, 2 PS, then the workers. Both to their exact step."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**config, "model_dir": str(tmp_path / "model"), "result": str(tmp_path / "r.json")}))
-    torchrun = Path(sys.executable).with_name("torchrun")
     proc = subprocess.run(
-        [str(torchrun), "--standalone", "--nproc-per-node", str(nproc), str(JOBS / job), str(path)],
+        _torchrun(nproc, JOBS / job, path),
         env={**os.environ, **({"SHARDFLOW_NUM_PS": num_ps} if num_ps else {})},
         capture_output=True,
         text=True,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -106,7 +107,10 @@ def test_a_killed_worker_rejoins_and_every_record_reaches_the_tables_once(
     assert code == 0, output
     if ">" in killed:  # a worker restarted after every PS was restored: they take its pushes once it rejoined
         assert "every PS restored to global step" in output, output
-        assert "joined the all-reduce group at global step" in output, output
+        # Restarted alone, it joins the group; restarted with a PS (lost at once), it may come back in time to go back
+        # to the checkpoint with the others instead: either way it trains again.
+        back = re.compile(r"worker:1 (joined the all-reduce group|went back to global step \d+, where every PS)")
+        assert back.search(output.rpartition("restarted worker:1")[2]), output
     elif "+" in killed:  # the dense state is gone with them: as for a PS, back to the latest checkpoint
         assert "every worker was lost: the dense state" in output, output
         assert "every PS restored to global step" in output, output
