@@ -138,6 +138,23 @@ def test_chain_is_the_latest_fulls_then_the_increments_after_them_in_step_order(
     ]  # fmt: skip
 
 
+def test_a_ps_a_full_file_ahead_of_the_other_keeps_its_own_chain():
+    # ps:0 took a snapshot ps:1 never heard of (its chief died as it asked), so ps:0 wrote a full file at 30 where
+    # ps:1 wrote an increment: each PS's rows replay from its own chain.
+    records = [_record(10, "full", 0), _record(10, "full", 1), _record(20, "increment", 1), _record(30, "full", 0)]
+    records += [_record(30, "increment", 1), _record(40, "increment", 1), _record(40, "increment", 0)]
+    assert [(r.kind, r.step, r.ps_index) for r in chain_order(records)] == [
+        ("full", 10, 1), ("increment", 20, 1), ("full", 30, 0), ("increment", 30, 1),
+        ("increment", 40, 0), ("increment", 40, 1),
+    ]  # fmt: skip
+
+
+def test_a_ps_whose_chain_stops_short_of_the_latest_full_step_is_named():
+    records = [_record(10, "full", 0), _record(10, "full", 1), _record(20, "increment", 1), _record(30, "full", 0)]
+    with pytest.raises(ValueError, match=r"table 'items': the full files of step 30 lack ps \[1\] of 2"):
+        chain_order(records)
+
+
 def test_chains_of_two_tables_come_table_by_table():
     records = [_record(10, "full", 0, 1, table="b"), _record(10, "full", 0, 1, table="a")]
     assert [r.table for r in chain_order(records)] == ["a", "b"]

@@ -53,9 +53,12 @@ Files = Sequence[tuple[Path, FileRecord | None]]
 
 
 def chain_order(records: Iterable[S]) -> list[S]:
-    """Each table's chain (tables by name): the full files of its latest full step, one per PS in PS order, then
-    the increments after that step, step by step, each step's in PS order. Older files are left out. Raises a
-    ValueError naming the table, step and PS where a step lacks a PS's file or has two."""
+    """Each table's chain (tables by name): every PS's latest full file and its increments after it, in step order,
+    each step's files in PS order. Older files are left out. Each PS's files hold only its own rows, so its chain
+    replays on its own; the PS usually write their full files at the same step (each counts its saves, see
+    TableShards.save), but a snapshot that reached one PS only (a chief that died as it asked for it) leaves one a
+    full file ahead: its chain then starts later than the others'. Every PS has a file at the latest full step and at
+    each step after it. Raises a ValueError naming the table, step and PS where a step lacks a PS's file or has two."""
     by_table: dict[str, dict[tuple[int, str, int], S]] = {}
     for record in records:
         group = by_table.setdefault(record.table, {})
@@ -73,18 +76,34 @@ def _table_chain(table: str, records: list[S]) -> list[S]:
     if not fulls:
         raise ValueError(f"table {table!r}: no full file; a chain starts with one full file per PS")
     start = max(r.step for r in fulls)
-    chain = _one_per_ps(table, "full", start, [r for r in fulls if r.step == start], None)
-    num_ps = chain[0].num_ps
+    num_ps = _one_per_ps(table, "full", start, [r for r in fulls if r.step == start], None, partial=True)
+    chain: list[S] = []
+    missing = []
+    for k in range(num_ps):
+        own = [r for r in fulls if r.ps_index == k and r.num_ps == num_ps]
+        if not own:
+            missing.append(k)
+            continue
+        first = max(r.step for r in own)
+        # Behind the latest full step: this PS's increments up to it, one of them at it.
+        behind = [r for r in records if r.kind == "increment" and r.ps_index == k and first < r.step <= start]
+        if first < start and not any(r.step == start for r in behind):
+            missing.append(k)
+        chain += [r for r in own if r.step == first] + behind
+    if missing:
+        raise ValueError(f"table {table!r}: the full files of step {start} lack ps {missing} of {num_ps}")
     increments: dict[int, list[S]] = {}
     for r in records:
         if r.kind == "increment" and r.step > start:
             increments.setdefault(r.step, []).append(r)
     for step in sorted(increments):
-        chain += _one_per_ps(table, "increment", step, increments[step], num_ps)
-    return chain
+        _one_per_ps(table, "increment", step, increments[step], num_ps)
+        chain += increments[step]
+    return sorted(chain, key=lambda r: (r.step, r.ps_index))
 
 
-def _one_per_ps(table: str, kind: str, step: int, records: list[S], num_ps: int | None) -> list[S]:
+def _one_per_ps(table: str, kind: str, step: int, records: list[S], num_ps: int | None, partial: bool = False) -> int:
+    """The number of PS of `records`, one file of each PS (of a `partial` step: at most one), else a ValueError."""
     where = f"table {table!r}: the {kind} files of step {step}"
     counts = sorted({r.num_ps for r in records})
     if num_ps is None and len(counts) > 1:
@@ -93,11 +112,11 @@ def _one_per_ps(table: str, kind: str, step: int, records: list[S], num_ps: int 
     if counts != [num_ps]:
         raise ValueError(f"{where} were written by jobs of {counts} PS, the chain's full files by {num_ps}")
     by_ps = {r.ps_index: r for r in records}  # one each: chain_order kept one record per (step, kind, PS)
-    missing = [k for k in range(num_ps) if k not in by_ps]
-    if missing or len(by_ps) != num_ps:
-        extra = sorted(set(by_ps) - set(range(num_ps)))
+    missing = [] if partial else [k for k in range(num_ps) if k not in by_ps]
+    extra = sorted(set(by_ps) - set(range(num_ps)))
+    if missing or extra:
         raise ValueError(f"{where} lack ps {missing} of {num_ps}" + (f" and name ps {extra}" if extra else ""))
-    return [by_ps[k] for k in range(num_ps)]
+    return num_ps
 
 
 def check_chain(files: Files, spec: TableSpec) -> list[ShardMeta]:
