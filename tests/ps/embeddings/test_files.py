@@ -151,8 +151,17 @@ def test_a_ps_a_full_file_ahead_of_the_other_keeps_its_own_chain():
 
 def test_a_ps_whose_chain_stops_short_of_the_latest_full_step_is_named():
     records = [_record(10, "full", 0), _record(10, "full", 1), _record(20, "increment", 1), _record(30, "full", 0)]
-    with pytest.raises(ValueError, match=r"table 'items': the full files of step 30 lack ps \[1\] of 2"):
+    with pytest.raises(ValueError, match=r"table 'items': the files of step 30 lack ps \[1\] of 2"):
         chain_order(records)
+
+
+def test_chains_whose_full_files_are_of_each_ps_own_step_end_together():
+    # A restarted chief read each PS's state at its own step (155 and 156): each wrote a full file there.
+    records = [_record(155, "full", 0), _record(156, "full", 1), _record(159, "increment", 0)]
+    records.append(_record(159, "increment", 1))
+    assert [(r.kind, r.step, r.ps_index) for r in chain_order(records)] == [
+        ("full", 155, 0), ("full", 156, 1), ("increment", 159, 0), ("increment", 159, 1),
+    ]  # fmt: skip
 
 
 def test_chains_of_two_tables_come_table_by_table():

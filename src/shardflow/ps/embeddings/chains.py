@@ -57,8 +57,9 @@ def chain_order(records: Iterable[S]) -> list[S]:
     each step's files in PS order. Older files are left out. Each PS's files hold only its own rows, so its chain
     replays on its own; the PS usually write their full files at the same step (each counts its saves, see
     TableShards.save), but a snapshot that reached one PS only (a chief that died as it asked for it) leaves one a
-    full file ahead: its chain then starts later than the others'. Every PS has a file at the latest full step and at
-    each step after it. Raises a ValueError naming the table, step and PS where a step lacks a PS's file or has two."""
+    full file ahead, and a chief that resumes from the live PS reads each one's state at its own step: a chain then
+    starts later than the others'. Every PS's files end at one step, and every PS has one at each step after the
+    latest full file. Raises a ValueError naming the table, step and PS where a step lacks a PS's file or has two."""
     by_table: dict[str, dict[tuple[int, str, int], S]] = {}
     for record in records:
         group = by_table.setdefault(record.table, {})
@@ -78,18 +79,17 @@ def _table_chain(table: str, records: list[S]) -> list[S]:
     start = max(r.step for r in fulls)
     num_ps = _one_per_ps(table, "full", start, [r for r in fulls if r.step == start], None, partial=True)
     chain: list[S] = []
-    missing = []
+    missing, ends = [], {}
     for k in range(num_ps):
         own = [r for r in fulls if r.ps_index == k and r.num_ps == num_ps]
         if not own:
             missing.append(k)
             continue
         first = max(r.step for r in own)
-        # Behind the latest full step: this PS's increments up to it, one of them at it.
+        # Up to the latest full step, this PS's increments after its own full file, whatever the others saved.
         behind = [r for r in records if r.kind == "increment" and r.ps_index == k and first < r.step <= start]
-        if first < start and not any(r.step == start for r in behind):
-            missing.append(k)
         chain += [r for r in own if r.step == first] + behind
+        ends[k] = max(r.step for r in [*own, *behind])
     if missing:
         raise ValueError(f"table {table!r}: the full files of step {start} lack ps {missing} of {num_ps}")
     increments: dict[int, list[S]] = {}
@@ -99,6 +99,10 @@ def _table_chain(table: str, records: list[S]) -> list[S]:
     for step in sorted(increments):
         _one_per_ps(table, "increment", step, increments[step], num_ps)
         chain += increments[step]
+    if not increments and len(set(ends.values())) > 1:  # every PS's files end at the checkpoint's step
+        end = max(ends.values())
+        short = [k for k, step in ends.items() if step != end]
+        raise ValueError(f"table {table!r}: the files of step {end} lack ps {short} of {num_ps}")
     return sorted(chain, key=lambda r: (r.step, r.ps_index))
 
 
