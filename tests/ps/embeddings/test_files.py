@@ -164,6 +164,12 @@ def test_chains_whose_full_files_are_of_each_ps_own_step_end_together():
     ]  # fmt: skip
 
 
+def test_an_increment_of_another_number_of_ps_behind_the_latest_full_step_is_refused():
+    records = [_record(10, "full", 0), _record(10, "full", 1), _record(20, "increment", 1, 3), _record(30, "full", 0)]
+    with pytest.raises(ValueError, match=r"step 20 were written by jobs of \[3\] PS, the chain's full files by 2"):
+        chain_order([*records, _record(30, "increment", 1)])
+
+
 def test_chains_of_two_tables_come_table_by_table():
     records = [_record(10, "full", 0, 1, table="b"), _record(10, "full", 0, 1, table="a")]
     assert [r.table for r in chain_order(records)] == ["a", "b"]

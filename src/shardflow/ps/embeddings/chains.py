@@ -88,6 +88,8 @@ def _table_chain(table: str, records: list[S]) -> list[S]:
         first = max(r.step for r in own)
         # Up to the latest full step, this PS's increments after its own full file, whatever the others saved.
         behind = [r for r in records if r.kind == "increment" and r.ps_index == k and first < r.step <= start]
+        for r in behind:
+            _one_per_ps(table, "increment", r.step, [r], num_ps, partial=True)  # of a job of as many PS
         chain += [r for r in own if r.step == first] + behind
         ends[k] = max(r.step for r in [*own, *behind])
     if missing:
