@@ -7,7 +7,7 @@ import bisect
 import statistics
 from collections import defaultdict
 from dataclasses import dataclass
-from itertools import chain, pairwise
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,7 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     global_steps_per_s = _rate(applies_by_ps[first_ps])
     num_workers = len({s["role"] for s in worker_steps})
     cores = _cores_by_role(table)
-    worker_steps_per_s = _workers_rate(worker_steps)
+    worker_steps_per_s = _rate(worker_steps)
     model_bytes = _per_worker_step(pushes)
     return Calibration(
         capture=directory,
@@ -148,11 +148,9 @@ def _per_worker_step(spans: list[dict[str, Any]]) -> float:
 
 def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[str, Any]]]) -> Calibration:
     cores = _cores_by_role(table)
-    steps_by_worker = {role: spans for role, spans in _by_role(by_name[STEP]).items() if role[:6] == "worker"}
-    num_workers = len(steps_by_worker)
-    worker_cpu_s = _cpu_per_worker_step(
-        cores, "worker", num_workers, _workers_rate(list(chain(*steps_by_worker.values())))
-    )
+    worker_steps = [s for s in by_name[STEP] if s["role"].startswith("worker")]
+    num_workers = len({s["role"] for s in worker_steps})
+    worker_cpu_s = _cpu_per_worker_step(cores, "worker", num_workers, _rate(worker_steps))
     pushes = [s for s in by_name[PUSH] if s["role"].startswith("worker")]
     num_ps = round(len(pushes) / len({(s["role"], s["step"]) for s in pushes}))  # one push to every PS a step
     cost, ring, figures = hybrid_cost(by_name, worker_cpu_s, num_ps, directory)
@@ -194,7 +192,7 @@ def _hybrid_busy_cores(cores: dict[str, float], waits_for_the_ps: float) -> floa
 def _calibrate_allreduce(directory: Path, table: Any, by_name: dict[str, list[dict[str, Any]]]) -> Calibration:
     cores = _cores_by_role(table)
     num_workers = len({s["role"] for s in by_name[STEP] if s["role"].startswith("worker")})
-    worker_steps_per_s = _workers_rate([s for s in by_name[STEP] if s["role"].startswith("worker")])
+    worker_steps_per_s = _rate([s for s in by_name[STEP] if s["role"].startswith("worker")])
     worker_cpu_s = _cpu_per_worker_step(cores, "worker", num_workers, worker_steps_per_s)
     ring, figures = ring_cost(by_name, worker_cpu_s, directory)
     return Calibration(
@@ -307,20 +305,15 @@ def _nested(inner: list[dict[str, Any]], outer: list[dict[str, Any]]) -> list[di
 
 
 def _rate(spans: list[dict[str, Any]]) -> float:
-    """Spans per second between the first and the last start (of one role's applies or steps)."""
+    """Spans per second between the first start and the last, less one span per role (one role's applies, or every
+    worker's steps together). Every worker's steps are one window, not a sum of each worker's rate: a worker other
+    programs kept off the cores for part of the window starts its first step late (or its last early), and its rate
+    over its own shorter window counts the missing time as work (two CI runs planned 16% and 54% above the run they
+    were calibrated on so)."""
     starts = sorted(s["ts"] for s in spans)
-    return (len(starts) - 1) / ((starts[-1] - starts[0]) / 1e6) if len(starts) > 1 and starts[-1] > starts[0] else 0.0
-
-
-def _workers_rate(steps: list[dict[str, Any]]) -> float:
-    """Every worker's steps together per second, between the first start and the last of any (less one step per
-    worker, as `_rate` of each). Not the sum of each worker's `_rate`: a worker other programs kept off the cores for
-    part of the window starts its first step late (or its last early), and its rate over its own shorter window
-    counts the missing time as work (two CI runs planned 16% and 54% above the run they were calibrated on so)."""
-    starts = sorted(s["ts"] for s in steps)
-    ends = len({s["role"] for s in steps})
+    roles = len({s["role"] for s in spans})
     return (
-        (len(starts) - ends) / ((starts[-1] - starts[0]) / 1e6)
-        if len(starts) > ends and starts[-1] > starts[0]
+        (len(starts) - roles) / ((starts[-1] - starts[0]) / 1e6)
+        if len(starts) > roles and starts[-1] > starts[0]
         else 0.0
     )
