@@ -13,7 +13,7 @@ from typing import Any
 
 import pyarrow.compute as pc
 
-from shardflow.planning.calibrate_allreduce import ring_cost
+from shardflow.planning.calibrate_allreduce import ring_cost, spans_per_s
 from shardflow.planning.calibrate_hybrid import hybrid_cost, is_hybrid
 from shardflow.planning.plan_model import HybridCost, RingCost
 from shardflow.profile.capture import capture_dir, finalize
@@ -113,10 +113,10 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
     moving_us = sum(len(by_name[name]) * _median(by_name[name]) for name in (PUSH, RECEIVE, REPLY))
     applies_by_ps = _by_role(applies)
     first_ps = min(applies_by_ps, key=lambda role: int(role.partition(":")[2] or 0))
-    global_steps_per_s = _rate(applies_by_ps[first_ps])
+    global_steps_per_s = spans_per_s(applies_by_ps[first_ps])
     num_workers = len({s["role"] for s in worker_steps})
     cores = _cores_by_role(table)
-    worker_steps_per_s = _rate(worker_steps)
+    worker_steps_per_s = spans_per_s(worker_steps)
     model_bytes = _per_worker_step(pushes)
     return Calibration(
         capture=directory,
@@ -150,7 +150,7 @@ def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[
     cores = _cores_by_role(table)
     worker_steps = [s for s in by_name[STEP] if s["role"].startswith("worker")]
     num_workers = len({s["role"] for s in worker_steps})
-    worker_cpu_s = _cpu_per_worker_step(cores, "worker", num_workers, _rate(worker_steps))
+    worker_cpu_s = _cpu_per_worker_step(cores, "worker", num_workers, spans_per_s(worker_steps))
     pushes = [s for s in by_name[PUSH] if s["role"].startswith("worker")]
     num_ps = round(len(pushes) / len({(s["role"], s["step"]) for s in pushes}))  # one push to every PS a step
     cost, ring, figures = hybrid_cost(by_name, worker_cpu_s, num_ps, directory)
@@ -192,7 +192,7 @@ def _hybrid_busy_cores(cores: dict[str, float], waits_for_the_ps: float) -> floa
 def _calibrate_allreduce(directory: Path, table: Any, by_name: dict[str, list[dict[str, Any]]]) -> Calibration:
     cores = _cores_by_role(table)
     num_workers = len({s["role"] for s in by_name[STEP] if s["role"].startswith("worker")})
-    worker_steps_per_s = _rate([s for s in by_name[STEP] if s["role"].startswith("worker")])
+    worker_steps_per_s = spans_per_s([s for s in by_name[STEP] if s["role"].startswith("worker")])
     worker_cpu_s = _cpu_per_worker_step(cores, "worker", num_workers, worker_steps_per_s)
     ring, figures = ring_cost(by_name, worker_cpu_s, directory)
     return Calibration(
@@ -302,18 +302,3 @@ def _nested(inner: list[dict[str, Any]], outer: list[dict[str, Any]]) -> list[di
         if i >= 0 and span["ts"] + span["dur"] <= intervals[i][1]:
             nested.append(span)
     return nested
-
-
-def _rate(spans: list[dict[str, Any]]) -> float:
-    """Spans per second between the first start and the last, less one span per role (one role's applies, or every
-    worker's steps together). Every worker's steps are one window, not a sum of each worker's rate: a worker other
-    programs kept off the cores for part of the window starts its first step late (or its last early), and its rate
-    over its own shorter window counts the missing time as work (two CI runs planned 16% and 54% above the run they
-    were calibrated on so)."""
-    starts = sorted(s["ts"] for s in spans)
-    roles = len({s["role"] for s in spans})
-    return (
-        (len(starts) - roles) / ((starts[-1] - starts[0]) / 1e6)
-        if len(starts) > roles and starts[-1] > starts[0]
-        else 0.0
-    )
