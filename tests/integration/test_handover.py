@@ -9,6 +9,7 @@ import os
 import signal
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -17,18 +18,21 @@ from .conftest import TFConfigJob
 NUM_RECORDS, BATCH = 1024, 8
 
 
-def _run_job(tmp_path: Path, mode: str) -> tuple[TFConfigJob, dict[tuple[str, int], str]]:
+def _run_job(tmp_path: Path, mode: str, step: int = 20) -> tuple[TFConfigJob, dict[tuple[str, int], str]]:
     config = tmp_path / "config.json"
     job = {"model_dir": str(tmp_path / "model"), "result": str(tmp_path / "result.json"), "mode": mode}
     config.write_text(json.dumps({**job, "heartbeat_timeout_s": 2.0, "worker_rejoin_timeout_s": 3.0}))
-    fault = {"role": "worker:1", "point": "push", "step": 20, "marker": str(tmp_path / "fault.fired")}
+    fault = {"role": "worker:1", "point": "push", "step": step, "marker": str(tmp_path / "fault.fired")}
     env = {**os.environ, "SHARDFLOW_FAULT": json.dumps(fault), "SHARDFLOW_CLUSTER_SECRET": "handover"}
     roles = TFConfigJob("audit.py", config, env)
     return roles, roles.finish()
 
 
-def test_async_a_worker_lost_for_good_hands_its_shard_over_and_every_record_is_applied_once(tmp_path):
-    roles, outputs = _run_job(tmp_path, "async")
+# Killed between its pushes to the two PS: at step 20, or at its last step (64 of 64), where nothing of its shard is
+# left to read and the taker only finishes the step ps:1 lacks, which the job's end waits for.
+@pytest.mark.parametrize("step", [20, NUM_RECORDS // BATCH // 2])
+def test_async_a_worker_lost_for_good_hands_its_shard_over_and_every_record_is_applied_once(tmp_path, step):
+    roles, outputs = _run_job(tmp_path, "async", step)
     codes = {name: p.returncode for name, p in roles.procs.items()}
     described = roles.describe(outputs)
     assert codes.pop(("worker", 1)) == -signal.SIGKILL, described
