@@ -160,6 +160,22 @@ def test_evaluation_during_training_and_early_stopping(tmp_path, data_dir):
     assert result["metrics"]["loss"] >= 0
 
 
+def test_early_stopping_counts_the_evaluations_of_the_run_before_a_resume(tmp_path, data_dir):
+    # Patience 3, an improvement of 100 never happens: the first run is stopped by a tight max_steps after 2
+    # evaluations; run again to more steps, the chief reads them back (eval/history.jsonl) and stops at its 2nd.
+    stopping = {"metric": "loss", "patience": 3, "min_delta": 100.0}
+    common: dict[str, Any] = {"num_ps": 1, "epochs": 100, "eval_every_n_steps": 5, "early_stopping": stopping}
+    first = run(tmp_path, data_dir, "first", max_steps=10, **common)
+    assert [e["global_step"] for e in first["eval_history"]] == [5, 10] and not first["stopped_early"]
+    second = run(tmp_path, data_dir, "second", model_dir=tmp_path / "first", max_steps=1000, **common)
+    assert second["stopped_early"], second
+    assert second["eval_history"][:2] == first["eval_history"]
+    own = [e["global_step"] for e in second["eval_history"][2:]]
+    # Stopped at its second evaluation (15, 20); the final one of the step it stopped at may follow.
+    assert own[:2] == [15, 20] and len(own) <= 3, own
+    assert all(e["elapsed_s"] >= first["eval_history"][-1]["elapsed_s"] for e in second["eval_history"][2:])
+
+
 def test_side_car_evaluator_follows_checkpoints_and_reports_the_final_metrics(tmp_path, data_dir):
     result = run(tmp_path, data_dir, "sidecar", num_ps=1, max_steps=20, save_checkpoints_steps=5, evaluator=True)
     history = [json.loads(line) for line in (tmp_path / "sidecar" / "eval" / "history.jsonl").read_text().splitlines()]

@@ -24,6 +24,7 @@ from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
+from shardflow.train.eval_history import EvalHistory
 from shardflow.train.job import JobConfig, RoleFailedError, is_hybrid
 from shardflow.train.job_keys import (
     AllReduceStart,
@@ -148,7 +149,8 @@ class _Chief:
         role.control.put(job_keys.GLOBAL_STEP, GlobalStep(step=self.step))
         self.awaited = start.next_hand_over
         """The number of the next state of worker:0 this chief saves."""
-        self.eval_history: list[dict[str, Any]] = []
+        self.history = EvalHistory(job.model_dir, start.evaluated_through) if self.eval_spec is not None else None
+        """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.stopped_early = False
         self.failed_saves = 0
 
@@ -224,7 +226,8 @@ class _Chief:
         assert self.job.eval_spec is not None
         self.evaluate(state)
         stopping = self.job.eval_spec.early_stopping
-        if stopping is not None and stopping.should_stop([e["metrics"][stopping.metric] for e in self.eval_history]):
+        assert self.history is not None
+        if stopping is not None and stopping.should_stop(self.history.values(stopping.metric)):
             self.stopped_early = True  # worker:0 reads it within _POLL_EVERY_S; the state after its step is the last
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
 
@@ -233,11 +236,15 @@ class _Chief:
         assert self.job.eval_spec is not None
         self.model.load_state_dict(state.params)
         metrics = self.job.evaluate(self.model, self.job.eval_spec)
-        self.eval_history.append(
-            {"global_step": state.step, "elapsed_s": time.monotonic() - self.started, "metrics": metrics}
-        )
+        assert self.history is not None
+        self.history.add(state.step, time.monotonic() - self.started, metrics)
         self.summaries.evaluation(state.step, metrics)
         return metrics
+
+    @property
+    def eval_history(self) -> list[dict[str, Any]]:
+        """Every inline evaluation of the training that led here: {"global_step", "elapsed_s", "metrics"}."""
+        return self.history.entries if self.history is not None else []
 
     def close(self) -> None:
         self.display.close()
@@ -276,6 +283,13 @@ class _Start:
     """The checkpoint the run starts from, if any (the workers load it from model_dir)."""
     adopted: bool = False
     """A restarted chief adopted the live group (nothing restored)."""
+    adopted_step: int | None = None
+    """The live group's global step when this chief adopted it: the evaluations recorded up to it still hold."""
+
+    @property
+    def evaluated_through(self) -> int:
+        """The last global step whose evaluations (eval/history.jsonl) belong to the training this chief goes on."""
+        return self.adopted_step if self.adopted_step is not None else self.step
 
 
 def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model: torch.nn.Module) -> _Start:
@@ -305,7 +319,7 @@ def _start_or_adopt(job: JobConfig[AllReduceStrategy], role: RoleContext, model:
         leader.step,
         leader.next_hand_over,
     )
-    return _Start(step=start.step, next_hand_over=leader.next_hand_over, adopted=True)
+    return _Start(step=start.step, next_hand_over=leader.next_hand_over, adopted=True, adopted_step=leader.step)
 
 
 def _live(role: RoleContext, name: str, chief: str, timeout_s: float) -> LiveWorker:

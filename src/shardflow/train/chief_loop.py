@@ -18,6 +18,7 @@ from shardflow.profile import spans
 from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.train import job_keys
 from shardflow.train.checkpoints.saved_tables import saved_tables
+from shardflow.train.eval_history import EvalHistory
 from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import Handover, ProgressReport
@@ -68,7 +69,8 @@ class ChiefLoop:
         self.started = time.monotonic()
         self.global_step = start_step
         self.progress: dict[str, ProgressReport] = {}
-        self.eval_history: list[dict[str, Any]] = []
+        self.history = EvalHistory(job.model_dir, start_step) if self.eval_spec is not None else None
+        """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.stopped_early = False
         self.preempted = False
         self.last_eval_time = time.monotonic()
@@ -89,6 +91,11 @@ class ChiefLoop:
         """Seconds from the start of training until the workers were done, the final checkpoint aside."""
         self.display = ProgressDisplay(job.train_spec.max_steps, job.train_spec.epochs, start_step)
         self._ps_stats: list[dict[str, Any]] = []
+
+    @property
+    def eval_history(self) -> list[dict[str, Any]]:
+        """Every inline evaluation of the training that led here: {"global_step", "elapsed_s", "metrics"}."""
+        return self.history.entries if self.history is not None else []
 
     @property
     def generation(self) -> int:
@@ -319,8 +326,8 @@ class ChiefLoop:
             self.evaluate(state.step)
         stopping = self.eval_spec.early_stopping
         if stopping is not None:
-            values = [e["metrics"][stopping.metric] for e in self.eval_history]
-            if stopping.should_stop(values):
+            assert self.history is not None
+            if stopping.should_stop(self.history.values(stopping.metric)):
                 self.stopped_early = True
                 self._stop_training()
 
@@ -330,8 +337,7 @@ class ChiefLoop:
         self.last_eval_time = time.monotonic()
         with self.profiler.recorder.span(spans.EVAL, step):
             metrics = self.job.evaluate(self.model, self.eval_spec)
-        self.eval_history.append(
-            {"global_step": step, "elapsed_s": time.monotonic() - self.started, "metrics": metrics}
-        )
+        assert self.history is not None
+        self.history.add(step, time.monotonic() - self.started, metrics)
         self.summaries.evaluation(step, metrics)
         return metrics
