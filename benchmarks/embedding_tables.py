@@ -3,7 +3,8 @@
 The model of click_model.py (item table 10M x 16, Zipf-like ids; category and tag tables; MLP head), Adagrad,
 batch 512 per worker step, alternating repeats, best against best:
 - async 2 workers + 2 PS vs TensorFlow ParameterServerStrategy, 2 workers + 2 PS, the item table sharded over the
-  PS (target >= 3x examples/s);
+  PS (target >= 3x examples/s), and 1 worker + 1 PS against TensorFlow's 1 worker + 1 PS (the setup that fits a
+  machine of 2 cores: 2 workers + 2 PS with the chief and TensorFlow's coordinator are 6 busy processes on it);
 - 1 worker + 1 PS (target >= 0.7x) and 2 workers + 2 PS (target >= 1.2x) vs the one-process PyTorch loop with
   torch.nn.Embedding(sparse=True) tables and torch.optim.Adagrad;
 - also: rows looked up per second per PS, bytes a worker step moves, PS memory per row with Adagrad's state.
@@ -91,8 +92,8 @@ def shardflow_job(workers: int, ps: int, steps: int) -> dict:
     return run_json([str(HERE / "jobs" / "click_through.py"), str(workers), str(ps), str(steps)], TMPDIR)
 
 
-def tf_job(steps: int) -> dict:
-    return run_json([str(HERE / "peers" / "tf_embedding.py"), "2", "2", str(steps)])
+def tf_job(workers: int, ps: int, steps: int) -> dict:
+    return run_json([str(HERE / "peers" / "tf_embedding.py"), str(workers), str(ps), str(steps)])
 
 
 def per_step(run: dict, ids: dict[str, float] | None = None) -> dict[str, float]:
@@ -122,7 +123,7 @@ def best(runs: list[dict]) -> dict:
 
 def measure(args: argparse.Namespace) -> dict[str, list]:
     """Every setting once per repeat, in turn."""
-    runs: dict[str, list] = {"local": [], "sf_1w1ps": [], "sf_2w2ps": [], "tf_2w2ps": []}
+    runs: dict[str, list] = {"local": [], "sf_1w1ps": [], "sf_2w2ps": [], "tf_1w1ps": [], "tf_2w2ps": []}
     local = LocalLoop()
     for _ in range(args.repeats):
         runs["local"].append({"steps_per_s": local.steps_per_s(args.local_steps)})
@@ -132,7 +133,8 @@ def measure(args: argparse.Namespace) -> dict[str, list]:
                 raise RuntimeError(f"shardflow's {name} job ended at global step {result['global_step']}")
             runs[name].append(result)
         if not args.no_tf:
-            runs["tf_2w2ps"].append(tf_job(args.tf_steps))
+            runs["tf_1w1ps"].append(tf_job(1, 1, args.tf_steps))
+            runs["tf_2w2ps"].append(tf_job(2, 2, args.tf_steps))
         print(", ".join(f"{name} {r[-1]['steps_per_s'] * cm.BATCH:,.0f}" for name, r in runs.items() if r), flush=True)
     del local
     return runs
@@ -164,6 +166,7 @@ def summarise(runs: dict[str, list]) -> dict:
     result["ratio_2w2ps_vs_local"] = best_of["sf_2w2ps"] / best_of["local"]
     if "tf_2w2ps" in best_of:
         result["ratio_2w2ps_vs_tf"] = best_of["sf_2w2ps"] / best_of["tf_2w2ps"]
+        result["ratio_1w1ps_vs_tf"] = best_of["sf_1w1ps"] / best_of["tf_1w1ps"]
     return result
 
 
@@ -177,6 +180,9 @@ def result_rows(result: dict) -> list[dict]:
     local = "one-process PyTorch loop, nn.Embedding(sparse=True)"
     rows.append(row(measure, best_of["sf_2w2ps"], local, best_of["local"], target=">= 1.2"))
     measure = "click-through, 10M-row table: async 1 worker + 1 PS, examples/s"
+    if "tf_1w1ps" in best_of:
+        peer = "TF ParameterServerStrategy 1 worker + 1 PS"
+        rows.append(row(measure, best_of["sf_1w1ps"], peer, best_of["tf_1w1ps"], target=">= 3"))
     rows.append(row(measure, best_of["sf_1w1ps"], local, best_of["local"], target=">= 0.7"))
     lookups = result["lookups_per_s_per_ps"]
     measure = "rows looked up per second per PS, 2 workers + 2 PS"
@@ -205,6 +211,7 @@ def main() -> None:
     print(f"2 workers + 2 PS vs local loop: {result['ratio_2w2ps_vs_local']:.2f}x (target >= 1.2x)")
     if "ratio_2w2ps_vs_tf" in result:
         print(f"2 workers + 2 PS vs TF: {result['ratio_2w2ps_vs_tf']:.2f}x (target >= 3x)")
+        print(f"1 worker + 1 PS vs TF 1 worker + 1 PS: {result['ratio_1w1ps_vs_tf']:.2f}x (target >= 3x)")
     lookups = result["lookups_per_s_per_ps"]
     print(f"rows looked up per second per PS: {lookups['2w2ps']:,.0f} (2w+2PS), {lookups['1w1ps']:,.0f} (1w+1PS)")
     print(f"bytes per worker step: {result['bytes_per_worker_step']:,.0f}")

@@ -49,7 +49,7 @@ def build(tf) -> tuple[dict, list, list]:
         for width_in, width_out in itertools.pairwise(widths)
         for limit in [(6 / (width_in + width_out)) ** 0.5]  # Glorot's
     ]
-    variables = [*tables["item"].variables, tables["category"], tables["tags"], *(v for layer in layers for v in layer)]
+    variables = [*shards(tables["item"]), tables["category"], tables["tags"], *(v for layer in layers for v in layer)]
     accumulators = []
     for variable in variables:
         with tf.distribute.get_strategy().extended.colocate_vars_with(variable):
@@ -57,6 +57,14 @@ def build(tf) -> tuple[dict, list, list]:
                 tf.Variable(lambda v=variable: tf.fill(v.shape, cm.INITIAL_ACCUMULATOR), trainable=False)
             )
     return {"tables": tables, "layers": layers}, variables, accumulators
+
+
+def shards(table):
+    """The variables a table is cut into: a ShardedVariable's, or the table itself where one PS holds it whole."""
+    try:
+        return list(table.variables)
+    except AttributeError:
+        return [table]
 
 
 def main() -> None:
@@ -130,7 +138,7 @@ def main() -> None:
     coordinator.join()
     elapsed = time.perf_counter() - started
     with open(result_path, "w") as f:
-        json.dump({"steps_per_s": steps / elapsed, "item_shards": len(model["tables"]["item"].variables)}, f)
+        json.dump({"steps_per_s": steps / elapsed, "item_shards": len(shards(model["tables"]["item"]))}, f)
     for p in servers:
         p.kill()
     os._exit(0)
