@@ -159,8 +159,10 @@ def test_a_side_car_evaluator_follows_checkpoints_and_reports_the_final_metrics(
     assert (tmp_path / "model" / "logs" / "evaluator.log").exists()
 
 
-def test_early_stopping_ends_training_before_max_steps(run_job):
-    # A loss that must fall by 1e9 to count as better: training stops after the second evaluation.
+@pytest.mark.parametrize("evaluator", [False, True])
+def test_early_stopping_ends_training_before_max_steps(run_job, evaluator):
+    # A loss that must fall by 1e9 to count as better: training stops after the second evaluation, the chief's or
+    # (evaluator) the side-car's, of the checkpoints of every 2 steps, read back from eval/history.jsonl.
     proc, result = run_job(
         "allreduce.py",
         num_workers=2,
@@ -169,10 +171,13 @@ def test_early_stopping_ends_training_before_max_steps(run_job):
         early_stopping_min_delta=1e9,
         num_batches=400,
         step_delay_s=0.05,
+        evaluator=evaluator,
+        save_checkpoints_steps=2 if evaluator else None,
     )
     assert proc.returncode == 0, proc.stdout
-    assert result["stopped_early"] and result["eval_steps"][:2] == [2, 4]
-    assert result["global_step"] < 200
+    assert result["stopped_early"] and result["global_step"] < 200
+    if not evaluator:
+        assert result["eval_steps"][:2] == [2, 4]
 
 
 def test_estimator_state_dict_is_the_final_checkpoints_parameters(run_job, tmp_path):

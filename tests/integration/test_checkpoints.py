@@ -176,6 +176,29 @@ def test_early_stopping_counts_the_evaluations_of_the_run_before_a_resume(tmp_pa
     assert all(e["elapsed_s"] >= first["eval_history"][-1]["elapsed_s"] for e in second["eval_history"][2:])
 
 
+def test_early_stopping_on_the_side_car_evaluators_evaluations(tmp_path, data_dir):
+    # The evaluator evaluates checkpoints (every 5 steps); an improvement of 100 never happens, so the chief ends
+    # training once it reads 1 + patience of them from eval/history.jsonl, long before max_steps.
+    stopping = {"metric": "loss", "patience": 2, "min_delta": 100.0}
+    result = run(
+        tmp_path,
+        data_dir,
+        "sidestop",
+        num_ps=1,
+        max_steps=100_000,
+        epochs=1000,
+        save_checkpoints_steps=5,
+        evaluator=True,
+        eval_every_n_steps=5,
+        early_stopping=stopping,
+    )
+    history = [json.loads(line) for line in (tmp_path / "sidestop" / "eval" / "history.jsonl").read_text().splitlines()]
+    assert result["stopped_early"], result
+    assert len(history) >= 3 and result["global_step"] < 100_000
+    chief_log = (tmp_path / "sidestop" / "logs" / "chief.log").read_text()
+    assert "early stopping: the evaluator's loss stopped improving" in chief_log
+
+
 def test_side_car_evaluator_follows_checkpoints_and_reports_the_final_metrics(tmp_path, data_dir):
     result = run(tmp_path, data_dir, "sidecar", num_ps=1, max_steps=20, save_checkpoints_steps=5, evaluator=True)
     history = [json.loads(line) for line in (tmp_path / "sidecar" / "eval" / "history.jsonl").read_text().splitlines()]

@@ -24,7 +24,7 @@ from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
-from shardflow.train.eval_history import EvalHistory
+from shardflow.train.eval_history import EvalHistory, side_car_says_stop
 from shardflow.train.job import JobConfig, RoleFailedError, is_hybrid
 from shardflow.train.job_keys import (
     AllReduceStart,
@@ -150,6 +150,8 @@ class _Chief:
         self.awaited = start.next_hand_over
         """The number of the next state of worker:0 this chief saves."""
         self.history = EvalHistory(job.model_dir, start.evaluated_through) if self.eval_spec is not None else None
+        self.side_car_stopping = job.eval_spec.early_stopping if job.eval_spec and self.eval_spec is None else None
+        """Early stopping on the side-car evaluator's evaluations (train/eval_history.side_car_says_stop)."""
         """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.stopped_early = False
         self.failed_saves = 0
@@ -163,11 +165,13 @@ class _Chief:
             n = self.awaited
             notice_key = job_keys.allreduce_checkpoint(n)
             # Held by the control service: no polling while the workers train.
+            # Also between states that follow each other closely (a checkpoint every few steps): the workers' health,
+            # a preemption and an early stop are not left waiting for a pause in them.
+            if time.monotonic() - watched >= _WATCH_EVERY_S or preemption.requested:
+                watched = time.monotonic()
+                self._watch(preemption)
             if not control.set_within(notice_key.name, _WAIT_S, waiting_for="worker:0's next state"):
                 self.watch.check_launcher()
-                if time.monotonic() - watched >= _WATCH_EVERY_S or preemption.requested:
-                    watched = time.monotonic()
-                    self._watch(preemption)
                 continue
             notice = control.read(notice_key, waiting_for="worker:0's state")
             state = self._collect(n, notice)
@@ -199,6 +203,10 @@ class _Chief:
         asked for from outside the job is asked of every role, and merged once their parts arrived."""
         self.watch.check()
         self.watch.pass_on_preemption(preemption)
+        stopping = self.side_car_stopping
+        if stopping is not None and not self.stopped_early and side_car_says_stop(self.job.model_dir, stopping):
+            log.info("early stopping: the evaluator's %s stopped improving; training ends", stopping.metric)
+            self.stopped_early = True
         if preemption.requested or self.stopped_early:
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")
         self.step = _global_step(self.watch.progress, self.display.start_step)

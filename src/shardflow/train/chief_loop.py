@@ -18,7 +18,7 @@ from shardflow.profile import spans
 from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.train import job_keys
 from shardflow.train.checkpoints.saved_tables import saved_tables
-from shardflow.train.eval_history import EvalHistory
+from shardflow.train.eval_history import EvalHistory, side_car_says_stop
 from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import Handover, ProgressReport
@@ -70,6 +70,8 @@ class ChiefLoop:
         self.global_step = start_step
         self.progress: dict[str, ProgressReport] = {}
         self.history = EvalHistory(job.model_dir, start_step) if self.eval_spec is not None else None
+        self.side_car_stopping = job.eval_spec.early_stopping if job.eval_spec and self.eval_spec is None else None
+        """Early stopping on the side-car evaluator's evaluations (train/eval_history.side_car_says_stop)."""
         """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.stopped_early = False
         self.preempted = False
@@ -122,6 +124,7 @@ class ChiefLoop:
                     self._poll_servers()
                 if now >= next_slow:
                     next_slow = now + _SLOW_POLL_S
+                    self._stop_if_the_evaluator_says()
                     self.profiler.pick_up_request()
                     self.profiler.collect(self.capture_roles, timeout_s=10.0)
                     self.summaries.training(self.global_step, self.progress, self._ps_stats)
@@ -199,6 +202,14 @@ class ChiefLoop:
             for name in self.heartbeats.lost:
                 if name in self.workers:
                     self.client.lost(int(name.rpartition(":")[2]))
+
+    def _stop_if_the_evaluator_says(self) -> None:
+        stopping = self.side_car_stopping
+        if stopping is None or self.stopped_early or not side_car_says_stop(self.job.model_dir, stopping):
+            return
+        log.info("early stopping: the evaluator's %s stopped improving; training ends", stopping.metric)
+        self.stopped_early = True
+        self._stop_training()
 
     def _stop_training(self) -> None:
         """Every PS ends training at one step, the furthest one's (ps/admin.py `PSAdmin.stop`). One restarted

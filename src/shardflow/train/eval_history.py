@@ -9,7 +9,10 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shardflow.train.specs import EarlyStopping
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +70,25 @@ class EvalHistory:
             os.replace(temporary, self.path)
         except OSError as error:
             log.warning("evaluations after a restore not dropped from %s: %s", self.path, error)
+
+
+def side_car_says_stop(model_dir: Path, stopping: EarlyStopping) -> bool:
+    """Whether the side-car evaluator's evaluations so far (it appends one per checkpoint to the same file) tell
+    `stopping` to end training: the chief asks now and then, as TensorFlow's early-stopping hooks read the
+    evaluator's results back from the model directory. A line still being written is left for the next time."""
+    try:
+        text = history_path(model_dir).read_text()
+    except (OSError, UnicodeDecodeError):
+        return False  # none yet (a file that cannot be read is said by the evaluator's own write)
+    values = []
+    for line in text.split("\n")[:-1]:  # complete lines only
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if _valid(entry) and isinstance(entry["metrics"].get(stopping.metric), int | float):
+            values.append(entry["metrics"][stopping.metric])
+    return stopping.should_stop(values)
 
 
 def _line(entry: dict[str, Any]) -> str:
