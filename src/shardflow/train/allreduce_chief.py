@@ -150,9 +150,9 @@ class _Chief:
         self.awaited = start.next_hand_over
         """The number of the next state of worker:0 this chief saves."""
         self.history = EvalHistory(job.model_dir, start.evaluated_through) if self.eval_spec is not None else None
+        """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.side_car_stopping = job.eval_spec.early_stopping if job.eval_spec and self.eval_spec is None else None
         """Early stopping on the side-car evaluator's evaluations (train/eval_history.side_car_says_stop)."""
-        """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.stopped_early = False
         self.failed_saves = 0
 
@@ -205,7 +205,6 @@ class _Chief:
         self.watch.pass_on_preemption(preemption)
         stopping = self.side_car_stopping
         if stopping is not None and not self.stopped_early and side_car_says_stop(self.job.model_dir, stopping):
-            log.info("early stopping: the evaluator's %s stopped improving; training ends", stopping.metric)
             self.stopped_early = True
         if preemption.requested or self.stopped_early:
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")

@@ -70,9 +70,9 @@ class ChiefLoop:
         self.global_step = start_step
         self.progress: dict[str, ProgressReport] = {}
         self.history = EvalHistory(job.model_dir, start_step) if self.eval_spec is not None else None
+        """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.side_car_stopping = job.eval_spec.early_stopping if job.eval_spec and self.eval_spec is None else None
         """Early stopping on the side-car evaluator's evaluations (train/eval_history.side_car_says_stop)."""
-        """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
         self.stopped_early = False
         self.preempted = False
         self.last_eval_time = time.monotonic()
@@ -207,7 +207,6 @@ class ChiefLoop:
         stopping = self.side_car_stopping
         if stopping is None or self.stopped_early or not side_car_says_stop(self.job.model_dir, stopping):
             return
-        log.info("early stopping: the evaluator's %s stopped improving; training ends", stopping.metric)
         self.stopped_early = True
         self._stop_training()
 

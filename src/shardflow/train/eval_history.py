@@ -57,7 +57,7 @@ class EvalHistory:
 
     def values(self, metric: str) -> list[float]:
         """The metric of each evaluation that computed it (an earlier run of the job may have had other metrics)."""
-        return [e["metrics"][metric] for e in self.entries if metric in e["metrics"]]
+        return _values(self.entries, metric)
 
     def _rewrite(self) -> None:
         """The file holds exactly `entries`, replaced at once (a crash leaves the old file or the new one)."""
@@ -74,21 +74,13 @@ class EvalHistory:
 
 def side_car_says_stop(model_dir: Path, stopping: EarlyStopping) -> bool:
     """Whether the side-car evaluator's evaluations so far (it appends one per checkpoint to the same file) tell
-    `stopping` to end training: the chief asks now and then, as TensorFlow's early-stopping hooks read the
-    evaluator's results back from the model directory. A line still being written is left for the next time."""
-    try:
-        text = history_path(model_dir).read_text()
-    except (OSError, UnicodeDecodeError):
-        return False  # none yet (a file that cannot be read is said by the evaluator's own write)
-    values = []
-    for line in text.split("\n")[:-1]:  # complete lines only
-        try:
-            entry = json.loads(line)
-        except ValueError:
-            continue
-        if _valid(entry) and isinstance(entry["metrics"].get(stopping.metric), int | float):
-            values.append(entry["metrics"][stopping.metric])
-    return stopping.should_stop(values)
+    `stopping` to end training, said in the log when they do: the chief asks now and then, as TensorFlow's
+    early-stopping hooks read the evaluator's results back from the model directory. A line still being written
+    is left for the next time."""
+    if not stopping.should_stop(_values(_read(history_path(model_dir), polling=True), stopping.metric)):
+        return False
+    log.info("early stopping: the evaluator's %s stopped improving; training ends", stopping.metric)
+    return True
 
 
 def _line(entry: dict[str, Any]) -> str:
@@ -96,16 +88,24 @@ def _line(entry: dict[str, Any]) -> str:
     return json.dumps(entry) + "\n"
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
+def _values(entries: list[dict[str, Any]], metric: str) -> list[float]:
+    return [e["metrics"][metric] for e in entries if metric in e["metrics"]]
+
+
+def _read(path: Path, polling: bool = False) -> list[dict[str, Any]]:
     """The file's evaluations; a line that is not one (a write cut short by a crash: the last line) is skipped
-    and said, naming the file and the line."""
+    and said, naming the file and the line. `polling` (the file is being written): a last line without its end
+    is not read yet, and nothing is said (it is said when a chief loads the file)."""
     try:
-        lines = path.read_text().splitlines()
+        lines = path.read_text().split("\n")
     except FileNotFoundError:
         return []
     except (OSError, UnicodeDecodeError) as error:
-        log.warning("earlier evaluations not read from %s: %s", path, error)
+        if not polling:
+            log.warning("earlier evaluations not read from %s: %s", path, error)
         return []
+    if polling or not lines[-1]:
+        lines.pop()  # the end of the last line's newline, or a line still being written
     entries = []
     for number, line in enumerate(lines, 1):
         try:
@@ -113,7 +113,8 @@ def _read(path: Path) -> list[dict[str, Any]]:
             if not _valid(entry):
                 raise ValueError("expected global_step, metrics and elapsed_s or checkpoint")
         except ValueError as error:
-            log.warning("%s:%d: not an evaluation, skipped (%s)", path, number, error)
+            if not polling:
+                log.warning("%s:%d: not an evaluation, skipped (%s)", path, number, error)
             continue
         entries.append(entry)
     return entries

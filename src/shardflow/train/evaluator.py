@@ -11,6 +11,7 @@ from shardflow.cluster import control_keys
 from shardflow.train import job_keys
 from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.saved_tables import saved_tables
+from shardflow.train.eval_history import history_path
 from shardflow.train.job import JobConfig
 from shardflow.train.job_keys import EvaluationResult
 from shardflow.train.role_context import RoleContext
@@ -24,7 +25,7 @@ def run_evaluator(job: JobConfig[Any], role: RoleContext) -> None:
     eval_spec = job.eval_spec
     evaluated: str | None = None
     summaries = None
-    history = job.model_dir / "eval" / "history.jsonl"
+    history = history_path(job.model_dir)
     while True:
         over = role.control.is_set(control_keys.SHUTDOWN)
         path = store.latest(job.model_dir)
