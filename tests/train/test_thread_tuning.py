@@ -110,28 +110,6 @@ def test_steps_much_slower_than_the_choice_time_it_again_at_once():
     assert torch.get_num_threads() == 1 and tuner.timings == 2
 
 
-def test_a_choice_made_in_a_slowdown_is_timed_again_soon_and_undone_once_it_passed():
-    # Seen in a click-through run of 1 worker: one thread's 1.5 ms steps slowed past SLOWER for a while; timed then,
-    # two threads looked faster (2.1 against 2.4 ms) and were kept for the rest of the run at 2.1 ms a step.
-    clock = Clock()
-    tuner = ThreadTuner("worker:0", (1, 2), clock=clock, warmup=0)
-    calm = lambda threads: 0.015 if threads == 1 else 0.021  # noqa: E731
-    _steps(tuner, 1 + STEPS_OF_A_TIMING, calm, clock)
-    assert torch.get_num_threads() == 1 and tuner.timings == 1
-    _steps(tuner, thread_tuning.STEPS_EACH + 1 + STEPS_OF_A_TIMING, lambda t: 0.024 if t == 1 else 0.021, clock)
-    assert torch.get_num_threads() == 2 and tuner.timings == 2
-    # The slowdown passed: two threads are timed as they ran before it, not slow enough to be timed at once.
-    _steps(tuner, 50, calm, clock)
-    assert torch.get_num_threads() == 2 and tuner.timings == 2
-    clock.now += thread_tuning.RECHECK_S
-    _steps(tuner, 1 + STEPS_OF_A_TIMING, calm, clock)
-    assert torch.get_num_threads() == 1 and tuner.timings == 3
-    # A timing that was not a slowdown's leaves the next a minute away again.
-    clock.now += thread_tuning.RECHECK_S
-    _steps(tuner, 1 + STEPS_OF_A_TIMING, calm, clock)
-    assert tuner.timings == 3
-
-
 def test_a_worker_tunes_only_on_the_cpu_and_when_offered_more_threads(monkeypatch):
     monkeypatch.delenv(env.WORKER_THREADS_UP_TO, raising=False)
     assert ThreadTuner.for_worker("worker:0", torch.device("cpu")) is None

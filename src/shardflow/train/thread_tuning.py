@@ -6,7 +6,7 @@ large matrix products run 1.4x faster on two threads (the rec benchmark model, 1
 the small ops of the benchmark MLP run slower, each op waiting for a thread that the PS or another program took
 the core from. So where the launcher offers more (SHARDFLOW_WORKER_THREADS_UP_TO: the cores per worker), a worker
 times its steps with each count in turns, keeps the faster, and times them again every RETUNE_S, as the machine's
-load may change, or at once when its steps slow down (and again RECHECK_S later, once the slowdown may be over).
+load may change.
 """
 
 from __future__ import annotations
@@ -34,10 +34,6 @@ ROUNDS = 2
 """Each count is timed this many times, in turns, so that a change of the machine's load meets both."""
 RETUNE_S = 60.0
 """Seconds between two timings."""
-RECHECK_S = 5.0
-"""Seconds to the next timing after one that a slowdown started: a slowdown often passes (an evaluation, a checkpoint,
-another program's burst), and a count chosen while it lasted can be the slower one once it is gone; the steps at
-that count then look as fast as when it was chosen, so no slowdown would time it again for RETUNE_S."""
 SLOWER = 1.5
 """Between timings: steps this much slower than the choice was timed at (the median of STEPS_EACH) time it again
 at once; more threads than a role's share can cost 10x once other programs take the cores."""
@@ -67,8 +63,6 @@ class ThreadTuner:
         """The last steps' times: before a timing, they size its runs; after it, they tell a slowdown."""
         self.timings = 0
         """Timings completed."""
-        self._slowdown = False
-        """The timing under way was started by a slowdown."""
 
     @classmethod
     def for_worker(cls, name: str, device: torch.device) -> ThreadTuner | None:
@@ -85,10 +79,8 @@ class ThreadTuner:
             self._since.append(seconds)
             return
         if not self._plan:
-            due = self._clock() >= self._next_timing
-            if not due and not self._slowed(seconds):
+            if self._clock() < self._next_timing and not self._slowed(seconds):
                 return
-            self._slowdown = not due
             typical = statistics.median(self._since) if self._since else seconds
             self._each = max(STEPS_EACH, min(100 * STEPS_EACH, math.ceil(RUN_S / max(typical, 1e-6))))
             self._plan = deque(count for _ in range(ROUNDS) for count in self.choices for _ in range(self._each))
@@ -121,7 +113,7 @@ class ThreadTuner:
         self.chosen, self._chosen_s = best, medians[best]
         self._since.clear()
         self.timings += 1
-        self._next_timing = self._clock() + (RECHECK_S if self._slowdown else RETUNE_S)
+        self._next_timing = self._clock() + RETUNE_S
 
     def _set(self, threads: int) -> None:
         if threads != self.threads:
