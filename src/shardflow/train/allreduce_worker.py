@@ -55,7 +55,7 @@ def run_allreduce_worker(
     this worker (allreduce_replay.py) and adopts the group. `trainer`: the run's class (HybridStrategy's looks the
     `sf.nn` tables up on the PS); `_Trainer` by default."""
     control, strategy = role.control, job.strategy
-    heartbeat = Heartbeat(role.task.name, control)
+    heartbeat = Heartbeat(role.task.name, control, strategy.heartbeat_timeout_s)
     profiler = RoleProfiler(role.task.name, control)
     replay = Replay(role)
     try:

@@ -20,14 +20,15 @@ log = logging.getLogger(__name__)
 
 
 class Heartbeat:
-    """Beats every `interval_s` while the role runs: a step of any length, or a long start-up, is never taken for a
-    lost role, and a restarted role's beats carry its new pid."""
+    """Beats every second, or four times per `timeout_s` where that is shorter, while the role runs: a step of any
+    length, or a long start-up, is never taken for a lost role, and a restarted role's beats carry its new pid."""
 
-    def __init__(self, name: str, control: ControlPlane, interval_s: float = 1.0) -> None:
-        """Beats as role `name` on a connection of its own to the control plane `control` reaches."""
+    def __init__(self, name: str, control: ControlPlane, timeout_s: float) -> None:
+        """Beats as role `name` on a connection of its own to the control plane `control` reaches; `timeout_s`:
+        the strategy's heartbeat_timeout_s, which a beat a second would all but fill when it is short."""
         self._key = control_keys.heartbeat(name)
         self._control = ControlPlane(control.address, timeout_s=control.timeout_s)
-        self._interval_s = interval_s
+        self._interval_s = min(1.0, timeout_s / 4)
         self._stopped = threading.Event()
         self._beat(0)
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)

@@ -282,7 +282,7 @@ def _run_other_role(job: JobConfig[Strategy], spec: ClusterSpec, task: TaskSpec,
         elif task.type == "worker" and is_all_reduce(job) and not is_hybrid(job):
             run_allreduce_worker(job, role)
         elif task.type == "ps":
-            run_ps(role)
+            run_ps(role, job.strategy.heartbeat_timeout_s)
         elif task.type == "worker" and is_parameter_server(job):
             run_worker_role(job, role, on_connect)
         elif task.type == "evaluator":

@@ -123,8 +123,9 @@ def ps_threads(spec: ClusterSpec, task: TaskSpec) -> int:
     return threads_per_ps(available_cores(), roles_on_this_machine(spec, task))
 
 
-def run_ps(role: RoleContext) -> None:
-    """A parameter server: serve this PS's shards until the chief says the job is over."""
+def run_ps(role: RoleContext, heartbeat_timeout_s: float) -> None:
+    """A parameter server: serve this PS's shards until the chief says the job is over; `heartbeat_timeout_s`: the
+    strategy's, which sets how often it beats."""
     # One PS applies a large shard with several threads, so that one beside a GPU worker keeps up.
     torch.set_num_threads(ps_threads(role.spec, role.task))
     # Row numbers from the network are range-checked by the PS itself (ps/sparse.py) before torch.optim builds
@@ -133,10 +134,10 @@ def run_ps(role: RoleContext) -> None:
     chief = role.spec.address(TaskSpec("chief", 0))
     advertised = advertised_address(role.spec.address(role.task), chief)
     with local_endpoint(role.task, advertised) as local:
-        _serve(role, secure_server(advertised, local=local))
+        _serve(role, secure_server(advertised, local=local), heartbeat_timeout_s)
 
 
-def _serve(role: RoleContext, server: Server) -> None:
+def _serve(role: RoleContext, server: Server, heartbeat_timeout_s: float) -> None:
     try:
         # A local cluster's roles all run here: they reach the PS over its UNIX socket. Other processes (tools,
         # what the cluster spec names) over TCP.
@@ -149,7 +150,7 @@ def _serve(role: RoleContext, server: Server) -> None:
             flush=True,
         )
         # After its address is published: a chief that sees a restarted PS beat finds where it serves.
-        heartbeat = Heartbeat(role.task.name, role.control)
+        heartbeat = Heartbeat(role.task.name, role.control, heartbeat_timeout_s)
         ps = ParameterServer(
             server,
             role.task.index,

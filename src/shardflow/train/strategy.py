@@ -36,8 +36,8 @@ class ParameterServerStrategy(UpdateRule):
     startup_timeout_s: float = 120.0
     """Deadline for every role to come up and find the others through the chief."""
     heartbeat_timeout_s: float = 10.0
-    """A worker whose heartbeat (one a second, from a thread of its own) stops for this long is lost; the chief
-    logs it and training goes on while it is restarted."""
+    """A worker or PS whose heartbeat (one a second, or four per heartbeat_timeout_s where that is shorter, from a
+    thread of its own) stops for this long is lost; the chief logs it and training goes on while it is restarted."""
     worker_rejoin_timeout_s: float = 120.0
     """How long a lost worker may take to be restarted and rejoin before the job fails, naming it."""
     lost_worker_policy: str = "wait"
@@ -141,7 +141,8 @@ class AllReduceStrategy:
     startup_timeout_s: float = 120.0
     """Deadline for every role to come up and the workers' group to form through the chief."""
     heartbeat_timeout_s: float = 30.0
-    """The chief fails the job, naming the worker, whose heartbeat (one a second) stops for this long."""
+    """The chief fails the job, naming the worker, whose heartbeat (one a second, or four per
+    heartbeat_timeout_s where that is shorter) stops for this long."""
     hung_timeout_s: float = HUNG_TIMEOUT_S
     """A role that leaves its liveness file (cluster/liveness.py) untouched for this long is hung: the local
     launcher kills it, which fails the job."""

@@ -212,7 +212,7 @@ def run_worker(
     """Train on this worker's shard until the PS say stop or the input ends; `on_connect` is told the client to
     the PS while it exists (Estimator.global_step reads it). A restarted worker goes on where it stopped."""
     name = role.task.name
-    heartbeat = Heartbeat(name, role.control)
+    heartbeat = Heartbeat(name, role.control, job.strategy.heartbeat_timeout_s)
     profiler = RoleProfiler(name, role.control)
     role.control.get(control_keys.READY, waiting_for="the chief to initialise the parameter servers")
     model = job.build_model().to(job.strategy.worker_device())
