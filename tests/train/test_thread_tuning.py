@@ -62,6 +62,21 @@ def test_more_threads_barely_faster_are_not_taken():
     assert torch.get_num_threads() == 1 and tuner.timings == 1
 
 
+def test_a_clear_loser_is_timed_in_one_round_only():
+    # 2 threads 1.5x slower: known after one run of each; a second round would only add its slower steps.
+    tuner = ThreadTuner("worker:0", (1, 2), warmup=0)
+    _steps(tuner, 1 + 2 * thread_tuning.STEPS_EACH, lambda threads: 0.010 if threads == 1 else 0.015)
+    assert tuner.timings == 1 and torch.get_num_threads() == 1
+
+
+def test_a_close_call_is_timed_in_every_round():
+    tuner = ThreadTuner("worker:0", (1, 2), warmup=0)
+    _steps(tuner, 1 + 2 * thread_tuning.STEPS_EACH, lambda threads: 0.010 if threads == 1 else 0.0115)
+    assert tuner.timings == 0
+    _steps(tuner, STEPS_OF_A_TIMING - 2 * thread_tuning.STEPS_EACH, lambda threads: 0.010 if threads == 1 else 0.0115)
+    assert tuner.timings == 1 and torch.get_num_threads() == 1
+
+
 def test_short_steps_are_timed_over_runs_of_at_least_run_s():
     # 1 ms steps: runs of 50 steps, sized from the warm-up's steps.
     tuner = ThreadTuner("worker:0", (1, 2), warmup=3)

@@ -5,8 +5,8 @@ though it mostly waits for pushes. Whether a worker gains from the cores an idle
 large matrix products run 1.4x faster on two threads (the rec benchmark model, 1 worker + 1 PS on 2 cores), while
 the small ops of the benchmark MLP run slower, each op waiting for a thread that the PS or another program took
 the core from. So where the launcher offers more (SHARDFLOW_WORKER_THREADS_UP_TO: the cores per worker), a worker
-times its steps with each count in turns, keeps the faster, and times them again every RETUNE_S, as the machine's
-load may change.
+times its steps with each count in turns (again only for a close call), keeps the faster, and times them again
+every RETUNE_S, as the machine's load may change.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ MARGIN = 0.05
 """More threads than the share are kept only when this much faster: they cost the most when the load changes."""
 ROUNDS = 2
 """Each count is timed this many times, in turns, so that a change of the machine's load meets both."""
+CLEAR = 1.25
+"""After the first round, a count whose steps took this much longer than another's is not timed again: the rounds
+after it are for close calls, and each run of a loser costs its slower steps."""
 RETUNE_S = 60.0
 """Seconds between two timings."""
 SLOWER = 1.5
@@ -90,10 +93,18 @@ class ThreadTuner:
         threads = self._plan.popleft()
         if len(self._plan) % self._each != self._each - 1:  # not the first step of its run
             self._times[threads].append(seconds)
-        if self._plan:
+        if self._plan and not self._clear_after_the_first_round():
             self._set(self._plan[0])
         else:
+            self._plan.clear()
             self._choose()
+
+    def _clear_after_the_first_round(self) -> bool:
+        """Whether the first round just ended with one count CLEAR times slower than another."""
+        if len(self._plan) != (ROUNDS - 1) * len(self.choices) * self._each:
+            return False
+        medians = [statistics.median(times) for times in self._times.values()]
+        return max(medians) >= CLEAR * min(medians)
 
     def _slowed(self, seconds: float) -> bool:
         """Whether the last STEPS_EACH steps' median is SLOWER times the choice's."""
