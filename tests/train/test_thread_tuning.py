@@ -125,6 +125,20 @@ def test_steps_much_slower_than_the_choice_time_it_again_at_once():
     assert torch.get_num_threads() == 1 and tuner.timings == 2
 
 
+def test_a_few_slow_steps_among_short_ones_are_no_reason_to_time_again():
+    # 1 ms steps: runs of 50. Ten steps 3x slower (another process's burst on the core) leave the choice alone; as
+    # many slow steps as a run time it again.
+    tuner = ThreadTuner("worker:0", (1, 2), warmup=3)
+    each = round(thread_tuning.RUN_S / 0.001)
+    _steps(tuner, 3 + 1 + 2 * 2 * each, lambda threads: 0.001 if threads == 1 else 0.0011)
+    assert tuner.timings == 1
+    _steps(tuner, 10, lambda threads: 0.003)
+    _steps(tuner, 2 * each, lambda threads: 0.001 if threads == 1 else 0.0011)
+    assert tuner.timings == 1
+    _steps(tuner, each + 1 + 2 * 2 * each, lambda threads: 0.003 if threads == 1 else 0.0033)
+    assert tuner.timings == 2
+
+
 def test_a_worker_tunes_only_on_the_cpu_and_when_offered_more_threads(monkeypatch):
     monkeypatch.delenv(env.WORKER_THREADS_UP_TO, raising=False)
     assert ThreadTuner.for_worker("worker:0", torch.device("cpu")) is None

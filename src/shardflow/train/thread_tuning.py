@@ -38,8 +38,10 @@ after it are for close calls, and each run of a loser costs its slower steps."""
 RETUNE_S = 60.0
 """Seconds between two timings."""
 SLOWER = 1.5
-"""Between timings: steps this much slower than the choice was timed at (the median of STEPS_EACH) time it again
-at once; more threads than a role's share can cost 10x once other programs take the cores."""
+"""Between timings: steps this much slower than the choice was timed at (the median of as many steps as a timing's
+run, about RUN_S of them) time it again at once; more threads than a role's share can cost 10x once other programs
+take the cores. A blip of a few slow steps (another process's burst on a shared core) is no reason: each timing
+runs the slower count for RUN_S."""
 
 
 class ThreadTuner:
@@ -107,9 +109,15 @@ class ThreadTuner:
         return max(medians) >= CLEAR * min(medians)
 
     def _slowed(self, seconds: float) -> bool:
-        """Whether the last STEPS_EACH steps' median is SLOWER times the choice's."""
+        """Whether the median of the steps since the last check, as many as a timing's run, is SLOWER times the
+        choice's; checked once per run's worth of steps (a median of hundreds each step: 1% of a 1 ms step)."""
         self._since.append(seconds)
-        return len(self._since) == STEPS_EACH and statistics.median(self._since) > SLOWER * self._chosen_s
+        if len(self._since) < (self._since.maxlen or STEPS_EACH):
+            return False
+        if statistics.median(self._since) > SLOWER * self._chosen_s:
+            return True  # the timing sizes its runs from these steps
+        self._since.clear()
+        return False
 
     def _choose(self) -> None:
         medians = {count: statistics.median(times) for count, times in self._times.items()}
@@ -122,7 +130,7 @@ class ThreadTuner:
             print(f"{self.name}: {best} torch threads, {medians[best] * 1e3:.3g} ms a step ({others})", flush=True)
         self._set(best)
         self.chosen, self._chosen_s = best, medians[best]
-        self._since.clear()
+        self._since = deque(maxlen=self._each)
         self.timings += 1
         self._next_timing = self._clock() + RETUNE_S
 
