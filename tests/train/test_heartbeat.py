@@ -1,7 +1,6 @@
 """A role's heartbeat beats often enough for the strategy's heartbeat_timeout_s: a short timeout is not filled by
 the wait between two beats."""
 
-import socket
 import time
 
 import pytest
@@ -9,17 +8,6 @@ import pytest
 from shardflow.cluster import control_keys
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.train.heartbeat import Heartbeat
-
-
-@pytest.fixture
-def plane(monkeypatch):
-    monkeypatch.setenv("SHARDFLOW_CLUSTER_SECRET", "heartbeat-test")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
-    chief = ControlPlane.serve(address, timeout_s=5)
-    yield chief
-    chief.close()
 
 
 def _beats_in(chief: ControlPlane, seconds: float) -> int:
