@@ -24,7 +24,7 @@ from shardflow.train.checkpoints import store
 from shardflow.train.checkpoints.manager import CheckpointSaveError
 from shardflow.train.checkpoints.model_state import ModelState
 from shardflow.train.checkpoints.restore import restore_latest
-from shardflow.train.eval_history import EvalHistory, side_car_says_stop
+from shardflow.train.eval_history import EvalHistory, SideCarStopping
 from shardflow.train.job import JobConfig, RoleFailedError, is_hybrid
 from shardflow.train.job_keys import (
     AllReduceStart,
@@ -151,8 +151,8 @@ class _Chief:
         """The number of the next state of worker:0 this chief saves."""
         self.history = EvalHistory(job.model_dir, start.evaluated_through) if self.eval_spec is not None else None
         """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
-        self.side_car_stopping = job.eval_spec.early_stopping if job.eval_spec and self.eval_spec is None else None
-        """Early stopping on the side-car evaluator's evaluations (train/eval_history.side_car_says_stop)."""
+        self.side_car = SideCarStopping.of(job.model_dir, job.eval_spec, inline=self.eval_spec is not None)
+        """Early stopping on the side-car evaluator's evaluations."""
         self.stopped_early = False
         self.failed_saves = 0
 
@@ -203,8 +203,7 @@ class _Chief:
         asked for from outside the job is asked of every role, and merged once their parts arrived."""
         self.watch.check()
         self.watch.pass_on_preemption(preemption)
-        stopping = self.side_car_stopping
-        if stopping is not None and not self.stopped_early and side_car_says_stop(self.job.model_dir, stopping):
+        if self.side_car is not None and not self.stopped_early and self.side_car.says_stop():
             self.stopped_early = True
         if preemption.requested or self.stopped_early:
             self.role.control.set(control_keys.ALLREDUCE_STOP, "1")

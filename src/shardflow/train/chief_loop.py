@@ -18,7 +18,7 @@ from shardflow.profile import spans
 from shardflow.ps.admin import PSAdmin, StatusReply
 from shardflow.train import job_keys
 from shardflow.train.checkpoints.saved_tables import saved_tables
-from shardflow.train.eval_history import EvalHistory, side_car_says_stop
+from shardflow.train.eval_history import EvalHistory, SideCarStopping
 from shardflow.train.heartbeat import Heartbeats, PSRestarted
 from shardflow.train.job import JobConfig, RoleFailedError
 from shardflow.train.job_keys import Handover, ProgressReport
@@ -71,8 +71,8 @@ class ChiefLoop:
         self.progress: dict[str, ProgressReport] = {}
         self.history = EvalHistory(job.model_dir, start_step) if self.eval_spec is not None else None
         """The inline evaluations of the training so far, this chief's and its predecessors' (train/eval_history)."""
-        self.side_car_stopping = job.eval_spec.early_stopping if job.eval_spec and self.eval_spec is None else None
-        """Early stopping on the side-car evaluator's evaluations (train/eval_history.side_car_says_stop)."""
+        self.side_car = SideCarStopping.of(job.model_dir, job.eval_spec, inline=self.eval_spec is not None)
+        """Early stopping on the side-car evaluator's evaluations."""
         self.stopped_early = False
         self.preempted = False
         self.last_eval_time = time.monotonic()
@@ -204,8 +204,7 @@ class ChiefLoop:
                     self.client.lost(int(name.rpartition(":")[2]))
 
     def _stop_if_the_evaluator_says(self) -> None:
-        stopping = self.side_car_stopping
-        if stopping is None or self.stopped_early or not side_car_says_stop(self.job.model_dir, stopping):
+        if self.side_car is None or self.stopped_early or not self.side_car.says_stop():
             return
         self.stopped_early = True
         self._stop_training()

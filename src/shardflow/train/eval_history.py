@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shardflow.train.specs import EarlyStopping
+    from shardflow.train.specs import EarlyStopping, EvalSpec
 
 log = logging.getLogger(__name__)
 
@@ -72,15 +72,39 @@ class EvalHistory:
             log.warning("evaluations after a restore not dropped from %s: %s", self.path, error)
 
 
-def side_car_says_stop(model_dir: Path, stopping: EarlyStopping) -> bool:
-    """Whether the side-car evaluator's evaluations so far (it appends one per checkpoint to the same file) tell
-    `stopping` to end training, said in the log when they do: the chief asks now and then, as TensorFlow's
-    early-stopping hooks read the evaluator's results back from the model directory. A line still being written
-    is left for the next time."""
-    if not stopping.should_stop(_values(_read(history_path(model_dir), polling=True), stopping.metric)):
-        return False
-    log.info("early stopping: the evaluator's %s stopped improving; training ends", stopping.metric)
-    return True
+class SideCarStopping:
+    """Early stopping on the side-car evaluator's evaluations, which it appends to the history file one per
+    checkpoint: the chief asks `says_stop` now and then, as TensorFlow's early-stopping hooks read the evaluator's
+    results back from the model directory. The file is read again only once it changed."""
+
+    def __init__(self, model_dir: Path, stopping: EarlyStopping) -> None:
+        self.path, self.stopping = history_path(model_dir), stopping
+        self._seen: tuple[int, int] | None = None
+        """The file's size and modification time when last read."""
+
+    @classmethod
+    def of(cls, model_dir: Path, eval_spec: EvalSpec | None, inline: bool) -> SideCarStopping | None:
+        """The chief's, when `eval_spec` asks for early stopping and a side-car evaluator evaluates (the chief
+        does not: `inline` False); None otherwise."""
+        if eval_spec is None or eval_spec.early_stopping is None or inline:
+            return None
+        return cls(model_dir, eval_spec.early_stopping)
+
+    def says_stop(self) -> bool:
+        """Whether the evaluations so far tell training to end, said in the log when they do. A line still being
+        written is left for the next time."""
+        try:
+            stat = self.path.stat()
+        except OSError:
+            return False
+        if (stat.st_size, stat.st_mtime_ns) == self._seen:
+            return False
+        self._seen = (stat.st_size, stat.st_mtime_ns)
+        metric = self.stopping.metric
+        if not self.stopping.should_stop(_values(_read(self.path, polling=True), metric)):
+            return False
+        log.info("early stopping: the evaluator's %s stopped improving; training ends", metric)
+        return True
 
 
 def _line(entry: dict[str, Any]) -> str:
