@@ -150,12 +150,17 @@ class _HybridTrainer(_Trainer):
         return True
 
     def _interrupt(self) -> None:
-        """Between slices of a wait for a PS: the job ended, a PS was lost (the chief restores them all), or a
-        worker of the group was lost (sync: the PS wait for its rows of the step, which it pushes again once
-        restarted and the group formed again)."""
+        """Between slices of a wait for a PS: the job ended, or a PS was lost (the chief restores them all). A worker
+        of the group lost meanwhile does not end a lookup or worker:0's snapshot (they ask the PS alone): the step's
+        collective meets the loss."""
         if self.role.control.is_set(control_keys.SHUTDOWN):
             raise JobAborted(f"{self.name}: the chief ended the job while this worker waited for a parameter server")
         self._check_recovery()
+
+    def _interrupt_in_collective(self) -> None:
+        """`_interrupt`, and a worker of the group lost (sync: the PS wait for its rows of the step, which it pushes
+        again once restarted and the group formed again): PeerLostError, and the step is dropped."""
+        self._interrupt()
         peers = getattr(self, "peers", None)
         if peers is not None:
             peers.check("the parameter servers to take its table rows")
@@ -296,15 +301,20 @@ class _HybridTrainer(_Trainer):
                 self._check_recovery()
         if self.recovering:
             raise PSRecovery(f"{self.name}: the step of global step {self.step} is given up: a PS was lost")
-        if had_batch:
-            self._await_snapshot()
-            schedule = self.job.optimizer.schedule
-            learning_rate = self.job.optimizer.learning_rate(self.step) if schedule and schedule.from_workers else None
-            pushed = self.params.push(PushRequest(learning_rate=learning_rate))
-            self.params.wait_push(pushed, load_params=False)
-        elif self.sync and not self.told_done:
-            self.params.done()
-            self.told_done = True
+        self.params.interrupt = self._interrupt_in_collective
+        try:
+            if had_batch:
+                self._await_snapshot()
+                schedule = self.job.optimizer.schedule
+                from_workers = schedule and schedule.from_workers
+                learning_rate = self.job.optimizer.learning_rate(self.step) if from_workers else None
+                pushed = self.params.push(PushRequest(learning_rate=learning_rate))
+                self.params.wait_push(pushed, load_params=False)
+            elif self.sync and not self.told_done:
+                self.params.done()
+                self.told_done = True
+        finally:
+            self.params.interrupt = self._interrupt
         return super()._collective(had_batch, mine, recorder)
 
     def _hand_over(self, *, final: bool, checkpoint: bool, again: bool = False, evaluate: bool = False) -> None:
@@ -346,7 +356,7 @@ class _HybridTrainer(_Trainer):
         deadline = time.monotonic() + limit_s
         while not self.role.control.set_within(key.name, 0.5, waiting_for="worker:0's snapshot of the sf.nn tables"):
             self.snapshot_due = key  # still due if the group breaks here
-            self._interrupt()
+            self._interrupt_in_collective()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{self.name} waited {limit_s:g}s for worker:0's snapshot of the sf.nn tables")
         self.snapshot_due = None
