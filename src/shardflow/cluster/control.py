@@ -27,6 +27,7 @@ import torch
 
 from shardflow.comm.envelope import OP, explain, message_fields, short
 from shardflow.comm.server import Request, secure_server
+from shardflow.structs import prepared
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ def decode(request: Request) -> ControlRequest:
     if kind is None:
         raise ControlRequestError(f"unknown op {short(op)} from {sender}; the control service knows {', '.join(OPS)}")
     try:
-        message: ControlRequest = msgspec.convert(message_fields(header), ControlRequest, strict=True)
+        message: ControlRequest = msgspec.convert(message_fields(header), prepared(ControlRequest), strict=True)
     except msgspec.ValidationError as error:
         field, problem = explain(error, header, kind)
         raise ControlRequestError(f"{op!r} from {sender}: {field} {problem}") from None

@@ -47,6 +47,8 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
+from shardflow.structs import prepared
+
 Value = TypeVar("Value")
 
 
@@ -71,7 +73,7 @@ class Key(Generic[Value]):
 
     def decode(self, data: bytes) -> Value:
         try:
-            return msgspec.msgpack.decode(data, type=self.value_type, strict=True)
+            return msgspec.msgpack.decode(data, type=prepared(self.value_type), strict=True)
         except (msgspec.DecodeError, ValueError, TypeError) as error:
             raise ControlValueError(
                 f"the value of {self.name!r} on the control plane, written by {self.writer}, is not a "

@@ -35,6 +35,7 @@ from shardflow.comm.client import Client
 from shardflow.comm.envelope import message_fields
 from shardflow.comm.errors import CommError, DeadlineExceeded
 from shardflow.comm.security import Credentials, job_credentials
+from shardflow.structs import prepared
 
 log = logging.getLogger(__name__)
 
@@ -194,7 +195,7 @@ class ControlPlane:
                 reply, replied = self._client.request(
                     "chief", header, frames or (), attempt_s + extra_s, retries=retries, before_retry=before_retry
                 )
-            return msgspec.convert(message_fields(reply), answer, strict=True), replied
+            return msgspec.convert(message_fields(reply), prepared(answer), strict=True), replied
         except DeadlineExceeded:
             raise ControlPlaneError(
                 f"the chief's control service at {self.address} did not answer for {self.timeout_s:.0f}s "

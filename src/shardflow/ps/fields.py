@@ -9,6 +9,7 @@ from typing import Annotated, Any, Self
 import msgspec
 
 from shardflow.comm.envelope import explain, message_fields, short
+from shardflow.structs import prepared
 
 MAX_INT = 2**63 - 1
 Count = Annotated[int, msgspec.Meta(ge=0, le=MAX_INT)]
@@ -46,7 +47,7 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
         body = message_fields(header)
         body.pop("op", None)
         try:
-            return msgspec.convert(body, cls, strict=True)
+            return msgspec.convert(body, prepared(cls), strict=True)
         except msgspec.ValidationError as error:
             field, problem = explain(error, body, cls)
             raise PSProtocolError(op, field, sender, problem) from None

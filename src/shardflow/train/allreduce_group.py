@@ -17,6 +17,7 @@ from torch._C._distributed_c10d import BroadcastOptions, ProcessGroupGloo
 from shardflow.cluster import control_keys
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
 from shardflow.cluster.spec import TaskSpec, host_of
+from shardflow.structs import prepared
 from shardflow.train import allreduce_state, job_keys
 from shardflow.train.allreduce_replay import Replay
 from shardflow.train.job_keys import RejoinState
@@ -200,7 +201,7 @@ def rejoin(
     state_data = _broadcast(group, source, state_data)
     if survived is not None and survived.step == step:
         return survived
-    run = msgspec.json.decode(run_data, type=RejoinState)
+    run = msgspec.json.decode(run_data, type=prepared(RejoinState))
     allreduce_state.restore(
         model, optimizer, allreduce_state.from_bytes(state_data, step=run.step, scalars=run.scalars)
     )

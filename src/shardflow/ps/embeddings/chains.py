@@ -25,6 +25,7 @@ from shardflow.ps.embeddings.files import (
     record_of,
 )
 from shardflow.ps.embeddings.spec import TableSpec
+from shardflow.structs import prepared
 
 TABLES = "tables"
 """The directory of table files in a checkpoint, and in model_dir while the PS stage them."""
@@ -175,8 +176,8 @@ def table_chains(manifest: Mapping[str, Any]) -> dict[str, tuple[TableSpec, list
     chains = {}
     for name, entry in tables.items():
         try:
-            spec = msgspec.convert(entry["spec"], TableSpec)
-            chain = msgspec.convert(entry["chain"], list[str])
+            spec = msgspec.convert(entry["spec"], prepared(TableSpec))
+            chain = msgspec.convert(entry["chain"], prepared(list[str]))
         except (KeyError, TypeError, msgspec.ValidationError) as error:
             raise ValueError(f"the manifest's entry of table {name!r} is malformed: {error!r}") from error
         check_table_name(name)

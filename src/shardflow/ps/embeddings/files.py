@@ -19,6 +19,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from shardflow.ps.embeddings.spec import TableSpec
+from shardflow.structs import prepared
 
 Kind = Literal["full", "increment"]
 
@@ -257,15 +258,15 @@ def read_header(path: Path, expected: FileRecord | None = None) -> tuple[TableSp
             raise ValueError(f"{path}: the header length at offset 0 ({length}) does not fit the file's {size} bytes")
         raw = f.read(length)
     try:
-        entries = msgspec.json.decode(raw, type=dict[str, Any])
-        metadata = msgspec.convert(entries.pop("__metadata__", {}), dict[str, str])
+        entries = msgspec.json.decode(raw, type=prepared(dict[str, Any]))
+        metadata = msgspec.convert(entries.pop("__metadata__", {}), prepared(dict[str, str]))
     except msgspec.DecodeError as error:
         raise ValueError(f"{path}: the safetensors header at offsets 8..{8 + length} is malformed: {error}") from error
     _check_tensor_entries(path, entries, data_bytes=size - 8 - length)
     if METADATA_KEY not in metadata:
         raise ValueError(f"{path}: not a table file (its safetensors metadata has no {METADATA_KEY!r})")
     try:
-        header = msgspec.json.decode(metadata[METADATA_KEY], type=_Header)
+        header = msgspec.json.decode(metadata[METADATA_KEY], type=prepared(_Header))
     except msgspec.DecodeError as error:
         raise ValueError(f"{path}: its {METADATA_KEY!r} metadata is malformed: {error}") from error
     if header.format > FORMAT:
