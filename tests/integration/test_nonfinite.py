@@ -37,9 +37,17 @@ def test_a_nan_loss_fails_the_job_naming_the_worker_and_the_step(run_job, tmp_pa
     assert _all_finite(_latest_checkpoint(tmp_path / "model"))
 
 
-def test_inf_gradients_fail_an_async_job_naming_the_worker(run_job, tmp_path):
+@pytest.mark.parametrize("num_ps", [1, 2])
+def test_inf_gradients_fail_an_async_job_naming_the_worker(run_job, tmp_path, num_ps):
+    # With 2 PS the worker finds the inf and tells both PS; with 1 that PS finds it in the push and refuses it.
     proc, _ = run_job(
-        "nonfinite.py", mode="async", max_steps=200, inf_gradients_at=[20], save_checkpoints_steps=2, step_delay_s=0.05
+        "nonfinite.py",
+        mode="async",
+        max_steps=200,
+        inf_gradients_at=[20],
+        save_checkpoints_steps=2,
+        step_delay_s=0.05,
+        num_ps=num_ps,
     )
     assert proc.returncode != 0, proc.stdout
     assert "worker:1 pushed NaN or inf gradients at global step " in proc.stdout, proc.stdout

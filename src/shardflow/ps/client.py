@@ -365,7 +365,9 @@ class ParameterClient(PSConnection):
         inf. All or none: a PS applies a push on arrival, and the PS hold disjoint shards, so were ps:0 sent its
         finite pieces before ps:1's NaN was seen, ps:0 would apply a step that ps:1 refuses, and their global
         steps would part for good. So the pushes wait until every PS's pieces are complete and checked (with
-        one PS, as before: its pieces complete last), and every PS reaches the same verdict, the worker's."""
+        one PS, as before: its pieces complete last), and every PS reaches the same verdict, the worker's. With one
+        PS there is no verdict to share: it checks every push itself before applying it (ps/server.py) and refuses
+        a NaN alike, so the worker does not read the gradients once more (a pass over the model per step)."""
         if self._pushed is not None:
             return
         nonfinite = "loss" if request.nonfinite_loss else None
@@ -373,7 +375,8 @@ class ParameterClient(PSConnection):
             for ps in range(len(self.peers)):
                 self._prepare(ps)
             self.staging.wait_host()
-            if not all(all_finite(checked) for checked, _, _ in self._prepared.values()):
+            shared = len(self.peers) > 1
+            if shared and not all(all_finite(checked) for checked, _, _ in self._prepared.values()):
                 nonfinite = "gradients"
         recorder = get_recorder()
         requests: dict[str, int] = {}
