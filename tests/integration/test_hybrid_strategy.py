@@ -31,10 +31,24 @@ STEPS, BATCH = 30, 8
 
 
 def _wait_for_batches(job, steps_log: Path, count: int) -> None:
-    deadline = time.monotonic() + 60
-    while not steps_log.exists() or len(steps_log.read_text().splitlines()) < count:
+    _wait_until(job, lambda: steps_log.exists() and len(steps_log.read_text().splitlines()) >= count, 60, 0.02)
+
+
+def _wait_until(job, done: Any, timeout_s: float, every_s: float = 0.05) -> None:
+    """Until `done()`, failing with the job's output once `timeout_s` passed or the job ended."""
+    deadline = time.monotonic() + timeout_s
+    while not done():
         assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
-        time.sleep(0.02)
+        time.sleep(every_s)
+
+
+def _ends_exact_after_a_restore(job, tmp_path: Path) -> None:
+    """The job exits 0 after every PS was restored, at STEPS with every record applied once."""
+    code, output = job.finish(120)
+    assert code == 0, output
+    assert "every PS restored to global step" in output, output
+    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
+    _exactly_once(tmp_path / "model")
 
 
 def _start_audited(start_job, env: dict[str, str] | None = None, **config: Any) -> Any:
@@ -154,16 +168,9 @@ def test_a_worker_restarted_while_the_ps_are_restored_takes_part_in_the_restore(
     roles["worker:1"].send_signal(signal.SIGSTOP)
     roles["ps:0"].kill()
     chief_log = tmp_path / "model" / "logs" / "chief.log"
-    deadline = time.monotonic() + 30
-    while "ps:0 was lost" not in (chief_log.read_text() if chief_log.exists() else ""):
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
-        time.sleep(0.05)
+    _wait_until(job, lambda: "ps:0 was lost" in (chief_log.read_text() if chief_log.exists() else ""), 30)
     roles["worker:1"].kill()
-    code, output = job.finish(120)
-    assert code == 0, output
-    assert "every PS restored to global step" in output, output
-    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
-    _exactly_once(tmp_path / "model")
+    _ends_exact_after_a_restore(job, tmp_path)
 
 
 def test_a_worker_lost_while_worker0_has_the_ps_snapshot_its_rows_does_not_end_that_snapshot(start_job, tmp_path):
@@ -175,29 +182,19 @@ def test_a_worker_lost_while_worker0_has_the_ps_snapshot_its_rows_does_not_end_t
     fault = {"role": "ps:1", "point": "snapshot", "marker": str(marker)}
     env = {**os.environ, "SHARDFLOW_FAULT": json.dumps(fault)}
     job = _start_audited(start_job, env=env, save_checkpoints_steps=2)
-    deadline = time.monotonic() + 60
-    while not {"ps:1", "worker:1"} <= (roles := job.roles()).keys():
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
-        time.sleep(0.05)
-    while not marker.exists():
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
-        time.sleep(0.005)
+    _wait_until(job, lambda: {"ps:1", "worker:1"} <= job.roles().keys(), 60)
+    roles = job.roles()
+    _wait_until(job, marker.exists, 60, 0.005)
     with contextlib.suppress(psutil.NoSuchProcess):  # too late where this test was held up past its 0.1 s
         roles["ps:1"].send_signal(signal.SIGSTOP)
     roles["worker:1"].kill()
-    deadline = time.monotonic() + 30  # worker:1's new process beats, and worker:0 sees it (the old one's is gone)
-    while (restarted := job.roles().get("worker:1")) is None or restarted.pid == roles["worker:1"].pid:
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.finish(5)[1]
-        time.sleep(0.05)
+    # worker:1's new process beats, and worker:0 sees it (the old one's beats are gone).
+    _wait_until(job, lambda: job.roles().get("worker:1", roles["worker:1"]).pid != roles["worker:1"].pid, 30)
     time.sleep(5)
     assert job.proc.poll() is None, job.finish(5)[1]
     with contextlib.suppress(psutil.NoSuchProcess):
         roles["ps:1"].kill()
-    code, output = job.finish(120)
-    assert code == 0, output
-    assert "every PS restored to global step" in output, output
-    assert json.loads((tmp_path / "result.json").read_text())["global_step"] == STEPS, output
-    _exactly_once(tmp_path / "model")
+    _ends_exact_after_a_restore(job, tmp_path)
 
 
 @pytest.mark.parametrize("point", ["snapshot", "snapshot_state"])

@@ -362,12 +362,10 @@ class ParameterClient(PSConnection):
 
     def _send(self, request: PushRequest) -> None:
         """Send this step to every PS: the pushes, or `NonFinite` to each if the loss or any gradient held NaN or
-        inf. All or none: a PS applies a push on arrival, and the PS hold disjoint shards, so were ps:0 sent its
-        finite pieces before ps:1's NaN was seen, ps:0 would apply a step that ps:1 refuses, and their global
-        steps would part for good. So the pushes wait until every PS's pieces are complete and checked (with
-        one PS, as before: its pieces complete last), and every PS reaches the same verdict, the worker's. With one
-        PS there is no verdict to share: it checks every push itself before applying it (ps/server.py) and refuses
-        a NaN alike, so the worker does not read the gradients once more (a pass over the model per step)."""
+        inf. All or none: a PS applies a push on arrival, so were ps:0 sent its finite pieces before ps:1's NaN was
+        seen, their global steps would part for good. So the pushes wait until every PS's pieces are complete and
+        checked, and every PS reaches one verdict, the worker's. One PS has none to share: it checks every push
+        itself before applying it (ps/server.py), so the worker spares the pass over the gradients."""
         if self._pushed is not None:
             return
         nonfinite = "loss" if request.nonfinite_loss else None
@@ -375,8 +373,7 @@ class ParameterClient(PSConnection):
             for ps in range(len(self.peers)):
                 self._prepare(ps)
             self.staging.wait_host()
-            shared = len(self.peers) > 1
-            if shared and not all(all_finite(checked) for checked, _, _ in self._prepared.values()):
+            if len(self.peers) > 1 and not all(all_finite(checked) for checked, _, _ in self._prepared.values()):
                 nonfinite = "gradients"
         recorder = get_recorder()
         requests: dict[str, int] = {}
