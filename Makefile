@@ -32,11 +32,12 @@ demo: $(BASE)
 
 # Three test processes, one file each at a time: most integration tests wait on sockets and deadlines, so two keep
 # the 2 cores busy most of the time (about 40% faster than one) and a third fills the rest (on 2 cores: 757 and 834 s
-# against 880-920 s with two); a file's tests stay in one process, in their order.
+# against 880-920 s with two); a file's tests stay in one process, in their order. The 15 slowest tests are listed
+# at the end, to see what to trim when the suite nears its 15 minutes.
 TEST_WORKERS ?= 3
 test: $(STAMP)
 	$(COMPILE)
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # Every benchmark beside its peers; stores each result in benchmarks/results/ and rewrites BENCHMARKS.md.
 bench: $(STAMP)
