@@ -25,8 +25,11 @@ runnable threads, so more workers take more of a shared machine: PlanConfig.cont
 (a while) for a quiet machine and reports the cores other processes used while it ran; --repeats N runs every
 strategy and size N times in turns and keeps the fastest.
 
+--out DIR keeps every run; --out DIR --replay predicts again from those runs without running anything (to try a
+change of the plan model on the same measurements; the load of other programs then shows as 0).
+
 Usage: python benchmarks/plan_validation.py [--quick] [--model mlp|click|both] [--workers 2,1,4]
-       [--strategies ps,allreduce,hybrid] [--repeats N] [--out DIR]
+       [--strategies ps,allreduce,hybrid] [--repeats N] [--out DIR [--replay]]
 """
 
 from __future__ import annotations
@@ -126,7 +129,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the roles share (all)")
     parser.add_argument("--quiet-wait", type=float, default=30.0, help="seconds to wait for a quiet machine (30)")
     parser.add_argument("--out", type=Path, help="where runs and plan_validation.json go (a temporary dir)")
+    parser.add_argument(
+        "--replay", action="store_true", help="no new runs: predict again from the runs an earlier --out DIR kept"
+    )
     args = parser.parse_args(argv)
+    if args.replay and args.out is None:
+        parser.error("--replay needs --out DIR: the directory an earlier run kept its runs in")
     try:
         args.sizes = [int(n) for n in args.workers.split(",")]
     except ValueError:
@@ -216,6 +224,7 @@ def plan_config(model: Model, run: dict[str, Any], cores: int) -> Any:
         ring=base.ring,
         hybrid=base.hybrid,
         calibrated_on=base.strategy,
+        calibrated_roles=base.num_workers + base.num_ps,
     )
 
 
@@ -402,6 +411,8 @@ def measure(
     from shardflow.planning.scaling import ScaleConfig, ScaleRunError, run_size
 
     directory = out.resolve() / strategy
+    if args.replay:
+        return replayed(directory, num_workers)
     if model.name == "click":
         mode = {"ps": "async", "hybrid": "hybrid", "allreduce": "allreduce"}[strategy]
         result_json = directory / f"workers-{num_workers}" / "click.json"
@@ -435,6 +446,19 @@ def measure(
         # (one runnable thread at a time) is starved by many threads of others that a job of four is not.
         "load_average": psutil.getloadavg()[0],
     }
+
+
+def replayed(directory: Path, num_workers: int) -> dict[str, Any]:
+    """A run kept by an earlier --out, calibrated again (its other processes' load is not known any more)."""
+    from shardflow.planning.calibrate import calibrate
+
+    kept = [directory / "again" / f"workers-{num_workers}", directory / f"workers-{num_workers}"]
+    found = next((path / "result.json" for path in kept if (path / "result.json").is_file()), None)
+    if found is None:
+        raise SystemExit(f"--replay: no run of {num_workers} workers kept in {directory} (no workers-N/result.json)")
+    result = json.loads(found.read_text())
+    whole = result["global_step"] / result["training_s"]
+    return {"calibration": calibrate(result["profile_dir"]), "whole": whole, "others_cores": 0.0, "load_average": 0.0}
 
 
 def fastest(runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -60,7 +60,7 @@ BENCHMARKS = [
     Benchmark(
         name="plan_validation",
         script="plan_validation.py",
-        flags=("--model", "both", "--strategies", "ps,allreduce,hybrid", "--repeats", "2"),
+        flags=("--model", "both", "--strategies", "ps,allreduce,hybrid", "--repeats", "4"),
     ),
     Benchmark(
         name="embedding_tables",

@@ -115,11 +115,15 @@ def test_with_cores_the_ring_cpu_grows_with_the_ring_bytes(allreduce_capture):
         step_compute_s=measured.step_compute_s,
         cores=1.0,
         ring=measured.ring,
+        refill_s_per_byte=0.0,
     )
     prediction = predict_strategy(config, "allreduce")
     cpu_per_worker = 1400e-6 + 1600e-6 / MODEL_BYTES * ring_bytes(4, MODEL_BYTES)
     assert prediction.bound == "CPU cores"
     assert prediction.round_s == pytest.approx(4 * cpu_per_worker / 1.0)
+    # 4 workers on the core against the ring's run of 2: 2 roles more beyond it, each reloading the whole model.
+    reloading = predict_strategy(replace(config, refill_s_per_byte=1e-9), "allreduce")
+    assert reloading.round_s == pytest.approx(4 * (cpu_per_worker + 2 * 1e-9 * MODEL_BYTES))
 
 
 def test_without_a_ring_allreduce_is_predicted_from_the_ps_calibration():

@@ -149,10 +149,15 @@ def test_one_hybrid_worker_copies_into_its_buckets_and_rings_nothing(hybrid):
 
 
 def test_with_shared_cores_hybrid_is_bound_by_every_workers_cpu_and_the_ps(hybrid):
-    prediction = predict_strategy(_config(hybrid, 4, cores=1.0), "hybrid")
+    prediction = predict_strategy(_config(hybrid, 4, cores=1.0, refill_s_per_byte=0.0), "hybrid")
     cpu_per_worker = 2400e-6 + 1000e-6 / DENSE_BYTES * (ring_bytes(4, DENSE_BYTES) - DENSE_BYTES) + 300e-6
     assert prediction.bound == "CPU cores"
     assert prediction.round_s == pytest.approx(4 * cpu_per_worker)
+    # 5 roles on the core against the run's 3: 2 more beyond it, reloading all the bytes on each worker, the rows on
+    # the PS.
+    reloading = predict_strategy(_config(hybrid, 4, cores=1.0, refill_s_per_byte=1e-9), "hybrid")
+    model_bytes, rows = hybrid.model_bytes, hybrid.sparse_bytes
+    assert reloading.round_s == pytest.approx(4 * (cpu_per_worker + 2 * 1e-9 * (model_bytes + rows)))
 
 
 def test_hybrid_cost_refuses_a_negative_wait():

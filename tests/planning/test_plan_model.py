@@ -143,3 +143,42 @@ def test_without_cores_the_compute_is_its_measured_wall_time():
 
 def test_without_its_cpu_time_the_compute_is_its_measured_wall_time():
     assert predict(replace(LOCAL, step_compute_cpu_s=None)).parts["compute"] == pytest.approx(1.4e-3)
+
+
+# LOCAL measured on 2 workers + 1 PS (3 roles on 2 cores: half a role beyond a core's share), 100 kB touched per step.
+SWITCHING = replace(LOCAL, num_params=25e3, num_workers=2, calibrated_roles=3, refill_s_per_byte=1e-9)
+
+
+def test_roles_beyond_the_cores_cost_cpu_to_reload_each_steps_working_set():
+    # 5 roles on 2 cores: 1.5 roles per core beyond one, against the calibrating run's 0.5: 1 x 100 kB x 1 ns more.
+    assert SWITCHING.switch_cpu_s(5, 100e3) == pytest.approx(1e-4)
+    assert SWITCHING.switch_cpu_s(2, 100e3) == pytest.approx(-0.5e-4)  # no more roles than cores: the run's share back
+    assert SWITCHING.switch_cpu_s(3, 100e3) == 0.0
+    assert replace(SWITCHING, calibrated_roles=None).switch_cpu_s(5, 100e3) == 0.0
+    assert replace(SWITCHING, cores=None).switch_cpu_s(5, 100e3) == 0.0
+
+
+def test_a_ps_step_pays_the_reloads_on_its_worker_and_on_its_ps():
+    # 4 workers + 1 PS: each worker step touches 100 kB on the worker and 100 kB on the PS, 0.1 ms more on each.
+    p = predict(replace(SWITCHING, num_workers=4))
+    assert p.parts["CPU cores"] == pytest.approx(4 * (1.5e-3 + 1e-4 + 0.3e-3 + 1e-4) / 2)
+    assert predict(replace(SWITCHING, calibrated_roles=None, num_workers=4)).parts["CPU cores"] == pytest.approx(
+        4 * 1.8e-3 / 2
+    )
+
+
+def test_waiting_for_a_core_grows_with_the_roles_beyond_the_cores():
+    # The calibrating compute took 1.4 ms for 1 ms of CPU with 3 roles (0.5 beyond the 2 cores): 0.4 of waiting per
+    # 0.5 role. With 5 roles 1.2, with 2 none; relative to the run's 1.4.
+    assert SWITCHING.waiting_factor(3) == pytest.approx(1.0)
+    assert SWITCHING.waiting_factor(5) == pytest.approx(2.2 / 1.4)
+    assert SWITCHING.waiting_factor(2) == pytest.approx(1 / 1.4)
+    assert replace(SWITCHING, calibrated_roles=2).waiting_factor(5) == 1.0  # a run with no wait to scale
+    assert replace(SWITCHING, step_compute_cpu_s=None).waiting_factor(5) == 1.0
+
+
+def test_calibrated_roles_and_refill_are_checked():
+    with pytest.raises(ValueError, match="calibrated_roles must be at least 1"):
+        replace(SWITCHING, calibrated_roles=0)
+    with pytest.raises(ValueError, match="refill_s_per_byte must be >= 0"):
+        replace(SWITCHING, refill_s_per_byte=-1.0)

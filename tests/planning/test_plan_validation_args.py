@@ -33,3 +33,17 @@ def test_a_size_below_one_worker_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--workers", "2,0"])
     assert "every size must be at least 1" in capsys.readouterr().err
+
+
+def test_replay_needs_the_directory_an_earlier_run_kept(capsys, tmp_path):
+    with pytest.raises(SystemExit):
+        parse_args(["--replay"])
+    assert "--replay needs --out DIR" in capsys.readouterr().err
+    assert parse_args(["--replay", "--out", str(tmp_path)]).replay
+
+
+def test_replay_names_the_run_it_cannot_find(tmp_path):
+    from plan_validation import replayed
+
+    with pytest.raises(SystemExit, match="no run of 4 workers kept in"):
+        replayed(tmp_path / "ps", 4)

@@ -42,7 +42,8 @@ The model, per worker step (M model bytes, B link bandwidth, n workers, k PS):
   PS takes per round (n/k) and the ring with its bytes (2(n-1)/n of the dense part).
 --cores models a local run: moving bytes is then CPU work on both ends, and all roles share the cores.
   With --calibrate it uses the CPU every role measured per step (all threads). That cost rises once the
-  roles outnumber the cores, so calibrate on a run that already keeps the cores busy. --cores measured
+  roles outnumber the cores (each reloads its caches), which the prediction adds per role beyond the cores;
+  calibrate on a run that already keeps the cores busy. --cores measured
   uses the cores that run's roles got: on a machine other programs share, as much as they left it.
 The winner has the most batches per second (a round is one batch on every worker).
 Units: 100M, 1.5B params; 25Gbit, 25Gbps, 10GB/s; 120ms, 0.3s, 50us.
@@ -211,6 +212,7 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         ring=calibration.ring if calibration is not None else None,
         hybrid=calibration.hybrid if calibration is not None else None,
         calibrated_on=calibration.strategy if calibration is not None else None,
+        calibrated_roles=calibration.num_workers + calibration.num_ps if calibration is not None and cores else None,
     )
 
 

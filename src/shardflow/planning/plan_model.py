@@ -9,6 +9,11 @@ from typing import Literal
 Mode = Literal["async", "sync"]
 # In this order ties go to the first: a PS is named the bottleneck only when it is strictly the slowest part.
 TERMS = ("compute", "worker link", "CPU cores", "PS link", "PS apply")
+# CPU seconds per byte of a step's working set (the parameters and gradients a role touches each step) that a role
+# spends reloading its caches per extra runnable role per core: fitted on the 2-core machine of BENCHMARKS.md's
+# plan_validation (the MLP's worker and PS CPU per step grow 27% from 3 to 5 roles), where an L2 miss costs about
+# what reading a cold byte from memory at 5 GB/s, twice per step (forward and backward), does.
+REFILL_S_PER_BYTE = 0.2e-9
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,29 +126,31 @@ class PlanConfig:
     """Measured on a hybrid run: hybrid is predicted from it (its step, wait for the PS and ring), not from the rest."""
     calibrated_on: str | None = None
     """The strategy of the profiled run the other inputs were measured on ('ps' or 'allreduce'); None: given."""
+    calibrated_roles: int | None = None
+    """With cores: the busy roles (workers and PS) of the run the CPU per step was measured on. Roles taking turns
+    on fewer cores pay CPU to reload their caches (switch_cpu_s), so the CPU per step measured with as many roles
+    holds only for that many; None: it holds for any count."""
+    refill_s_per_byte: float = REFILL_S_PER_BYTE
+    """With cores: the CPU a role pays per byte of its step's working set for each role beyond a core's share
+    (switch_cpu_s)."""
 
     def __post_init__(self) -> None:
         for name in ("num_params", "bytes_per_param", "bandwidth", "step_compute_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PlanConfig.{name} must be positive, got {getattr(self, name)}")
-        for name in ("num_workers", "num_ps"):
-            if getattr(self, name) < 1:
+        for name in ("num_workers", "num_ps", "calibrated_roles"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"PlanConfig.{name} must be at least 1, got {getattr(self, name)}")
         if self.mode not in ("async", "sync"):
             raise ValueError(f"PlanConfig.mode must be 'async' or 'sync', got {self.mode!r}")
-        if self.ps_apply_s < 0:
-            raise ValueError(f"PlanConfig.ps_apply_s must be >= 0, got {self.ps_apply_s}")
         if self.cores is not None and not self.cores > 0:
             raise ValueError(f"PlanConfig.cores must be positive, got {self.cores}")
-        for name in ("step_compute_cpu_s", "worker_cpu_s", "ps_cpu_s"):
+        optional = ("step_compute_cpu_s", "worker_cpu_s", "ps_cpu_s")
+        for name in ("ps_apply_s", "table_params", "contending_roles", "refill_s_per_byte", *optional):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"PlanConfig.{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.sparse_params <= self.num_params:
             raise ValueError(f"PlanConfig.sparse_params must be in [0, num_params], got {self.sparse_params}")
-        if self.table_params < 0:
-            raise ValueError(f"PlanConfig.table_params must be >= 0, got {self.table_params}")
-        if self.contending_roles < 0:
-            raise ValueError(f"PlanConfig.contending_roles must be >= 0, got {self.contending_roles}")
         if self.cores is not None and not 0 <= self.other_cores < self.cores:
             raise ValueError(f"PlanConfig.other_cores must be in [0, cores), got {self.other_cores}")
 
@@ -156,6 +163,34 @@ class PlanConfig:
         assert self.cores is not None
         share = self.cores * num_roles / (num_roles + self.contending_roles)
         return max(share - self.other_cores, 1e-9)
+
+    def switch_cpu_s(self, num_roles: int, working_bytes: float, calibrated_roles: int | None = None) -> float:
+        """The CPU a role spends more per step with `num_roles` busy roles than the calibrating run's roles did
+        (negative for fewer), reloading the `working_bytes` it touches each step: when more roles than cores take
+        turns, the others have evicted them from the caches since its last step, the more so the more roles per
+        core. `calibrated_roles`: those of the run the CPU was measured on, if not this config's run (a ring's or
+        a hybrid run's). 0 without cores or the calibrating run's roles."""
+        base = self.calibrated_roles if calibrated_roles is None else calibrated_roles
+        if self.cores is None or base is None:
+            return 0.0
+        cores = self.cores
+
+        def excess(roles: int) -> float:
+            return max(0.0, roles / cores - 1.0)
+
+        return self.refill_s_per_byte * working_bytes * (excess(num_roles) - excess(base))
+
+    def waiting_factor(self, num_roles: int) -> float:
+        """Wall time over CPU time of a role's own work with `num_roles` busy roles, relative to the calibrating
+        run's: its compute took step_compute_s for step_compute_cpu_s of CPU (the rest waiting for a core), and
+        that wait grows with the roles beyond the cores. 1 without cores, the compute's CPU or the run's roles."""
+        if not self.cores or not self.step_compute_cpu_s or self.calibrated_roles is None:
+            return 1.0
+        waiting = max(0.0, self.step_compute_s / self.step_compute_cpu_s - 1.0)
+        excess = max(0.0, self.calibrated_roles / self.cores - 1.0)
+        if excess <= 0:
+            return 1.0
+        return (1.0 + waiting * max(0.0, num_roles / self.cores - 1.0) / excess) / (1.0 + waiting)
 
     def compute_s(self, worker_cpu_s: float, cores_s: float) -> float:
         """Forward and backward of a worker step that uses `worker_cpu_s` of CPU, in a run whose roles' CPU takes the
@@ -210,6 +245,9 @@ def predict(config: PlanConfig) -> Prediction:
         worker_cpu = config.step_compute_s + 4 * worker_link if config.worker_cpu_s is None else config.worker_cpu_s
         # Measured PS CPU is per push received (each worker step), which holds in both modes.
         ps_cpu = updates_per_round * config.ps_apply_s if config.ps_cpu_s is None else n * config.ps_cpu_s
+        # Each worker step touches the whole model on its worker, and on the PS together.
+        worker_cpu = max(0.0, worker_cpu + config.switch_cpu_s(n + k, model_bytes))
+        ps_cpu = max(0.0, ps_cpu + n * config.switch_cpu_s(n + k, model_bytes))
         parts["CPU cores"] = (n * worker_cpu + ps_cpu) / config.job_cores(n + k)
         parts["compute"] = config.compute_s(worker_cpu, parts["CPU cores"])
         bounds = [

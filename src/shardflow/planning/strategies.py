@@ -105,9 +105,14 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
         "PS apply": n * config.ps_apply_s * table_bytes / config.model_bytes / k,
     }
     if config.cores is not None:
+        roles = n + (k if table_bytes > 0 else 0)
         worker_cpu = _worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply)
-        cpu = n * (worker_cpu + _ps_cpu_s(config, table_bytes))
-        times["CPU cores"] = cpu / config.job_cores(n + (k if table_bytes > 0 else 0))
+        # A measured ring's worker CPU is of its all-reduce run, with one role a worker.
+        measured_on = cost.calibrated_workers if cost is not None and cost.own_cpu_s is not None else None
+        worker_cpu = max(0.0, worker_cpu + config.switch_cpu_s(roles, dense_bytes + table_bytes, measured_on))
+        ps_cpu = _ps_cpu_s(config, table_bytes)
+        ps_cpu = max(0.0, ps_cpu + config.switch_cpu_s(roles, table_bytes)) if table_bytes > 0 else 0.0
+        times["CPU cores"] = n * (worker_cpu + ps_cpu) / config.job_cores(roles)
         times["compute"] = config.compute_s(worker_cpu, times["CPU cores"]) + dense_apply
     if config.cores is not None or cost is not None:
         # On loopback the bytes move by the CPU: a worker's own copies come after its compute. A measured ring is
@@ -134,12 +139,16 @@ def _measured_hybrid(
     else:  # a run of 1 worker moved nothing in its ring: the links stand in
         ring_s = cost.allreduce_s + ring / (config.ring.bandwidth if config.ring else config.bandwidth)
     # The busiest PS takes n/k pushes a round one after another; the run waited for n0/k0 of them.
-    times = {"compute": cost.own_s, "worker link": ring_s, "PS apply": cost.push_wait_s * (n / k) / (n0 / k0)}
+    # The hybrid run's own part held its waits for a core, which more or fewer roles lengthen or shorten (its
+    # compute's wall and CPU time tell how long, where this config was calibrated on that run).
+    waiting = config.waiting_factor(n + k) if config.calibrated_on == "hybrid" else 1.0
+    times = {"compute": cost.own_s * waiting, "worker link": ring_s, "PS apply": cost.push_wait_s * (n / k) / (n0 / k0)}
     round_s, bound = sum(times.values()), max(times, key=lambda name: times[name])
     if config.cores is not None and cost.worker_cpu_s is not None:
         worker_cpu = cost.worker_cpu_s + cost.ring_cpu_per_byte * (ring - ring0)
+        worker_cpu = max(0.0, worker_cpu + config.switch_cpu_s(n + k, dense_bytes + table_bytes, n0 + k0))
         # On loopback the PS's wait is its CPU work on the n0 pushes of the round it measured.
-        ps_cpu = cost.push_wait_s / n0
+        ps_cpu = max(0.0, cost.push_wait_s / n0 + config.switch_cpu_s(n + k, table_bytes, n0 + k0))
         cpu_s = n * (worker_cpu + ps_cpu) / config.job_cores(n + k)
         if cpu_s > round_s:
             round_s, bound = cpu_s, "CPU cores"
