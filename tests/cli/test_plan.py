@@ -125,3 +125,13 @@ def test_plan_cores_measured_without_a_calibration_is_named(capsys):
     args = ["--params", "1M", "--workers", "4", "--ps", "1", "--bandwidth", "8Gbit", "--step-compute", "10ms"]
     assert main(["plan", *args, "--cores", "measured"]) == 2
     assert "--cores measured needs --calibrate MODEL_DIR" in capsys.readouterr().err
+
+
+def test_plan_for_more_roles_than_the_calibrating_run_says_what_reloading_the_caches_costs(profiled_run, capsys):
+    # Calibrated on 1 worker + 1 PS; 4 workers + 1 PS on 1 core: 4 roles per core beyond one against 1.
+    assert main(["plan", "--calibrate", str(profiled_run), "--workers", "4", "--cores", "1"]) == 0
+    out = capsys.readouterr().out
+    config_line = "5 roles on 1 cores, the calibrating run had 2: a worker step costs"
+    assert config_line in out and "more CPU on its worker and as much on the PS" in out, out
+    assert main(["plan", "--calibrate", str(profiled_run), "--workers", "1", "--cores", "2"]) == 0
+    assert "the calibrating run had" not in capsys.readouterr().out  # as many roles as the run: nothing to add

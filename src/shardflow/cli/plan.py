@@ -367,6 +367,14 @@ def _print_parts(config: PlanConfig, p: Prediction) -> None:
     )
     if config.cores:
         print("  (local run: a worker's link time adds to its compute, a PS's to its apply, as both are CPU work)")
+        reload_s = config.switch_cpu_s(n + k, config.model_bytes)
+        if reload_s and config.calibrated_roles is not None:
+            more = "more" if reload_s > 0 else "less"
+            print(
+                f"  ({n + k} roles on {config.cores:.3g} cores, the calibrating run had {config.calibrated_roles}: a"
+                f" worker step costs {format_duration(abs(reload_s))} {more} CPU on its worker and as much on the PS,"
+                " for the caches the roles evict from each other)"
+            )
     print()
 
 
