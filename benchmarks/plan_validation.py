@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -438,8 +439,13 @@ def measure(
         result = run_size(config, num_workers, log=lambda line: print(line, file=sys.stderr))
     wall = time.monotonic() - started
     others = (_busy_s() - machine_before) - (_children_cpu_s() - job_before)
+    calibration = calibrate(result["profile_dir"])
+    # The click model's checkpoints hold its 10M-row table (1.3 GB a run): only the capture is read again (--replay).
+    model_dir = Path(result["profile_dir"]).parents[1]
+    for written in ("checkpoints", "tables"):
+        shutil.rmtree(model_dir / written, ignore_errors=True)
     return {
-        "calibration": calibrate(result["profile_dir"]),
+        "calibration": calibration,
         "whole": result["global_step"] / result["training_s"],
         "others_cores": max(0.0, others / wall),
         # Fair scheduling shares the cores by runnable threads, not by the cores others use: a job of one worker

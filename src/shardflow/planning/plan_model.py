@@ -11,8 +11,8 @@ Mode = Literal["async", "sync"]
 TERMS = ("compute", "worker link", "CPU cores", "PS link", "PS apply")
 # CPU seconds per byte of a step's working set (the parameters and gradients a role touches each step) that a role
 # spends reloading its caches per extra runnable role per core: fitted on the 2-core machine of BENCHMARKS.md's
-# plan_validation (the MLP's worker and PS CPU per step grow 27% from 3 to 5 roles), where an L2 miss costs about
-# what reading a cold byte from memory at 5 GB/s, twice per step (forward and backward), does.
+# plan_validation (the MLP's worker and PS CPU per step grow 27% from 3 to 5 roles); it is reading each byte once
+# from memory at 5 GB/s.
 REFILL_S_PER_BYTE = 0.2e-9
 
 
@@ -125,7 +125,8 @@ class PlanConfig:
     hybrid: HybridCost | None = None
     """Measured on a hybrid run: hybrid is predicted from it (its step, wait for the PS and ring), not from the rest."""
     calibrated_on: str | None = None
-    """The strategy of the profiled run the other inputs were measured on ('ps' or 'allreduce'); None: given."""
+    """The strategy of the profiled run the other inputs were measured on ('ps', 'allreduce' or 'hybrid'); None:
+    given."""
     calibrated_roles: int | None = None
     """With cores: the busy roles (workers and PS) of the run the CPU per step was measured on. Roles taking turns
     on fewer cores pay CPU to reload their caches (switch_cpu_s), so the CPU per step measured with as many roles
