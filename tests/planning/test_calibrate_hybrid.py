@@ -150,7 +150,12 @@ def test_one_hybrid_worker_copies_into_its_buckets_and_rings_nothing(hybrid):
 
 def test_with_shared_cores_hybrid_is_bound_by_every_workers_cpu_and_the_ps(hybrid):
     prediction = predict_strategy(_config(hybrid, 4, cores=1.0, refill_s_per_byte=0.0), "hybrid")
-    cpu_per_worker = 2400e-6 + 1000e-6 / DENSE_BYTES * (ring_bytes(4, DENSE_BYTES) - DENSE_BYTES) + 300e-6
+    # The run's ring took 1000 us of CPU for 2 messages of the dense part's bytes: the bytes' copies at the run's
+    # bandwidth, the rest per message. 4 workers send 6 messages of 1.5x the bytes.
+    copies = 2 * DENSE_BYTES / hybrid.bandwidth
+    assert 0 < copies < 1000e-6
+    ring_cpu = (1000e-6 - copies) / 2 * 6 + copies * ring_bytes(4, DENSE_BYTES) / DENSE_BYTES
+    cpu_per_worker = 2400e-6 - 1000e-6 + ring_cpu + 300e-6
     assert prediction.bound == "CPU cores"
     assert prediction.round_s == pytest.approx(4 * cpu_per_worker)
     # 5 roles on the core against the run's 3: 2 more beyond it, reloading all the bytes on each worker, the rows on
@@ -218,3 +223,12 @@ def test_more_busy_roles_take_more_of_a_shared_machine():
     shared = replace(config, contending_roles=1.0)
     assert shared.job_cores(3) == pytest.approx(1.5)
     assert shared.job_cores(5) == pytest.approx(2 * 5 / 6)
+
+
+def test_a_ring_whose_cpu_its_bytes_explain_grows_with_its_bytes_alone(hybrid):
+    # 1 ns per ring byte is below the copies at the run's bandwidth: no cost per message, the ring CPU grows 1.5x.
+    assert hybrid.hybrid is not None and 2 / hybrid.bandwidth > 1e-9
+    cost = replace(hybrid.hybrid, ring_cpu_per_byte=1e-9)
+    config = replace(_config(hybrid, 4, cores=1.0, refill_s_per_byte=0.0), hybrid=cost)
+    more_ring_cpu = 1e-9 * (ring_bytes(4, DENSE_BYTES) - DENSE_BYTES)
+    assert predict_strategy(config, "hybrid").round_s == pytest.approx(4 * (2400e-6 + more_ring_cpu + 300e-6))

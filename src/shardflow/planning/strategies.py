@@ -145,7 +145,7 @@ def _measured_hybrid(
     times = {"compute": cost.own_s * waiting, "worker link": ring_s, "PS apply": cost.push_wait_s * (n / k) / (n0 / k0)}
     round_s, bound = sum(times.values()), max(times, key=lambda name: times[name])
     if config.cores is not None and cost.worker_cpu_s is not None:
-        worker_cpu = cost.worker_cpu_s + cost.ring_cpu_per_byte * (ring - ring0)
+        worker_cpu = cost.worker_cpu_s + _ring_cpu_growth(config, cost, ring, ring0)
         worker_cpu = max(0.0, worker_cpu + config.switch_cpu_s(n + k, dense_bytes + table_bytes, n0 + k0))
         # On loopback the PS's wait is its CPU work on the n0 pushes of the round it measured.
         ps_cpu = max(0.0, cost.push_wait_s / n0 + config.switch_cpu_s(n + k, table_bytes, n0 + k0))
@@ -155,6 +155,17 @@ def _measured_hybrid(
     links = ps_link_bytes(config, table_bytes) | {"worker": ring + table_bytes}
     links = {name: value for name, value in links.items() if value > 0}
     return StrategyPrediction("hybrid", n, round_s, bound, links, 1, "hybrid run")
+
+
+def _ring_cpu_growth(config: PlanConfig, cost: HybridCost, ring: float, ring0: float) -> float:
+    """A hybrid worker's ring CPU per step at `ring` bytes beyond the run's at `ring0`. The run's ring CPU (its CPU
+    per ring byte times ring0) is its bytes, copied at the run's bandwidth, and a cost per message for the rest:
+    gloo's ring sends 2(n-1) of them per all-reduce, so a small dense part's ring costs by its messages."""
+    n, n0 = config.num_workers, cost.calibrated_workers
+    spent = cost.ring_cpu_per_byte * ring0
+    bytes_s = min(spent, 2 * ring0 / config.bandwidth)  # sent and received, each a copy
+    per_message = (spent - bytes_s) / (2 * (n0 - 1)) if n0 > 1 else 0.0
+    return per_message * 2 * (n - n0) + (bytes_s / ring0 if ring0 > 0 else 0.0) * (ring - ring0)
 
 
 def _worker_cpu_s(config: PlanConfig, ring: float, table_bytes: float, dense_apply: float) -> float:
