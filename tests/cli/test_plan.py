@@ -135,3 +135,15 @@ def test_plan_for_more_roles_than_the_calibrating_run_says_what_reloading_the_ca
     assert config_line in out and "more CPU on its worker and as much on the PS" in out, out
     assert main(["plan", "--calibrate", str(profiled_run), "--workers", "1", "--cores", "2"]) == 0
     assert "the calibrating run had" not in capsys.readouterr().out  # as many roles as the run: nothing to add
+
+
+@pytest.mark.parametrize(
+    "content", [b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x00\x03", b"\xff\xfe not a trace"], ids=["truncated-gzip", "garbage"]
+)
+def test_plan_on_a_damaged_capture_names_its_trace(tmp_path, capsys, content):
+    capture = tmp_path / "model" / "profile" / "steps-1-2"
+    capture.mkdir(parents=True)
+    (capture / "merged.trace.json.gz").write_bytes(content)
+    assert main(["plan", "--calibrate", str(tmp_path / "model"), "--workers", "4", "--cores", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{capture / 'merged.trace.json.gz'} is not a readable trace" in err and "capture the run again" in err

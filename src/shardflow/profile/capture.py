@@ -77,5 +77,8 @@ def finalize(directory: str | Path) -> Path:
     if not merged.exists():
         raise CaptureNotFoundError(f"no merged trace ({MERGED}) in {directory}")
     if not events.exists() or events.stat().st_mtime < merged.stat().st_mtime:
-        build_table(merged, events)
+        try:
+            build_table(merged, events)
+        except (ValueError, EOFError, OSError) as error:  # a truncated gzip ends early; bad bytes decode to nothing
+            raise ValueError(f"{merged} is not a readable trace ({error}); capture the run again") from None
     return events
