@@ -174,12 +174,22 @@ class PlanConfig:
         base = self.calibrated_roles if calibrated_roles is None else calibrated_roles
         if self.cores is None or base is None:
             return 0.0
-        cores = self.cores
+        return (
+            self.refill_s_per_byte
+            * working_bytes
+            * (self.roles_beyond_cores(num_roles) - self.roles_beyond_cores(base))
+        )
 
-        def excess(roles: int) -> float:
-            return max(0.0, roles / cores - 1.0)
+    def switched_cpu_s(
+        self, cpu_s: float, num_roles: int, working_bytes: float, calibrated_roles: int | None = None
+    ) -> float:
+        """`cpu_s` measured with the calibrating run's roles, with `num_roles` instead (switch_cpu_s); never below 0."""
+        return max(0.0, cpu_s + self.switch_cpu_s(num_roles, working_bytes, calibrated_roles))
 
-        return self.refill_s_per_byte * working_bytes * (excess(num_roles) - excess(base))
+    def roles_beyond_cores(self, num_roles: int) -> float:
+        """Busy roles per core beyond one (0 while each has a core of its own)."""
+        assert self.cores is not None
+        return max(0.0, num_roles / self.cores - 1.0)
 
     def waiting_factor(self, num_roles: int) -> float:
         """Wall time over CPU time of a role's own work with `num_roles` busy roles, relative to the calibrating
@@ -188,10 +198,10 @@ class PlanConfig:
         if not self.cores or not self.step_compute_cpu_s or self.calibrated_roles is None:
             return 1.0
         waiting = max(0.0, self.step_compute_s / self.step_compute_cpu_s - 1.0)
-        excess = max(0.0, self.calibrated_roles / self.cores - 1.0)
+        excess = self.roles_beyond_cores(self.calibrated_roles)
         if excess <= 0:
             return 1.0
-        return (1.0 + waiting * max(0.0, num_roles / self.cores - 1.0) / excess) / (1.0 + waiting)
+        return (1.0 + waiting * self.roles_beyond_cores(num_roles) / excess) / (1.0 + waiting)
 
     def compute_s(self, worker_cpu_s: float, cores_s: float) -> float:
         """Forward and backward of a worker step that uses `worker_cpu_s` of CPU, in a run whose roles' CPU takes the
@@ -247,8 +257,8 @@ def predict(config: PlanConfig) -> Prediction:
         # Measured PS CPU is per push received (each worker step), which holds in both modes.
         ps_cpu = updates_per_round * config.ps_apply_s if config.ps_cpu_s is None else n * config.ps_cpu_s
         # Each worker step touches the whole model on its worker, and on the PS together.
-        worker_cpu = max(0.0, worker_cpu + config.switch_cpu_s(n + k, model_bytes))
-        ps_cpu = max(0.0, ps_cpu + n * config.switch_cpu_s(n + k, model_bytes))
+        worker_cpu = config.switched_cpu_s(worker_cpu, n + k, model_bytes)
+        ps_cpu = n * config.switched_cpu_s(ps_cpu / n, n + k, model_bytes)
         parts["CPU cores"] = (n * worker_cpu + ps_cpu) / config.job_cores(n + k)
         parts["compute"] = config.compute_s(worker_cpu, parts["CPU cores"])
         bounds = [

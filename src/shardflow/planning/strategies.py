@@ -109,9 +109,8 @@ def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, tab
         worker_cpu = _worker_cpu_s(config, ring, links.get("worker", 0.0), dense_apply)
         # A measured ring's worker CPU is of its all-reduce run, with one role a worker.
         measured_on = cost.calibrated_workers if cost is not None and cost.own_cpu_s is not None else None
-        worker_cpu = max(0.0, worker_cpu + config.switch_cpu_s(roles, dense_bytes + table_bytes, measured_on))
-        ps_cpu = _ps_cpu_s(config, table_bytes)
-        ps_cpu = max(0.0, ps_cpu + config.switch_cpu_s(roles, table_bytes)) if table_bytes > 0 else 0.0
+        worker_cpu = config.switched_cpu_s(worker_cpu, roles, dense_bytes + table_bytes, measured_on)
+        ps_cpu = config.switched_cpu_s(_ps_cpu_s(config, table_bytes), roles, table_bytes) if table_bytes > 0 else 0.0
         times["CPU cores"] = n * (worker_cpu + ps_cpu) / config.job_cores(roles)
         times["compute"] = config.compute_s(worker_cpu, times["CPU cores"]) + dense_apply
     if config.cores is not None or cost is not None:
@@ -146,9 +145,9 @@ def _measured_hybrid(
     round_s, bound = sum(times.values()), max(times, key=lambda name: times[name])
     if config.cores is not None and cost.worker_cpu_s is not None:
         worker_cpu = cost.worker_cpu_s + _ring_cpu_growth(config, cost, ring, ring0)
-        worker_cpu = max(0.0, worker_cpu + config.switch_cpu_s(n + k, dense_bytes + table_bytes, n0 + k0))
+        worker_cpu = config.switched_cpu_s(worker_cpu, n + k, dense_bytes + table_bytes, n0 + k0)
         # On loopback the PS's wait is its CPU work on the n0 pushes of the round it measured.
-        ps_cpu = max(0.0, cost.push_wait_s / n0 + config.switch_cpu_s(n + k, table_bytes, n0 + k0))
+        ps_cpu = config.switched_cpu_s(cost.push_wait_s / n0, n + k, table_bytes, n0 + k0)
         cpu_s = n * (worker_cpu + ps_cpu) / config.job_cores(n + k)
         if cpu_s > round_s:
             round_s, bound = cpu_s, "CPU cores"
