@@ -232,3 +232,32 @@ def test_a_ring_whose_cpu_its_bytes_explain_grows_with_its_bytes_alone(hybrid):
     config = replace(_config(hybrid, 4, cores=1.0, refill_s_per_byte=0.0), hybrid=cost)
     more_ring_cpu = 1e-9 * (ring_bytes(4, DENSE_BYTES) - DENSE_BYTES)
     assert predict_strategy(config, "hybrid").round_s == pytest.approx(4 * (2400e-6 + more_ring_cpu + 300e-6))
+
+
+def _table_counters(values: dict[str, list[float]]) -> list[dict[str, Any]]:
+    """A PS's `table/<name>/values_bytes` counters, sampled in turn (the last one counts: a dynamic table grows)."""
+    return [
+        {"ph": "C", "name": f"table/{name}/values_bytes", "ts": 100.0 * i, "pid": 0, "tid": 0, "args": {"value": v}}
+        for name, samples in values.items()
+        for i, v in enumerate(samples)
+    ]
+
+
+def test_a_ps_run_counts_its_tables_in_full_and_plan_has_all_reduce_sum_them(tmp_path, capsys):
+    server = _trace("ps:0", PS_STEP)
+    # A 10M x 16 item table and a dynamic table grown to 1000 rows of 8: the rows a step pushes are far fewer.
+    server["traceEvents"] += _table_counters({"item": [640e6, 640e6], "users": [16e3, 32e3]})
+    capture = write_capture([_trace("worker:0", PS_WORKER_STEP), server], tmp_path / "p" / "ps")
+    measured = calibrate(capture)
+    assert measured.table_bytes == 640e6 + 32e3
+    assert main(["plan", "--calibrate", str(capture), "--workers", "4", "--cores", "2"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"sf\.nn tables +640 MB +in full on the PS", out)
+    # All-reduce sums every table in full, 2(4-1)/4 of them each way: not the 130 kB of rows a PS step pushes.
+    assert re.search(r"^all-reduce .* moves 960 MB each way per worker", out, re.MULTILINE)
+    assert "winner: all-reduce" not in out
+
+
+def test_a_capture_without_table_counters_leaves_the_tables_to_the_flags(tmp_path):
+    capture = write_capture([_trace("worker:0", PS_WORKER_STEP), _trace("ps:0", PS_STEP)], tmp_path / "p" / "ps")
+    assert calibrate(capture).table_bytes == 0.0

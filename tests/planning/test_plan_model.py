@@ -99,6 +99,13 @@ def test_ring_allreduce_moves_2_n_minus_1_over_n_of_the_model():
     assert ring.overlap_step_s == pytest.approx(0.252)
 
 
+def test_allreduce_sums_the_sf_nn_tables_in_full_not_the_rows_a_step_touches():
+    # Of the 100M parameters 90M are table rows a step touches, of tables of 1B in full: a worker all-reduces 1.01B.
+    tables = replace(TALK, sparse_params=90e6, table_params=1e9)
+    assert tables.allreduce_bytes == pytest.approx(1.01e9 * 4)
+    assert predict_allreduce(tables).communication_s == pytest.approx(2 * 63 / 64 * 1.01e9 * 4 / (25e9 / 8))
+
+
 def test_a_config_names_its_bad_field():
     with pytest.raises(ValueError, match="num_ps must be at least 1"):
         replace(TALK, num_ps=0)

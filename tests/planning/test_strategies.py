@@ -4,7 +4,6 @@ import pytest
 
 from shardflow.planning.plan_model import PlanConfig
 from shardflow.planning.strategies import (
-    allreduce_bytes,
     predict_all,
     predict_strategy,
     ps_link_bytes,
@@ -37,7 +36,7 @@ def test_the_busiest_ps_carries_n_over_k_of_the_pushes():
 
 
 def test_allreduce_sums_the_tables_in_full_and_hybrid_only_the_dense_part():
-    assert allreduce_bytes(SPARSE) == pytest.approx((1e6 + 1e9) * 4)
+    assert SPARSE.allreduce_bytes == pytest.approx((1e6 + 1e9) * 4)
     assert predict_strategy(SPARSE, "hybrid").link_bytes["worker"] == pytest.approx(ring_bytes(4, 4e6) + 36e6)
 
 

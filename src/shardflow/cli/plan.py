@@ -74,7 +74,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sparse-params", metavar="COUNT", help="of --params, sf.nn table rows a step touches (0)")
     parser.add_argument(
-        "--table-params", metavar="COUNT", help="the sf.nn tables in full, which all-reduce sums (--sparse-params)"
+        "--table-params",
+        metavar="COUNT",
+        help="the sf.nn tables in full, which all-reduce sums (a calibrated run's, else --sparse-params)",
     )
     parser.add_argument("--batch-size", type=int, metavar="N", help="examples per batch, to print examples/s")
     parser.add_argument("--calibrate", metavar="MODEL_DIR", help="measure the inputs from a profiled run's capture")
@@ -109,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         config = replace(config, hybrid=hybrid.hybrid)
         if args.sparse_params is None:
             config = replace(config, sparse_params=min(config.num_params, hybrid.sparse_bytes / args.bytes_per_param))
+        if args.table_params is None and not args.params and not config.table_params:
+            config = replace(config, table_params=hybrid.table_bytes / args.bytes_per_param)
     if args.strategy in ("ps", "all"):
         _print_prediction(config, args.allreduce)
         print()
@@ -186,11 +190,9 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         assert calibration is not None  # every flag without a default is required when nothing was measured
         return float(getattr(calibration, name))
 
-    def sparse() -> float:
-        """The rows the calibrated run pushed, unless --params gives another model."""
-        if calibration is None or args.params:
-            return 0.0
-        return calibration.sparse_bytes / float(args.bytes_per_param)
+    def of_run(name: str) -> float:
+        """A calibrated run's rows pushed or tables, in parameters, unless --params gives another model."""
+        return 0.0 if calibration is None or args.params else getattr(calibration, name) / float(args.bytes_per_param)
 
     return PlanConfig(
         num_params=parse_count(args.params) if args.params else measured("model_bytes") / args.bytes_per_param,
@@ -207,13 +209,19 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         worker_cpu_s=calibration.worker_cpu_s if calibration is not None and cores else None,
         ps_cpu_s=calibration.ps_cpu_s if calibration is not None and cores else None,
         other_cores=min(calibration.other_cores, cores / 2) if calibration is not None and cores else 0.0,
-        sparse_params=parse_count(args.sparse_params, "--sparse-params") if args.sparse_params else sparse(),
-        table_params=parse_count(args.table_params, "--table-params") if args.table_params else 0.0,
+        sparse_params=_count(args.sparse_params, "--sparse-params", of_run("sparse_bytes")),
+        table_params=_count(args.table_params, "--table-params", of_run("table_bytes")),
         ring=calibration.ring if calibration is not None else None,
         hybrid=calibration.hybrid if calibration is not None else None,
         calibrated_on=calibration.strategy if calibration is not None else None,
         calibrated_roles=calibration.num_workers + calibration.num_ps if calibration is not None and cores else None,
     )
+
+
+def _count(text: str | None, flag: str, measured: float) -> float:
+    from shardflow.planning.units import parse_count
+
+    return parse_count(text, flag) if text else measured
 
 
 def _cores(text: str | None, calibration: Calibration | None) -> float | None:
@@ -251,6 +259,7 @@ def _print_calibration(c: Calibration) -> None:
         ["compute per step", format_duration(c.step_compute_s), "forward + backward, pushes excluded" + _cpu(c)],
         ["effective bandwidth", format_bandwidth(c.bandwidth), "push, PS receive and reply spans"],
         ["PS apply per update", format_duration(c.ps_apply_s), ""],
+        *_tables_row(c),
     ]
     if c.worker_cpu_s is not None and c.ps_cpu_s is not None:
         rows.append(
@@ -268,6 +277,14 @@ def _print_calibration(c: Calibration) -> None:
     )
     print_table(None, ["measured", "value", ""], rows, right={"value"})
     print()
+
+
+def _tables_row(c: Calibration) -> list[list[str]]:
+    """The sf.nn tables in full, where the capture counted them: what all-reduce would sum (--table-params)."""
+    from shardflow.planning.units import format_bytes
+
+    row = ["sf.nn tables", format_bytes(c.table_bytes), "in full on the PS; all-reduce would sum them each step"]
+    return [row] if c.table_bytes else []
 
 
 def _cpu(c: Calibration) -> str:
@@ -311,6 +328,7 @@ def _print_hybrid_calibration(c: Calibration) -> None:
     rows = [
         ["table rows pushed", format_bytes(c.sparse_bytes), "per worker step, to the PS"],
         ["dense part", format_bytes(c.model_bytes - c.sparse_bytes), "all-reduced per step"],
+        *_tables_row(c),
         ["own part of a step", format_duration(h.own_s), "compute, lookups, apply: outside the waits"],
         ["push and PS wait", format_duration(h.push_wait_s), "until every PS took the rows"],
         ["all-reduce per step", format_duration(h.allreduce_s), f"of which copies {format_duration(h.copy_s)}"],

@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -16,6 +16,7 @@ import pyarrow.compute as pc
 from shardflow.planning.calibrate_allreduce import ring_cost, spans_per_s
 from shardflow.planning.calibrate_hybrid import hybrid_cost, is_hybrid
 from shardflow.planning.plan_model import HybridCost, RingCost
+from shardflow.profile.analysis import table_counters
 from shardflow.profile.capture import capture_dir, finalize
 from shardflow.profile.events import load
 from shardflow.profile.memory import CPU_CORES, USABLE_CPUS_BUSY
@@ -71,6 +72,9 @@ class Calibration:
     """A hybrid run's: its step outside the all-reduce, its wait for the PS and its ring."""
     machine_busy_cores: float | None = None
     """Cores busy on the whole machine meanwhile, other programs included (the `cpu.usable_busy` counters)."""
+    table_bytes: float = 0.0
+    """The sf.nn tables' values in full, over every PS (their `values_bytes` counters): what all-reduce would have
+    to sum each step, holding every table in every worker. 0 without tables, or for captures without the counter."""
 
     @property
     def contending_roles(self) -> float:
@@ -95,7 +99,7 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         if span["step"] is not None:
             by_name[span["name"]].append(span)
     if is_hybrid(by_name):
-        return _calibrate_hybrid(directory, table, by_name)
+        return replace(_calibrate_hybrid(directory, table, by_name), table_bytes=_table_bytes(table))
     if by_name[ALLREDUCE]:
         return _calibrate_allreduce(directory, table, by_name)
     worker_steps = [s for s in by_name[STEP] if s["role"].startswith("worker")]
@@ -138,6 +142,7 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         machine_busy_cores=_machine_busy_cores(table),
         # A worker pulls the dense parameters back after each push, never the rows it pushed gradients of.
         sparse_bytes=max(0.0, model_bytes - _per_worker_step(by_name[PULL_WAIT])) if by_name[PULL_WAIT] else 0.0,
+        table_bytes=_table_bytes(table),
     )
 
 
@@ -259,6 +264,11 @@ def _cpu_per_worker_step(cores: dict[str, float], kind: str, num_roles: int, wor
     if len(measured) != num_roles or worker_steps_per_s <= 0:
         return None
     return sum(measured) / worker_steps_per_s
+
+
+def _table_bytes(table: Any) -> float:
+    """The sf.nn tables' values over every PS, as the capture last counted them."""
+    return sum(found.counters.get("values_bytes", 0.0) for found in table_counters(table))
 
 
 def _machine_busy_cores(table: Any) -> float | None:

@@ -159,6 +159,12 @@ class PlanConfig:
     def model_bytes(self) -> float:
         return self.num_params * self.bytes_per_param
 
+    @property
+    def allreduce_bytes(self) -> float:
+        """The gradients all-reduce sums each step: the dense parameters and every sf.nn table in full."""
+        tables = max(self.table_params, self.sparse_params)
+        return (self.num_params - self.sparse_params + tables) * self.bytes_per_param
+
     def job_cores(self, num_roles: int) -> float:
         """The cores the job's `num_roles` busy roles get of `cores` beside the other programs, less the chief's."""
         assert self.cores is not None
@@ -301,7 +307,7 @@ class AllReducePrediction:
 
 def predict_allreduce(config: PlanConfig) -> AllReducePrediction:
     n = config.num_workers
-    communication = 2 * (n - 1) / n * config.model_bytes / config.bandwidth
+    communication = 2 * (n - 1) / n * config.allreduce_bytes / config.bandwidth
     compute = config.step_compute_s
     if config.cores is not None:
         # Every worker both sends and receives 2(n-1)/n · M with its own CPU.

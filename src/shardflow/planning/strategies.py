@@ -76,16 +76,10 @@ def predict_strategy(config: PlanConfig, strategy: Strategy) -> StrategyPredicti
         if config.hybrid is not None:
             return _measured_hybrid(config, config.hybrid, config.model_bytes - table_bytes, table_bytes)
         return _synchronous(config, strategy, config.model_bytes - table_bytes, table_bytes)
-    return _synchronous(config, strategy, allreduce_bytes(config), 0.0)
+    return _synchronous(config, strategy, config.allreduce_bytes, 0.0)
 
 
 _CALIBRATIONS = {"ps": "PS run", "allreduce": "all-reduce run", "hybrid": "hybrid run", None: "given"}
-
-
-def allreduce_bytes(config: PlanConfig) -> float:
-    """The gradients all-reduce sums each step: the dense parameters and every sf.nn table in full."""
-    tables = max(config.table_params, config.sparse_params)
-    return (config.num_params - config.sparse_params + tables) * config.bytes_per_param
 
 
 def _synchronous(config: PlanConfig, strategy: Strategy, dense_bytes: float, table_bytes: float) -> StrategyPrediction:

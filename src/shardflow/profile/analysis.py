@@ -233,7 +233,8 @@ class TableCounters:
     role: str
     table: str
     counters: dict[str, float]
-    """Each counter's last value in the capture (rows, admitted, rejected, evicted, expired, memory_bytes)."""
+    """Each counter's last value in the capture (rows, admitted, rejected, evicted, expired, memory_bytes,
+    values_bytes)."""
 
 
 def table_counters(table: pa.Table) -> list[TableCounters]:

@@ -142,6 +142,15 @@ def test_stats_count_memory_of_values_slots_index_and_metadata():
     stats = table.stats()
     assert stats["memory_bytes"] == table.memory_bytes() > empty
     assert stats["rows"] == stats["admitted"] - stats["evicted"] - stats["expired"]
+    # The values alone, as one dense tensor of the rows held: what `shardflow plan` sums for all-reduce.
+    assert stats["values_bytes"] == stats["rows"] * DIM * 4 < stats["memory_bytes"]
+
+
+def test_a_fixed_tables_values_are_every_row_it_owns():
+    spec = TableSpec(name="items", embedding_dim=DIM, num_embeddings=1_001)
+    stats = [ShardTable(spec, ADAGRAD, index, 2).stats() for index in range(2)]
+    assert [s["rows"] for s in stats] == [501, 500]
+    assert sum(s["values_bytes"] for s in stats) == 1_001 * DIM * 4
 
 
 def test_rows_outside_a_fixed_table_are_refused_naming_the_first():

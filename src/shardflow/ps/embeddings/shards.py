@@ -113,8 +113,8 @@ class EmbeddingShards:
             table.maintain(step + 1)
 
     def stats(self) -> dict[str, int]:
-        """Per table (`table/<name>/<counter>`): rows, admitted, rejected, evicted, expired, memory_bytes; and the
-        lookups this PS answered and the ids they asked for."""
+        """Per table (`table/<name>/<counter>`): rows, admitted, rejected, evicted, expired, memory_bytes,
+        values_bytes; and the lookups this PS answered and the ids they asked for."""
         found = {
             f"{TABLE_STATS}{spec.name}/{key}": int(value)
             for spec, table in zip(self.specs, self.tables, strict=True)

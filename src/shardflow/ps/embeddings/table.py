@@ -155,9 +155,11 @@ class ShardTable:
 
     def stats(self) -> dict[str, int]:
         """Rows held now; rows admitted, ids rejected (gradients dropped for want of a row, once per id and update),
-        rows evicted and expired since the table was made; and its memory."""
+        rows evicted and expired since the table was made; its memory, and of that the rows' values (what the
+        table would be as one dense tensor: `shardflow plan` reads it from a capture)."""
         rows = self._values.shape[0] if self._rows is None else len(self._rows)
-        return {"rows": rows, **self._counters, "memory_bytes": self.memory_bytes()}
+        values_bytes = rows * self.spec.embedding_dim * self._values.element_size()
+        return {"rows": rows, **self._counters, "memory_bytes": self.memory_bytes(), "values_bytes": values_bytes}
 
     def memory_bytes(self) -> int:
         """Values, slots, change marks and, for dynamic tables, the index, the per-row metadata and the sightings."""
