@@ -5,6 +5,7 @@ each test runs a small script with this interpreter."""
 import io
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -25,6 +26,7 @@ if "SHARDFLOW_CLUSTER" in os.environ:
     sys.exit(0)
 import io
 import psutil
+import shardflow
 from shardflow.cluster import ClusterSpec, LocalLauncher, TaskSpec
 started = [child.pid for child in psutil.Process().children()]
 os.environ.update(json.loads(sys.argv[1]))  # what the script changes after importing shardflow
@@ -197,6 +199,8 @@ def test_installed_modules_name_what_this_process_imported_from_installed_packag
 ):
     (tmp_path / "users_own_module.py").write_text("")
     monkeypatch.syspath_prepend(str(tmp_path))
+    import numpy  # noqa: F401  (imported here, not only by whichever test this process ran before)
+    import torch  # noqa: F401
     import users_own_module  # noqa: F401
 
     names = installed_modules()
@@ -212,3 +216,23 @@ def is_alive(pid):
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_zygote_hung_up_on_during_its_imports_exits_quietly():
+    # A script that fails before any role starts (an unwritable model_dir) hangs up on the zygote it started on
+    # import while that one still imports torch: no traceback of a broken pipe follows the script's own error.
+    from shardflow import _ZYGOTE_ENTRY
+
+    ours, theirs = socket.socketpair()
+    with theirs:
+        zygote = subprocess.Popen(
+            [sys.executable, "-c", _ZYGOTE_ENTRY, str(theirs.fileno()), str(os.getpid())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    ours.close()
+    _, stderr = zygote.communicate(timeout=60)
+    assert (zygote.returncode, stderr) == (0, "")

@@ -66,7 +66,11 @@ def main() -> None:
     for module in PRELOAD:
         importlib.import_module(module)
     gc.freeze()
-    _report(control, {"ready": True})
+    try:
+        _report(control, {"ready": True})
+    except (BrokenPipeError, ConnectionResetError):
+        # The launcher hung up during the imports (its script failed before any role started): nothing to do.
+        os._exit(0)
     request = _serve(control)
     if request is None:
         # Hung up. Nothing the zygote holds needs finalizing, and finalizing torch's modules takes ~0.5 s.
