@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import pytest
 
 from shardflow import env
 from shardflow.cluster import ClusterSpec, LocalLauncher, RoleExit, TaskSpec
+from shardflow.cluster import launcher as launcher_module
 from shardflow.cluster.zygote import ZYGOTE_NAME, role_of
 
 THIS_PROCESS_NAME = Path("/proc/self/comm").read_text().strip()
@@ -306,6 +308,29 @@ def test_a_killed_zygote_takes_its_roles_with_it(role_command):
         assert failure is not None and failure.returncode == -signal.SIGKILL
         assert_gone(roles)
     assert f"[launcher] the zygote (pid {zygote.pid}) exited with code -9; its roles died with it" in output.getvalue()
+
+
+def test_a_stopped_zygote_does_not_hold_stop_forever(role_command, monkeypatch):
+    # SIGSTOPped, the zygote can neither reap its SIGKILLed roles nor report their exits: stop() waits a deadline for
+    # them, names them, and closing the zygote ends it and them.
+    monkeypatch.setattr(launcher_module, "KILLED_EXIT_TIMEOUT_S", 2.0)
+    output = io.StringIO()
+    spec = ClusterSpec.local(num_workers=1, num_ps=1)
+    actions = {"chief:0": "sleep", "ps:0": "sleep", "worker:0": "sleep"}
+    launcher = LocalLauncher(spec, role_command(actions), output=output)
+    launcher.start()
+    wait_for_lines(output, "hello from ", 3)
+    [zygote] = [child for child in psutil.Process().children() if child.name() == ZYGOTE_NAME]
+    roles = list(launcher.pids.values())
+    zygote.suspend()
+
+    stopping = threading.Thread(target=launcher.stop, kwargs={"grace_s": 0.5}, daemon=True)
+    stopping.start()
+    stopping.join(timeout=60)
+
+    assert not stopping.is_alive(), "stop() is still waiting for exits a stopped zygote cannot report"
+    assert "no exit heard from chief, ps:0, worker:0 2 s after SIGKILL; going on" in output.getvalue()
+    assert_gone([*roles, zygote.pid])
 
 
 @pytest.mark.parametrize("how", ["SHARDFLOW_ZYGOTE=off", "an interpreter option"])

@@ -37,6 +37,8 @@ MAX_BACKOFF_S = 30.0
 AFTER_THE_CHIEF_S = 30.0
 """Once the chief ended the job (exit 0), how long the other roles get to exit by themselves before they are
 stopped: one that could not hear the end (stopped, hung) does not hold the job open, nor is it restarted."""
+KILLED_EXIT_TIMEOUT_S = 10.0
+"""How long stop() waits to hear of every role's exit after SIGKILL before it goes on without."""
 HEALTHY_RUN_S = 60.0
 """A role whose process ran this long before it died starts its restart back-off over from restart_backoff_s: a
 death now and then in a long job is no crash loop, and its recovery should not wait out a back-off grown earlier."""
@@ -309,8 +311,12 @@ class LocalLauncher:
         # Also kills what the tasks left behind in their groups, e.g. a subprocess ignoring SIGTERM.
         self._signal_groups(signal.SIGKILL)
         with self._state:
-            self._state.wait_for(lambda: len(self._exits) == len(self._processes))
+            reaped = self._state.wait_for(lambda: len(self._exits) == len(self._processes), KILLED_EXIT_TIMEOUT_S)
+            unheard = [] if reaped else self._running()
             self._stopped = True
+        if unheard:
+            # Closing the zygote below ends its roles with it (their parent-death signal); say whom this gave up on.
+            self._say(f"no exit heard from {', '.join(unheard)} {KILLED_EXIT_TIMEOUT_S:g} s after SIGKILL; going on")
         if self._zygote is not None:
             self._zygote.close()
         if self._runtime_dir is not None:
