@@ -190,8 +190,10 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         assert calibration is not None  # every flag without a default is required when nothing was measured
         return float(getattr(calibration, name))
 
-    def of_run(name: str) -> float:
-        """A calibrated run's rows pushed or tables, in parameters, unless --params gives another model."""
+    def given_or_run(text: str | None, flag: str, name: str) -> float:
+        """The flag's count, else a calibrated run's rows pushed or tables, unless --params gives another model."""
+        if text:
+            return parse_count(text, flag)
         return 0.0 if calibration is None or args.params else getattr(calibration, name) / float(args.bytes_per_param)
 
     return PlanConfig(
@@ -209,19 +211,13 @@ def _config(args: argparse.Namespace, calibration: Calibration | None) -> PlanCo
         worker_cpu_s=calibration.worker_cpu_s if calibration is not None and cores else None,
         ps_cpu_s=calibration.ps_cpu_s if calibration is not None and cores else None,
         other_cores=min(calibration.other_cores, cores / 2) if calibration is not None and cores else 0.0,
-        sparse_params=_count(args.sparse_params, "--sparse-params", of_run("sparse_bytes")),
-        table_params=_count(args.table_params, "--table-params", of_run("table_bytes")),
+        sparse_params=given_or_run(args.sparse_params, "--sparse-params", "sparse_bytes"),
+        table_params=given_or_run(args.table_params, "--table-params", "table_bytes"),
         ring=calibration.ring if calibration is not None else None,
         hybrid=calibration.hybrid if calibration is not None else None,
         calibrated_on=calibration.strategy if calibration is not None else None,
         calibrated_roles=calibration.num_workers + calibration.num_ps if calibration is not None and cores else None,
     )
-
-
-def _count(text: str | None, flag: str, measured: float) -> float:
-    from shardflow.planning.units import parse_count
-
-    return parse_count(text, flag) if text else measured
 
 
 def _cores(text: str | None, calibration: Calibration | None) -> float | None:
