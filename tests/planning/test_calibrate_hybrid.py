@@ -261,3 +261,13 @@ def test_a_ps_run_counts_its_tables_in_full_and_plan_has_all_reduce_sum_them(tmp
 def test_a_capture_without_table_counters_leaves_the_tables_to_the_flags(tmp_path):
     capture = write_capture([_trace("worker:0", PS_WORKER_STEP), _trace("ps:0", PS_STEP)], tmp_path / "p" / "ps")
     assert calibrate(capture).table_bytes == 0.0
+
+
+def test_a_hybrid_run_counts_the_tables_its_ps_hold(tmp_path):
+    ps_step: list[tuple[str, float, float, int | None]] = [(spans.APPLY, 1100.0, 400.0, ROW_BYTES)]
+    workers = [_trace(f"worker:{i}", HYBRID_STEP, [_bucket]) for i in range(2)]
+    servers = [_trace(f"ps:{k}", ps_step) for k in range(2)]
+    for k, server in enumerate(servers):
+        server["traceEvents"] += _table_counters({"item": [320e6 + k]})
+    measured = calibrate(write_capture(workers + servers, tmp_path / "profile" / "hybrid-tables"))
+    assert measured.hybrid is not None and measured.table_bytes == 640e6 + 1

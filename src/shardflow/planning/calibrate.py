@@ -6,7 +6,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
@@ -99,7 +99,7 @@ def calibrate(model_dir: str | Path, capture: str | None = None) -> Calibration:
         if span["step"] is not None:
             by_name[span["name"]].append(span)
     if is_hybrid(by_name):
-        return replace(_calibrate_hybrid(directory, table, by_name), table_bytes=_table_bytes(table))
+        return _calibrate_hybrid(directory, table, by_name)
     if by_name[ALLREDUCE]:
         return _calibrate_allreduce(directory, table, by_name)
     worker_steps = [s for s in by_name[STEP] if s["role"].startswith("worker")]
@@ -181,6 +181,7 @@ def _calibrate_hybrid(directory: Path, table: Any, by_name: dict[str, list[dict[
         allreduce_s=figures["allreduce_s"],
         sparse_bytes=sparse_bytes,
         hybrid=cost,
+        table_bytes=_table_bytes(table),
     )
 
 
