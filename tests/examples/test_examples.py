@@ -166,20 +166,22 @@ def _load_example(script: str) -> ModuleType:
 
 def test_click_through_with_hybrid_reaches_the_ps_strategys_held_out_log_loss_within_1_percent(tmp_path):
     """The example's 100,000 records, everything on the PS (async), and with HybridStrategy (the sf.nn tables on the
-    PS, async; the MLP and small dense tables all-reduced): the same test log-loss, within 1%. Both runs seeded alike
-    (--seed: the dense layers' initial values, each worker's shuffle), so they differ by the strategy and the timing
-    of async updates only: unseeded, either strategy's log-loss moved by about 1% between runs here (PS 0.3579 to
-    0.3656, hybrid 0.3577 to 0.3667), seeded by 0.3% (PS 0.3610 to 0.3630, hybrid 0.3616 to 0.3625)."""
-    logs = ("--data-dir", str(tmp_path / "logs"), "--seed", "0")
-    losses: dict[str, float] = {}
-    for strategy in ("ps", "hybrid"):
-        directory = tmp_path / strategy
-        directory.mkdir()
-        output, result = run_example("click_through.py", directory, *logs, "--strategy", strategy)
-        losses[strategy] = result["metrics"]["loss"]
+    PS, async; the MLP and small dense tables all-reduced): the same test log-loss, within 1%, as the mean of two
+    seeds each. Runs seeded alike (--seed: the dense layers' initial values, each worker's shuffle) differ by the
+    strategy and the timing of async updates only: unseeded, either strategy's log-loss moved by about 1% between
+    runs here (PS 0.3579 to 0.3656, hybrid 0.3577 to 0.3667); with seed 0, PS 0.3586 to 0.3615 and hybrid 0.3618
+    to 0.3626 (one run in six of PS against hybrid alone missed the 1%)."""
+    losses: dict[str, list[float]] = {"ps": [], "hybrid": []}
+    for seed in ("0", "1"):
+        logs = ("--data-dir", str(tmp_path / "logs"), "--seed", seed)
+        for strategy in losses:
+            directory = tmp_path / f"{strategy}-{seed}"
+            directory.mkdir()
+            output, result = run_example("click_through.py", directory, *logs, "--strategy", strategy)
+            losses[strategy].append(result["metrics"]["loss"])
     assert "hybrid training (tables on the PS, the rest all-reduced)" in output
     assert "dense table      hour 24x4: on every worker, all-reduced" in output
     assert "sf.nn table      user_id 10000x16, by id mod 2: 5000 rows on ps:0, 5000 rows on ps:1" in output
-    ps, hybrid = losses["ps"], losses["hybrid"]
-    print(f"test log-loss: PS {ps:.4f}, hybrid {hybrid:.4f}")
+    ps, hybrid = (sum(values) / len(values) for values in losses.values())
+    print(f"test log-loss (mean of seeds 0 and 1): PS {ps:.4f}, hybrid {hybrid:.4f}; {losses}")
     assert hybrid <= 1.01 * ps, losses

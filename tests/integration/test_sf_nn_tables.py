@@ -269,3 +269,67 @@ def test_time_based_evaluation_of_tables_on_two_async_ps_reads_one_step_of_every
     during = [e for e in result["eval_history"] if e["global_step"] < result["global_step"]]
     assert len(during) >= 2, result["eval_history"]
     assert all(e["metrics"]["loss"] > 0 for e in result["eval_history"]), result["eval_history"]
+
+
+def test_async_overlapped_training_of_one_worker_equals_one_process_one_step_stale(run_job, tmp_path):
+    """Async with `overlap` (the default): step t is computed on the parameters of global step t - 2 (its push goes
+    out before the reply to the one before is read), its rows too: from step 3 on they come with the reply to step
+    t - 2's push, on which their lookup rode. The first step reads the initial rows, the second the rows after step
+    1 (looked up when its forward asks, after step 1's push). One worker, 2 PS, SGD: one process doing the same
+    equals the job to 1e-5, and every lookup after the first two rode on a push."""
+    steps, batch, lr = 8, 8, 0.1
+    proc, result = run_job(
+        "tables.py", optimizer="SGD", lr=lr, mode="async", num_workers=1, num_ps=2, num_batches=steps, batch=batch
+    )
+    assert proc.returncode == 0, proc.stdout
+    assert result["global_step"] == steps
+    assert sum(stats["lookups_on_pushes"] for stats in result["ps_stats"].values()) == 2 * (steps - 2)
+    assert_equals_one_process(tmp_path / "model", _one_stale_process(lr, steps, batch))
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor:
+    assert param.grad is not None
+    return param.grad
+
+
+def _one_stale_process(lr: float, steps: int, batch: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
+    """SGD on the job's model where step t's gradient is taken at the parameters after step t - 2 (the rows of step
+    2 after step 1), as an overlapped async worker computes it."""
+    data = job.make_data(steps, batch)
+    torch.manual_seed(0)
+    model = job.Model()
+    specs = {spec.name: spec for spec in table_specs(model)}
+    head: torch.nn.Module = model.head
+    history = [
+        (
+            [p.detach().clone() for p in head.parameters()],
+            initial_rows(specs["ids"], torch.arange(job.NUM_IDS)),
+            initial_rows(specs["tags"], torch.arange(job.NUM_TAGS)),
+        )
+    ]
+    for t in range(1, steps + 1):
+        dense = history[max(t - 2, 0)][0]
+        rows = history[1 if t == 2 else max(t - 2, 0)][1:]
+        b = {key: value[(t - 1) * batch : t * batch] for key, value in data.items()}
+        with torch.no_grad():
+            for param, value in zip(head.parameters(), dense, strict=True):
+                param.copy_(value)
+        ids, tags = (r.clone().requires_grad_(True) for r in rows)
+        head.zero_grad()
+        features = [torch.nn.functional.embedding(b["ids"], ids).mean(dim=1)]
+        features.append(torch.nn.functional.embedding_bag(b["tags"], tags, mode="mean"))
+        torch.nn.functional.mse_loss(head(torch.cat(features, dim=1)), b["targets"]).backward()
+        params, ids_now, tags_now = history[-1]
+        assert ids.grad is not None and tags.grad is not None
+        history.append(
+            (
+                [value - lr * _grad(param) for value, param in zip(params, head.parameters(), strict=True)],
+                ids_now - lr * ids.grad,
+                tags_now - lr * tags.grad,
+            )
+        )
+    final, ids_rows, tags_rows = history[-1]
+    with torch.no_grad():
+        for param, value in zip(head.parameters(), final, strict=True):
+            param.copy_(value)
+    return model, {"ids": ids_rows, "tags": tags_rows}

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shardflow import data
-from shardflow.train.input import InputPosition, carry_over
+from shardflow.train.input import InputPosition, Lookahead, carry_over
 from shardflow.train.specs import InputContext, TrainSpec
 
 NUM_RECORDS = 50
@@ -120,3 +120,19 @@ def test_training_by_steps_continues_with_the_new_sharding_after_the_old_epoch()
     # The rest of epoch 0 of both old shards, then whole epochs of the single new shard.
     assert position.epoch >= 1
     assert all(count >= 1 for count in seen.values()) and len(seen) == NUM_RECORDS
+
+
+@pytest.mark.parametrize("input_fn", [pipeline, generator])
+def test_reading_two_batches_ahead_hands_out_the_same_batches_and_resumes_after_those_handed_out(input_fn):
+    spec = TrainSpec(input_fn, epochs=1)
+    plain = InputPosition(spec, InputContext(2, 1))
+    ahead = Lookahead(InputPosition(spec, InputContext(2, 1)), lambda batch: batch)
+    second = ahead.peek(2)
+    assert second is not None and ahead.peek(2) is second  # read once
+    handed = take(ahead, 3)  # type: ignore[arg-type]
+    assert handed == take(plain, 3)
+    assert ahead.peek(2) is not None and ahead.peek(1) is not None
+    state = json.loads(json.dumps(ahead.get_state()))  # where the batches handed out end, not the ones read ahead
+    resumed = InputPosition(spec, InputContext(2, 1), state)
+    assert take(resumed, 100) == take(ahead, 100)  # type: ignore[arg-type]
+    assert ahead.next() is None and ahead.peek(1) is None and ahead.peek(2) is None

@@ -48,6 +48,20 @@ class _Round:
     sent: dict[int, list[tuple[int, torch.Tensor | None]]] = field(default_factory=dict)
     """Per PS: for each id list sent, its index in `wanted` and which of its unique ids went."""
     collected: bool = False
+    riding: dict[int, list[torch.Tensor] | None] | None = None
+    """A round that rode on the pushes of a step (`TableLookups.ride`): per PS, the rows its push's reply brought
+    (None until it came); None for a round of `Lookup`s of its own."""
+
+
+@dataclass
+class _Riding:
+    """The lookups of a batch prepared to ride on a step's pushes: its round, the keys of its id lists and per PS
+    the table indices and ids its push carries."""
+
+    batch: Any
+    round: _Round
+    keys: list[tuple[int, int]]
+    parts: dict[int, tuple[list[int], list[torch.Tensor]]]
 
 
 class TableLookups:
@@ -71,6 +85,12 @@ class TableLookups:
         self._later: list[tuple[Any, dict[tuple[int, int], tuple[_Round, _Ids]]]] = []
         """The lookups sent ahead for the rest of this step's batches (gradient accumulation), in their order."""
         self._looked: list[tuple[_Ids, torch.Tensor]] = []
+        self._riding: _Riding | None = None
+        """The lookups of a batch prepared to ride on this step's pushes (`ride`)."""
+        self._rode: list[tuple[Any, dict[tuple[int, int], tuple[_Round, _Ids]]]] = []
+        """The lookups that rode on pushes, by batch, oldest first, until `prefetch` takes the one of its batch."""
+        self._by_push: dict[tuple[int, int], _Round] = {}
+        """The rounds whose rows the reply to a push brings, by (PS, sequence number of the push)."""
 
     def __len__(self) -> int:
         return len(self.specs)
@@ -92,9 +112,52 @@ class TableLookups:
 
     def prefetch(self, batch: Any, min_step: Sequence[int]) -> None:
         """Send the lookups of `batch`, the next step's, for every table whose ids are known to sit in the batch;
-        ps:k answers once its step is at least `min_step[k]`."""
-        if self.prefetch_enabled:
+        ps:k answers once its step is at least `min_step[k]`. None are sent when they rode on an earlier push."""
+        while self._rode and self._rode[0][0] is not batch:
+            self._rode.pop(0)  # of a batch that is not coming (none so far: each rides two steps ahead)
+        if self._rode:
+            self._next = self._rode.pop(0)[1]
+        elif self.prefetch_enabled:
             self._next = self._sent_ahead(batch, min_step)
+
+    def ride(self, batch: Any) -> None:
+        """Prepare the lookups of `batch`, the step's after next, to ride on this step's pushes (`riding`): in
+        overlapped async training the push to a PS goes right before the lookup would, and its reply comes before
+        the batch's step begins. The rows are those after this push, as a `Lookup` sent next would read them."""
+        self._riding = None
+        if not self.prefetch_enabled:
+            return
+        wanted, keys = self._wanted(batch)
+        if wanted:
+            lookup_round = _Round(wanted, riding={})
+            self._riding = _Riding(batch, lookup_round, keys, self._split(lookup_round))
+
+    def riding(self, ps: int) -> tuple[tuple[int, ...], list[torch.Tensor]]:
+        """The table indices and the ids of the lookup riding on this step's push to `ps` (none without one)."""
+        parts = self._riding.parts.get(ps) if self._riding is not None else None
+        return (tuple(parts[0]), parts[1]) if parts is not None else ((), [])
+
+    def rode(self, seqs: dict[int, int]) -> None:
+        """This step's pushes went out, as sequence number `seqs[ps]` to each PS; empty: they did not (a step that
+        held NaN or inf sends `NonFinite` instead), and the riding lookups go as `Lookup`s of their own."""
+        riding, self._riding = self._riding, None
+        if riding is None:
+            return
+        lookup_round = riding.round
+        if seqs:
+            for ps in riding.parts:
+                lookup_round.seqs[ps] = seqs[ps]
+                self._by_push[ps, seqs[ps]] = lookup_round
+        else:
+            lookup_round = self._send(lookup_round.wanted, [0] * self.num_ps)
+        looked = {key: (lookup_round, ids) for key, ids in zip(riding.keys, lookup_round.wanted, strict=True)}
+        self._rode.append((riding.batch, looked))
+
+    def push_replied(self, ps: int, seq: int, rows: list[torch.Tensor]) -> None:
+        """The rows the reply to push `seq` to `ps` brought, of the lookup that rode on it."""
+        lookup_round = self._by_push.pop((ps, seq), None)
+        if lookup_round is not None and lookup_round.riding is not None:
+            lookup_round.riding[ps] = rows
 
     def prefetch_later(self, batches: Sequence[Any], min_step: Sequence[int]) -> None:
         """Send the lookups of the rest of this step's batches now (gradient accumulation reads them all before the
@@ -104,6 +167,14 @@ class TableLookups:
 
     def _sent_ahead(self, batch: Any, min_step: Sequence[int]) -> dict[tuple[int, int], tuple[_Round, _Ids]]:
         """The lookups of `batch` sent, in one round, for every table whose ids are known to sit in a batch."""
+        wanted, keys = self._wanted(batch)
+        if not wanted:
+            return {}
+        lookup_round = self._send(wanted, min_step)
+        return {key: (lookup_round, ids) for key, ids in zip(keys, wanted, strict=True)}
+
+    def _wanted(self, batch: Any) -> tuple[list[_Ids], list[tuple[int, int]]]:
+        """The id lists of `batch` prepared, for every table whose ids are known to sit in a batch, and their keys."""
         wanted: list[_Ids] = []
         keys: list[tuple[int, int]] = []
         for key, path in self.paths.items():
@@ -111,10 +182,7 @@ class TableLookups:
             if isinstance(ids, torch.Tensor):
                 wanted.append(self._prepare(key[0], ids))
                 keys.append(key)
-        if not wanted:
-            return {}
-        lookup_round = self._send(wanted, min_step)
-        return {key: (lookup_round, ids) for key, ids in zip(keys, wanted, strict=True)}
+        return wanted, keys
 
     def lookup(self, module: TableModule, ids: torch.Tensor) -> Looked:
         """The rows of `ids` for `module`'s forward: those sent ahead if they are of these ids, else fetched now."""
@@ -199,9 +267,18 @@ class TableLookups:
     def _send(self, wanted: list[_Ids], min_step: Sequence[int]) -> _Round:
         lookup_round = _Round(wanted)
         connection = self.connection
-        for ps, peer in enumerate(connection.peers):
+        for ps, (indices, frames) in self._split(lookup_round).items():
+            lookup = protocol.Lookup(table_indices=tuple(indices), min_step=min_step[ps])
+            lookup_round.seqs[ps] = connection.client.send(connection.peers[ps], lookup.header(), frames)
+        return lookup_round
+
+    def _split(self, lookup_round: _Round) -> dict[int, tuple[list[int], list[torch.Tensor]]]:
+        """Per PS that owns any of the round's ids: the table indices and the ids it is asked for (noted in
+        `sent`)."""
+        split = {}
+        for ps in range(self.num_ps):
             indices, frames, sent = [], [], []
-            for position, prepared in enumerate(wanted):
+            for position, prepared in enumerate(lookup_round.wanted):
                 mine = prepared.mine[ps]
                 ids = prepared.unique if mine is None else prepared.unique[mine]
                 if ids.numel():
@@ -209,10 +286,9 @@ class TableLookups:
                     frames.append(ids)
                     sent.append((position, mine))
             if indices:
-                lookup = protocol.Lookup(table_indices=tuple(indices), min_step=min_step[ps])
-                lookup_round.seqs[ps] = connection.client.send(peer, lookup.header(), frames)
                 lookup_round.sent[ps] = sent
-        return lookup_round
+                split[ps] = indices, frames
+        return split
 
     def _collect(self, lookup_round: _Round) -> None:
         """Receive every PS's rows of a round and put them in place, once."""
@@ -224,8 +300,13 @@ class TableLookups:
         connection = self.connection
         for ps, seq in lookup_round.seqs.items():
             peer = connection.peers[ps]
-            header, values = connection.recv(peer, seq)
-            StepReply.decode(header, protocol.Lookup.op, peer)
+            if lookup_round.riding is not None:
+                values = lookup_round.riding.get(ps)
+                if values is None:  # the worker waits for every push's reply before the step after next
+                    raise protocol.PSProtocolError("push", "rows", peer, "no rows came for the lookup it carried")
+            else:
+                header, values = connection.recv(peer, seq)
+                StepReply.decode(header, protocol.Lookup.op, peer)
             sent = lookup_round.sent[ps]
             if len(values) != len(sent):
                 raise protocol.PSProtocolError(

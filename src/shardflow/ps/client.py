@@ -203,6 +203,10 @@ class ParameterClient(PSConnection):
             started = time.perf_counter_ns()
             header, tensors = self.recv(peer, seq)
             reply = StepReply.decode(header, op, peer)
+            if reply.rows:  # the rows of a lookup that rode on the push (`TableLookups.ride`): its last frames
+                rows, tensors = tensors[len(tensors) - reply.rows :], tensors[: len(tensors) - reply.rows]
+                if self.tables is not None:
+                    self.tables.push_replied(ps, seq, rows)
             self._ps_steps[ps] = reply.step
             lane, slot = self.lanes[ps], reply_slots.get(ps)
             if reply.lane:
@@ -379,34 +383,26 @@ class ParameterClient(PSConnection):
         requests: dict[str, int] = {}
         reply_slots = self._take_reply_slots()
         for ps, peer in enumerate(self.peers):
-            input_state = request.input_state
             started = time.perf_counter_ns()
             if nonfinite is not None:
-                message = protocol.NonFinite(
-                    worker_index=self.worker_index,
-                    local_step=self.local_step,
-                    base_step=self._ps_steps[ps],
-                    found_in=nonfinite,
-                    input_state=input_state,
-                    reply_slot=reply_slots[ps],
-                    wire_dtype=self.wire_dtype,
-                )
-                requests[peer] = self.client.send(peer, message.header())
+                requests[peer] = self.client.send(peer, self._nonfinite(ps, nonfinite, request, reply_slots).header())
                 continue
             pushed, frames, counts = self._prepared[ps]
+            lookup, ids = self.tables.riding(ps) if self.tables is not None else ((), [])
             push = protocol.Push(
                 worker_index=self.worker_index,
                 local_step=self.local_step,
                 base_step=self._ps_steps[ps],
                 frame_counts=tuple(counts),
-                input_state=input_state,
+                input_state=request.input_state,
                 lr=request.learning_rate,
                 slot=self._slots[ps],
                 reply_slot=reply_slots[ps],
                 wire_dtype=self.wire_dtype,
+                lookup=lookup,
             )
             sending = time.perf_counter_ns()  # the arrow starts before send(): the PS may apply it before that returns
-            seq = requests[peer] = self.client.send(peer, push.header(), frames)
+            seq = requests[peer] = self.client.send(peer, push.header(), [*frames, *ids] if ids else frames)
             if ps == 0:
                 faults.reached("push", self._role, self.local_step)
             if recorder is not None:
@@ -415,10 +411,26 @@ class ParameterClient(PSConnection):
                 )
                 recorder.end(spans.PUSH, self._base_step, started, ps, sum(t.nbytes for t in pushed))  # lanes' too
         self._prepared = {}
+        if self.tables is not None:  # no NonFinite carries a lookup: it goes on its own then
+            self.tables.rode({self._index_of[peer]: seq for peer, seq in requests.items()} if nonfinite is None else {})
         # A NonFinite carries no gradients: its push slots are the PS's until it replies all the same, for brevity.
         slots = dict(enumerate(self._slots))
         self._pushed = Pushed(
             requests=requests, base_step=self._base_step, nonfinite=nonfinite, slots=slots, reply_slots=reply_slots
+        )
+
+    def _nonfinite(
+        self, ps: int, found_in: str, request: PushRequest, reply_slots: dict[int, int | None]
+    ) -> protocol.NonFinite:
+        """What `ps` gets in place of this step's push when it held NaN or inf."""
+        return protocol.NonFinite(
+            worker_index=self.worker_index,
+            local_step=self.local_step,
+            base_step=self._ps_steps[ps],
+            found_in=found_in,
+            input_state=request.input_state,
+            reply_slot=reply_slots[ps],
+            wire_dtype=self.wire_dtype,
         )
 
     def push(self, request: PushRequest) -> Pushed:

@@ -289,6 +289,10 @@ class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
     slot: SlotIndex | None = None
     """The dense gradients are in this push slot of the sender's lane (see `Attach`), not in frames: every frame
     count is then 0."""
+    lookup: tuple[Count, ...] = ()
+    """A `Lookup` riding on the push (an overlapped async worker's, for its batch after next): its `sf.nn` table
+    indices, whose ids (1-D int64, this PS's share of the batch's unique ids) are the push's last frames, one per
+    index. The reply's last `StepReply.rows` frames are those rows' values, read as the push is answered."""
 
     def check(self, frames: Sequence[torch.Tensor], limits: Limits | None) -> None:
         # The hot path: a handful of checks per push, and one per dense frame.
@@ -296,7 +300,7 @@ class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
             return
         _check_worker(self.worker_index, limits)
         counts = self.frame_counts
-        trailing = 2 * limits.num_tables + 3 * limits.embedding_tables
+        trailing = 2 * limits.num_tables + 3 * limits.embedding_tables + len(self.lookup)
         if self.wire_dtype is None or self.slot is not None:
             _check_dense(frames, counts, limits.buffers, trailing, in_frames=self.slot is None)
         else:
@@ -307,6 +311,11 @@ class Push(_WorkerStep, tag="push", frozen=True, kw_only=True):
                 raise Invalid(invalid.field, f"{invalid.problem} (wire_dtype {self.wire_dtype!r})") from None
         if self.slot is not None and any(counts):
             raise Invalid("frame_counts", f"must all be 0 when the gradients are in lane slot {self.slot}: {counts}")
+        if self.lookup:  # its frames are the last ones: their count is checked with the rest's
+            try:
+                Lookup(table_indices=self.lookup).check(frames[len(frames) - len(self.lookup) :], limits)
+            except Invalid as invalid:
+                raise Invalid("lookup", invalid.problem) from None
 
 
 class NonFinite(_WorkerStep, tag="nonfinite", frozen=True, kw_only=True):

@@ -25,6 +25,8 @@ class StepReply(Message, frozen=True):
     current parameters come with it."""
     lane: bool = False
     """The parameters are in the reply slot the request named (ps/lanes.py), not in frames."""
+    rows: Count = 0
+    """The last this many frames are the rows of the `Lookup` that rode on the push (`Push.lookup`), one per table."""
 
     @classmethod
     def decode(cls, header: dict[Any, Any], op: str, sender: str) -> Self:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 
 from shardflow import faults
@@ -217,25 +218,27 @@ class ParameterServer:
         self.server.reply(request, StepReply(step=self.step, stop=self.finished).header(), tensors)
 
     def _reply_params(
-        self, received: Received, *, stale: bool = False, nonfinite: int = 0, duplicate: bool = False
+        self,
+        received: Received,
+        *,
+        stale: bool = False,
+        nonfinite: int = 0,
+        duplicate: bool = False,
+        dropped: bool = False,
     ) -> None:
-        """Reply with the current parameters: into the reply slot the request named, or as frames."""
+        """Reply with the current parameters (none to a `dropped` push), into the reply slot the request named or as
+        frames, and the rows of a lookup riding on a push (`Push.lookup`) as they are now."""
         message = received.message
         assert not isinstance(message, protocol.Lookup), "a lookup is answered with rows"
         request, reply_slot = received.request, message.reply_slot  # checked by `_check_slots`
-        lane = self.lanes.get(request.sender) if reply_slot is not None else None
+        lane = self.lanes.get(request.sender) if reply_slot is not None and not dropped else None
         if lane is not None and reply_slot is not None:
             self.shards.copy_params_into(lane.reply[reply_slot])
-        reply = StepReply(
-            step=self.step,
-            stop=self.finished,
-            stale=stale,
-            nonfinite=nonfinite,
-            duplicate=duplicate,
-            lane=lane is not None,
-        )
-        frames = () if lane is not None else self.shards.params_snapshot(message.wire_dtype)
-        self.server.reply(request, reply.header(), frames)
+        frames = [] if lane is not None or dropped else self.shards.params_snapshot(message.wire_dtype)
+        rows = self.shards.riding_rows(message, request.tensors, f"'push' from {request.sender} of ps:{self.index}")
+        flags = StepReply(step=self.step, stop=self.finished, stale=stale, nonfinite=nonfinite, duplicate=duplicate)
+        reply = msgspec.structs.replace(flags, dropped=dropped, lane=lane is not None, rows=len(rows))
+        self.server.reply(request, reply.header(), [*frames, *rows])
 
     def _answer(self, received: Received, *, stale: bool = False, dropped: bool = False, nonfinite: int = 0) -> None:
         """The update rule's reply to a push or pull: the current parameters, or none for a dropped push; to a
@@ -243,11 +246,8 @@ class ParameterServer:
         if isinstance(received.message, protocol.Lookup):  # held, so answered here: its errors too
             self._guarded(received.request, received.message, ParameterServer._answer_lookup)
             return
-        if dropped:
-            self.server.reply(received.request, StepReply(step=self.step, stop=self.finished, dropped=True).header())
-            return
         started = time.perf_counter_ns()
-        self._reply_params(received, stale=stale, nonfinite=nonfinite)
+        self._reply_params(received, stale=stale, nonfinite=nonfinite, dropped=dropped)
         if (recorder := get_recorder()) is not None:
             message = received.message
             worker = message.worker_index if isinstance(message, protocol.Push | protocol.NonFinite) else -1
@@ -441,7 +441,8 @@ class ParameterServer:
             views = self.lanes[request.sender].push[push.slot]
             lane_slot = [view.clone() for view in views] if self.config.mode == "sync" else list(views)
         what = f"push from {request.sender} of ps:{self.index}"
-        return self.shards.gradients(push, request.tensors, lane_slot, what)
+        frames = request.tensors[: len(request.tensors) - len(push.lookup)]  # the ids of a lookup riding on it last
+        return self.shards.gradients(push, frames, lane_slot, what)
 
     def _on_nonfinite(self, request: Request, nonfinite: protocol.NonFinite) -> None:
         received = Received(request, nonfinite)

@@ -116,6 +116,14 @@ class Shards:
             values.append(table.detach().index_select(0, rows))
         return values
 
+    def riding_rows(self, message: object, frames: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
+        """The rows of the lookup that rode on a push (`Push.lookup`; its ids are the push's last `frames`), as they
+        are now; none for any other request."""
+        if not isinstance(message, Push) or not message.lookup:
+            return []
+        self.embeddings.lookups["lookups_on_pushes"] += 1
+        return self.embeddings.lookup(message.lookup, frames[len(frames) - len(message.lookup) :], what)
+
     def gradients(
         self, push: Push, frames: Sequence[torch.Tensor], lane_slot: Sequence[torch.Tensor] | None, what: str
     ) -> Gradients:

@@ -234,30 +234,30 @@ _END = object()
 
 
 class Lookahead:
-    """An input position that can read one batch ahead (so the rows the next step looks up are fetched while this
-    one computes) and still says where the batches handed out so far end. Hands out each batch through `convert`."""
+    """An input position that can read batches ahead (so the rows a later step looks up are fetched while this one
+    computes) and still says where the batches handed out so far end. Hands out each batch through `convert`."""
 
     def __init__(self, position: InputPosition, convert: Callable[[Any], Any]) -> None:
         self.position, self.convert = position, convert
-        self._peeked: tuple[Any, dict[str, Any], int] | None = None
-        """The batch read ahead, with the position and epoch from before it was read."""
+        self._peeked: list[tuple[Any, dict[str, Any], int]] = []
+        """The batches read ahead, in order, each with the position and epoch from before it was read."""
         self._ended = False
 
     @property
     def epoch(self) -> int:
-        return self._peeked[2] if self._peeked is not None else self.position.epoch
+        return self._peeked[0][2] if self._peeked else self.position.epoch
 
     def next(self) -> Any | None:
-        if self._peeked is not None:
-            batch, self._peeked = self._peeked[0], None
-            return batch
+        if self._peeked:
+            return self._peeked.pop(0)[0]
         batch = None if self._ended else self.position.next()
         self._ended = batch is None
         return None if batch is None else self.convert(batch)
 
-    def peek(self) -> Any | None:
-        """The batch `next` hands out next, read now; None at the end of the input."""
-        if self._peeked is None:
+    def peek(self, ahead: int = 1) -> Any | None:
+        """The batch `next` hands out `ahead` calls from now (1: the next one), read now; None past the input's
+        end."""
+        while len(self._peeked) < ahead:
             if self._ended:
                 return None
             before, epoch = self.position.get_state(), self.position.epoch
@@ -265,8 +265,8 @@ class Lookahead:
             if batch is None:
                 self._ended = True
                 return None
-            self._peeked = (self.convert(batch), before, epoch)
-        return self._peeked[0]
+            self._peeked.append((self.convert(batch), before, epoch))
+        return self._peeked[ahead - 1][0]
 
     def get_state(self) -> dict[str, Any]:
-        return self._peeked[1] if self._peeked is not None else self.position.get_state()
+        return self._peeked[0][1] if self._peeked else self.position.get_state()

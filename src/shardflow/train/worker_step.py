@@ -52,7 +52,9 @@ class WorkerStep:
         self.push_early = not changes_gradients and self.tables is None
         self.overlapped = job.strategy.mode == "async" and job.strategy.overlap
         """The next step is computed before this one is applied (see worker.py)."""
-        """Push as soon as backward produced the gradients, while it is still running."""
+        self.ride = self.overlapped and self.tables is not None and job.strategy.gradient_accumulation_steps == 1
+        """The lookups of the step after next ride on this step's pushes (TableLookups.ride): one request to each PS
+        a step, not two. Overlapped only: the reply to a push then comes before the step after next begins."""
         self.lr_from_worker = job.optimizer.schedule is not None and job.optimizer.schedule.from_workers
 
     def run(self, batch: Any, step: int) -> tuple[float | None, Pushed]:
@@ -67,6 +69,10 @@ class WorkerStep:
         self.params.begin_push(step, early)
         self._look_ahead()
         loss, input_state = self._forward_backward(batch, step, input_state)
+        if self.ride and self.tables is not None and isinstance(self.position, Lookahead):
+            after_next = self.position.peek(2)
+            if after_next is not None:
+                self.tables.ride(after_next)
         if loss is None:
             # A NaN or inf loss is not backpropagated: every PS is told, and refuses the step alike.
             request = PushRequest(input_state=input_state, learning_rate=learning_rate, nonfinite_loss=True)

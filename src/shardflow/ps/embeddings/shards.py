@@ -44,7 +44,7 @@ class EmbeddingShards:
         self.chain: list[FileRecord] = []
         """The files of this PS's latest full checkpoint and the increments after it, in replay order."""
         self._saves_since_full = 0
-        self.lookups = {"lookups": 0, "looked_up_ids": 0}
+        self.lookups = {"lookups": 0, "looked_up_ids": 0, "lookups_on_pushes": 0}
         """Lookups this PS answered, and the ids they asked for."""
         self._staged: set[str] = set()
         """The staged files this PS wrote and has not deleted."""
@@ -114,7 +114,8 @@ class EmbeddingShards:
 
     def stats(self) -> dict[str, int]:
         """Per table (`table/<name>/<counter>`): rows, admitted, rejected, evicted, expired, memory_bytes,
-        values_bytes; and the lookups this PS answered and the ids they asked for."""
+        values_bytes; and the lookups this PS answered (those that rode on a push, `lookups_on_pushes`, among them) and
+        the ids they asked for."""
         found = {
             f"{TABLE_STATS}{spec.name}/{key}": int(value)
             for spec, table in zip(self.specs, self.tables, strict=True)
