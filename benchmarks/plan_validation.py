@@ -28,7 +28,7 @@ strategy and size N times in turns and keeps the fastest.
 --out DIR keeps every run; --out DIR --replay predicts again from those runs without running anything (to try a
 change of the plan model on the same measurements; the load of other programs then shows as 0).
 
-Usage: python benchmarks/plan_validation.py [--quick] [--model mlp|click|both] [--workers 2,1,4]
+Usage: python benchmarks/plan_validation.py [--quick] [--model mlp|click|both] [--workers 2,1,4] [--ps N]
        [--strategies ps,allreduce,hybrid] [--repeats N] [--out DIR [--replay]]
 """
 
@@ -81,7 +81,7 @@ MODELS = {
 }
 
 
-def job(max_steps: int, strategy_name: str = "ps", num_workers: int = 1) -> None:
+def job(max_steps: int, strategy_name: str = "ps", num_workers: int = 1, num_ps: int = 1) -> None:
     """Every role runs this; the model dir, result file and profiled steps come from the scale hooks."""
     import torch
 
@@ -109,9 +109,9 @@ def job(max_steps: int, strategy_name: str = "ps", num_workers: int = 1) -> None
         return torch.nn.functional.cross_entropy(model(batch[0]), batch[1])
 
     strategy = {
-        "ps": lambda: sf.ParameterServerStrategy(num_ps=1, mode="async"),
+        "ps": lambda: sf.ParameterServerStrategy(num_ps=num_ps, mode="async"),
         "allreduce": lambda: sf.AllReduceStrategy(num_workers=num_workers),
-        "hybrid": lambda: sf.HybridStrategy(num_ps=1, num_workers=num_workers),
+        "hybrid": lambda: sf.HybridStrategy(num_ps=num_ps, num_workers=num_workers),
     }[strategy_name]()
     est = sf.Estimator(model_fn, loss_fn, sf.optim.SGD(lr=0.01), strategy, "runs/plan_validation")
     est.train(input_fn, max_steps=max_steps)
@@ -125,6 +125,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # roles outnumber the cores (switches, caches), which a 1-worker calibration cannot see.
     parser.add_argument("--workers", default="2,1,4", help="sizes; the first one calibrates (2,1,4)")
     parser.add_argument("--strategies", default="ps", help="of ps, allreduce, hybrid: the strategies swept (ps)")
+    parser.add_argument("--ps", type=int, default=1, help="PS of the PS and hybrid runs (1)")
     parser.add_argument("--steps", type=int, help="global steps per run (mlp 6000, click 3000)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per strategy and size; the fastest one counts (1)")
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="cores the roles share (all)")
@@ -419,10 +420,11 @@ def measure(
         result_json = directory / f"workers-{num_workers}" / "click.json"
         script, script_args = (
             HERE / "jobs" / "click_through.py",
-            (str(result_json), str(num_workers), "1", str(steps), mode),
+            (str(result_json), str(num_workers), str(args.ps), str(steps), mode),
         )
     else:
-        script, script_args = Path(__file__).resolve(), (JOB_FLAG, str(steps), strategy, str(num_workers))
+        job_args = (JOB_FLAG, str(steps), strategy, str(num_workers), str(args.ps))
+        script, script_args = Path(__file__).resolve(), job_args
     # Profile the middle of each run: past the start-up ramp, before the first workers finish.
     window = (int(steps * 0.4), int(steps * 0.7))
     config = ScaleConfig(script=script, script_args=script_args, out=directory, profile_steps=window)
@@ -490,6 +492,6 @@ def _children_cpu_s() -> float:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == [JOB_FLAG]:
-        job(int(sys.argv[2]), *sys.argv[3:4], *map(int, sys.argv[4:5]))
+        job(int(sys.argv[2]), *sys.argv[3:4], *map(int, sys.argv[4:6]))
     else:
         sys.exit(main())
