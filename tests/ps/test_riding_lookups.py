@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import shardflow as sf
+from shardflow.comm.errors import CommError
 from shardflow.nn import backend
 from shardflow.ps import protocol
 from shardflow.ps.client import PushRequest
@@ -119,3 +120,18 @@ def test_a_push_whose_lookup_frames_are_not_ids_is_refused_naming_the_field():
         push((0, 1), ids)
     good = push((0, 1), ids, ids)
     assert isinstance(good, protocol.Push) and good.lookup == (0, 1)
+
+
+def test_a_push_whose_riding_ids_are_not_in_the_table_is_refused_before_it_is_applied(start_cluster, monkeypatch):
+    model, worker, tables = _setup(start_cluster, 2)
+    batch = {"ids": torch.tensor([1, 2])}
+    worker.pull()
+    with backend.installed(tables):
+        worker.begin_push(0)
+        tables.set_batch(batch)
+        model(batch).backward()
+        monkeypatch.setattr(tables, "riding", lambda ps: ((0,), [torch.tensor([ROWS + 5])]))
+        refused = rf"'push' from worker:0#\w+ of ps:\d for table 'items'.* got id {ROWS + 5}"
+        with pytest.raises(CommError, match=refused):
+            worker.wait_push(worker.push(PushRequest()))
+    assert [stats["applied"] for stats in fetch_state(worker).stats.values()] == [0, 0]

@@ -226,8 +226,7 @@ class ParameterServer:
         duplicate: bool = False,
         dropped: bool = False,
     ) -> None:
-        """Reply with the current parameters (none to a `dropped` push), into the reply slot the request named or as
-        frames, and the rows of a lookup riding on a push (`Push.lookup`) as they are now."""
+        """Reply with the parameters (none to a `dropped` push), and the rows of a lookup riding on it (Push.lookup)."""
         message = received.message
         assert not isinstance(message, protocol.Lookup), "a lookup is answered with rows"
         request, reply_slot = received.request, message.reply_slot  # checked by `_check_slots`
@@ -415,6 +414,7 @@ class ParameterServer:
             problem = "its learning-rate schedule is a function of the step, so every push must carry its lr"
             self.server.reply_error(request, f"ps:{self.index} refused a push of worker:{push.worker_index}: {problem}")
             return
+        self.shards.check_riding(push, request.tensors, f"'push' from {request.sender} of ps:{self.index}")
         if self._repeated(received, push.worker_index, push.local_step):
             return
         # A push dropped (after max_steps, or stale in sync) is not had: its batch is read again after a restore.

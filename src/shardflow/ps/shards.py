@@ -117,12 +117,18 @@ class Shards:
         return values
 
     def riding_rows(self, message: object, frames: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """The rows of the lookup that rode on a push (`Push.lookup`; its ids are the push's last `frames`), as they
-        are now; none for any other request."""
+        """The rows of the lookup that rode on a push (`Push.lookup`; its ids are the push's last `frames`, checked
+        by `check_riding`), as they are now; none for any other request."""
         if not isinstance(message, Push) or not message.lookup:
             return []
         self.embeddings.lookups["lookups_on_pushes"] += 1
-        return self.embeddings.lookup(message.lookup, frames[len(frames) - len(message.lookup) :], what)
+        return self.embeddings.lookup(message.lookup, frames[len(frames) - len(message.lookup) :], what, checked=True)
+
+    def check_riding(self, push: Push, frames: Sequence[torch.Tensor], what: str) -> None:
+        """Raise ValueError, naming `what`, unless the ids of the lookup riding on `push` are ids this PS holds:
+        checked before the push is applied, so that its reply cannot fail after."""
+        if push.lookup:
+            self.embeddings.check_lookup(push.lookup, frames[len(frames) - len(push.lookup) :], what)
 
     def gradients(
         self, push: Push, frames: Sequence[torch.Tensor], lane_slot: Sequence[torch.Tensor] | None, what: str

@@ -52,16 +52,25 @@ class EmbeddingShards:
     def __len__(self) -> int:
         return len(self.tables)
 
-    def lookup(self, indices: Sequence[int], ids: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
-        """Per table index, the values of the rows its frame of `ids` lists; `what` names the request in errors."""
+    def lookup(
+        self, indices: Sequence[int], ids: Sequence[torch.Tensor], what: str, checked: bool = False
+    ) -> list[torch.Tensor]:
+        """Per table index, the values of the rows its frame of `ids` lists; `what` names the request in errors.
+        `checked`: `check_lookup` passed them already."""
+        if not checked:
+            self.check_lookup(indices, ids, what)
         values = []
         self.lookups["lookups"] += 1
         for index, table_ids in zip(indices, ids, strict=True):
             self.lookups["looked_up_ids"] += table_ids.numel()
-            table = self.tables[index]
-            table.check_ids(table_ids, f"{what} for table {self.specs[index].name!r}")
-            values.append(table.lookup(table_ids, checked=True))
+            values.append(self.tables[index].lookup(table_ids, checked=True))
         return values
+
+    def check_lookup(self, indices: Sequence[int], ids: Sequence[torch.Tensor], what: str) -> None:
+        """Raise ValueError, naming `what`, the table and the first bad id, unless every frame of `ids` lists ids
+        its table holds on this PS."""
+        for index, table_ids in zip(indices, ids, strict=True):
+            self.tables[index].check_ids(table_ids, f"{what} for table {self.specs[index].name!r}")
 
     def gradients(self, frames: Sequence[torch.Tensor], what: str) -> list[list[EmbeddingGrad]]:
         """A push's table gradients, three frames per table (ids, counts, gradient rows), checked before anything is
