@@ -114,7 +114,7 @@ class TableLookups:
         """Send the lookups of `batch`, the next step's, for every table whose ids are known to sit in the batch;
         ps:k answers once its step is at least `min_step[k]`. None are sent when they rode on an earlier push."""
         while self._rode and self._rode[0][0] is not batch:
-            self._rode.pop(0)  # of a batch that is not coming (none so far: each rides two steps ahead)
+            self._rode.pop(0)  # a batch whose lookups rode but which does not come next (none does): dropped
         if self._rode:
             self._next = self._rode.pop(0)[1]
         elif self.prefetch_enabled:
@@ -303,7 +303,7 @@ class TableLookups:
             if lookup_round.riding is not None:
                 values = lookup_round.riding.get(ps)
                 if values is None:  # the worker waits for every push's reply before the step after next
-                    raise protocol.PSProtocolError("push", "rows", peer, "no rows came for the lookup it carried")
+                    raise protocol.PSProtocolError("push", "rows", peer, "did not come with the push's reply")
             else:
                 header, values = connection.recv(peer, seq)
                 StepReply.decode(header, protocol.Lookup.op, peer)
