@@ -87,8 +87,8 @@ class TableLookups:
         self._looked: list[tuple[_Ids, torch.Tensor]] = []
         self._riding: _Riding | None = None
         """The lookups of a batch prepared to ride on this step's pushes (`ride`)."""
-        self._rode: list[tuple[Any, dict[tuple[int, int], tuple[_Round, _Ids]]]] = []
-        """The lookups that rode on pushes, by batch, oldest first, until `prefetch` takes the one of its batch."""
+        self._rode: tuple[Any, dict[tuple[int, int], tuple[_Round, _Ids]]] | None = None
+        """The lookups that rode on the last step's pushes, with their batch, until the next `prefetch` takes them."""
         self._by_push: dict[tuple[int, int], _Round] = {}
         """The rounds whose rows the reply to a push brings, by (PS, sequence number of the push)."""
 
@@ -113,10 +113,9 @@ class TableLookups:
     def prefetch(self, batch: Any, min_step: Sequence[int]) -> None:
         """Send the lookups of `batch`, the next step's, for every table whose ids are known to sit in the batch;
         ps:k answers once its step is at least `min_step[k]`. None are sent when they rode on an earlier push."""
-        while self._rode and self._rode[0][0] is not batch:
-            self._rode.pop(0)  # a batch whose lookups rode but which does not come next (none does): dropped
-        if self._rode:
-            self._next = self._rode.pop(0)[1]
+        rode, self._rode = self._rode, None
+        if rode is not None and rode[0] is batch:
+            self._next = rode[1]
         elif self.prefetch_enabled:
             self._next = self._sent_ahead(batch, min_step)
 
@@ -151,7 +150,7 @@ class TableLookups:
         else:
             lookup_round = self._send(lookup_round.wanted, [0] * self.num_ps)
         looked = {key: (lookup_round, ids) for key, ids in zip(riding.keys, lookup_round.wanted, strict=True)}
-        self._rode.append((riding.batch, looked))
+        self._rode = riding.batch, looked
 
     def push_replied(self, ps: int, seq: int, rows: list[torch.Tensor]) -> None:
         """The rows the reply to push `seq` to `ps` brought, of the lookup that rode on it."""

@@ -409,12 +409,7 @@ class ParameterServer:
     def _on_push(self, request: Request, push: protocol.Push) -> None:
         started, received = self._handling_since, Received(request, push)
         self._pushed_step = push.local_step - 1
-        schedule = self.shards.spec.schedule if self.shards.spec is not None else None
-        if schedule is not None and schedule.from_workers and push.lr is None:
-            problem = "its learning-rate schedule is a function of the step, so every push must carry its lr"
-            self.server.reply_error(request, f"ps:{self.index} refused a push of worker:{push.worker_index}: {problem}")
-            return
-        self.shards.check_riding(push, request.tensors, f"'push' from {request.sender} of ps:{self.index}")
+        self.shards.check_push(push, request.tensors, f"'push' from {request.sender} of ps:{self.index}")
         if self._repeated(received, push.worker_index, push.local_step):
             return
         # A push dropped (after max_steps, or stale in sync) is not had: its batch is read again after a restore.

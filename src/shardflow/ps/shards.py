@@ -14,7 +14,7 @@ from shardflow.ps.optimizers import OptimizerSpec
 from shardflow.ps.protocol import Init, Limits, Push, on_the_wire
 from shardflow.ps.sparse import RowGrad, check_row_grad, check_rows, row_gradient
 from shardflow.ps.state import Part, load_slots
-from shardflow.ps.update_rules import Gradients, all_finite
+from shardflow.ps.update_rules import Gradients, Refused, all_finite
 
 
 def finite(gradients: Gradients) -> bool:
@@ -118,15 +118,19 @@ class Shards:
 
     def riding_rows(self, message: object, frames: Sequence[torch.Tensor], what: str) -> list[torch.Tensor]:
         """The rows of the lookup that rode on a push (`Push.lookup`; its ids are the push's last `frames`, checked
-        by `check_riding`), as they are now; none for any other request."""
+        by `check_push`), as they are now; none for any other request."""
         if not isinstance(message, Push) or not message.lookup:
             return []
         self.embeddings.lookups["lookups_on_pushes"] += 1
         return self.embeddings.lookup(message.lookup, frames[len(frames) - len(message.lookup) :], what, checked=True)
 
-    def check_riding(self, push: Push, frames: Sequence[torch.Tensor], what: str) -> None:
-        """Raise ValueError, naming `what`, unless the ids of the lookup riding on `push` are ids this PS holds:
-        checked before the push is applied, so that its reply cannot fail after."""
+    def check_push(self, push: Push, frames: Sequence[torch.Tensor], what: str) -> None:
+        """Raise Refused, or ValueError for ids, unless this PS can take `push`, before anything of it is applied: its
+        learning rate, where the schedule is a function of the step (the PS cannot run it), and the ids of a lookup
+        riding on it (its last `frames`) in tables this PS holds, so that its reply cannot fail after."""
+        schedule = self.spec.schedule if self.spec is not None else None
+        if schedule is not None and schedule.from_workers and push.lr is None:
+            raise Refused("its learning-rate schedule is a function of the step, so every push must carry its lr")
         if push.lookup:
             self.embeddings.check_lookup(push.lookup, frames[len(frames) - len(push.lookup) :], what)
 

@@ -69,10 +69,7 @@ class WorkerStep:
         self.params.begin_push(step, early)
         self._look_ahead()
         loss, input_state = self._forward_backward(batch, step, input_state)
-        if self.ride and self.tables is not None and isinstance(self.position, Lookahead):
-            after_next = self.position.peek(2)
-            if after_next is not None:
-                self.tables.ride(after_next)
+        self._ride()
         if loss is None:
             # A NaN or inf loss is not backpropagated: every PS is told, and refuses the step alike.
             request = PushRequest(input_state=input_state, learning_rate=learning_rate, nonfinite_loss=True)
@@ -89,6 +86,14 @@ class WorkerStep:
         upcoming = self.position.peek()
         if upcoming is not None:
             self.tables.prefetch(upcoming, self.params.lookup_min_steps(self.overlapped))
+
+    def _ride(self) -> None:
+        """Prepare the lookups of the batch after next to ride on this step's pushes (see `ride`)."""
+        if not self.ride or self.tables is None or not isinstance(self.position, Lookahead):
+            return
+        after_next = self.position.peek(2)
+        if after_next is not None:
+            self.tables.ride(after_next)
 
     def wait(self, pushed: Pushed, load_params: bool = True) -> StepReply:
         """Every PS's reply to a step's pushes; raises once too many steps were refused for NaN or inf."""
