@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -16,6 +18,7 @@ from shardflow.cluster.dist_store import ControlPlaneStore, DistStoreError, gloo
 
 MEMBER = """
 import sys
+import time
 import torch
 from shardflow.cluster.control_plane import ControlPlane
 from shardflow.cluster.dist_store import ControlPlaneStore, gloo_group
@@ -107,3 +110,43 @@ def test_gloos_connections_listen_on_the_given_host_only(chief):
     new = listening() - before
     del group
     assert new and all(ip == "127.0.0.1" for ip, _ in new)
+
+
+class _GoneBack(Exception):
+    """What an interrupt raises in these tests (HybridStrategy's: a PS was lost, the workers go back first)."""
+
+
+def _interrupt_after(calls: int) -> tuple[list[float], Callable[[], None]]:
+    seen: list[float] = []
+
+    def interrupt() -> None:
+        seen.append(time.monotonic())
+        if len(seen) >= calls:
+            raise _GoneBack("ps:1 was lost")
+
+    return seen, interrupt
+
+
+def test_an_interrupt_gives_a_wait_for_a_rank_up_and_is_kept(chief):
+    seen, interrupt = _interrupt_after(2)
+    store = ControlPlaneStore(chief, "workers", 4, ["worker:0", "worker:1"], timeout_s=60, interrupt=interrupt)
+    started = time.monotonic()
+    with pytest.raises(DistStoreError, match=r"'dist/workers/4/rank_1'.*ps:1 was lost"):
+        store.get("rank_1")
+    # Called about once a second, not only when the 60 s wait expires.
+    assert len(seen) == 2 and time.monotonic() - started < 10
+    assert isinstance(store.interrupted, _GoneBack)
+    with pytest.raises(DistStoreError, match="ps:1 was lost"):
+        store.wait(["rank_1"])
+
+
+def test_a_gloo_rendezvous_given_up_by_the_interrupt_raises_what_it_raised(chief):
+    """Rank 0 of 2 waits in gloo's rendezvous for a rank 1 that never comes (it announced the generation, then went
+    back): the interrupt ends the wait, and forming the group raises the interrupt's error, not gloo's."""
+    _, interrupt = _interrupt_after(3)
+    store = ControlPlaneStore(chief, "workers", 5, ["worker:0", "worker:1"], timeout_s=60, interrupt=interrupt)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError):
+        gloo_group(store, 0, 2, "127.0.0.1", timeout_s=60)
+    assert time.monotonic() - started < 20
+    assert isinstance(store.interrupted, _GoneBack)

@@ -113,3 +113,72 @@ def test_survivors_more_than_one_step_apart_fail_the_group_naming_the_steps(plan
 
     errors = _in_threads(plane, rejoin)
     assert all("stopped at global steps [4, 6], more than one apart" in str(errors[i]) for i in range(2)), errors
+
+
+class _GoneBack(Exception):
+    """HybridStrategy's interrupt: a PS was lost, and every worker goes back to a checkpoint before forming."""
+
+
+def test_a_rendezvous_with_a_worker_that_announced_the_generation_and_went_back_is_interrupted(plane):
+    """worker:1 announced generation 1 and then went back (a PS was lost; or it died and its restart waits for the
+    chief): worker:0 passes the announcements and waits in gloo's rendezvous for a rank that never comes. The
+    interrupt ends that wait within seconds, not at request_timeout_s, and forming raises what it raised."""
+    strategy = sf.AllReduceStrategy(num_workers=2, request_timeout_s=60)
+    plane.set(control_keys.allreduce_joined("worker:1"), "1")
+    calls: list[int] = []
+
+    def interrupt() -> None:
+        calls.append(1)
+        if plane.is_set("test/recovery"):
+            raise _GoneBack("ps:1 was lost")
+
+    timer = threading.Timer(1.0, lambda: plane.set("test/recovery", "1"))
+    timer.start()
+    try:
+        with pytest.raises(_GoneBack, match="ps:1 was lost"):
+            allreduce_group.form(strategy, _role(plane, 0), 1, 1e18, interrupt=interrupt)
+    finally:
+        timer.cancel()
+    assert calls
+
+
+def test_forming_meets_a_recovery_begun_before_it_even_when_every_worker_announced_the_generation(plane):
+    strategy = sf.AllReduceStrategy(num_workers=2, request_timeout_s=60)
+    plane.set(control_keys.allreduce_joined("worker:1"), "3")
+
+    def interrupt() -> None:
+        raise _GoneBack("ps:0 was lost")
+
+    with pytest.raises(_GoneBack):
+        allreduce_group.form(strategy, _role(plane, 0), 3, 1e18, interrupt=interrupt)
+    assert not plane.is_set("dist/workers/3/rank_0")  # no rendezvous began
+
+
+def test_forming_gives_a_generation_up_once_another_worker_announced_a_later_one(plane):
+    """worker:1 announced generation 1, and worker:0 waits in its rendezvous; restarted, worker:1 announces 2 and
+    waits there for worker:0: worker:0 gives 1 up within seconds, naming the generation to meet it at."""
+    strategy = sf.AllReduceStrategy(num_workers=2, request_timeout_s=60)
+    plane.set(control_keys.allreduce_joined("worker:1"), "1")
+    timer = threading.Timer(1.0, lambda: plane.set(control_keys.allreduce_joined("worker:1"), "2"))
+    timer.start()
+    try:
+        with pytest.raises(allreduce_group.GenerationPassed, match="worker:1 generation 2") as passed:
+            allreduce_group.form(strategy, _role(plane, 0), 1, 1e18)
+    finally:
+        timer.cancel()
+    assert passed.value.generation == 2
+
+
+def test_two_workers_announcing_different_generations_meet_at_the_later(plane):
+    strategy = sf.AllReduceStrategy(num_workers=2, request_timeout_s=20)
+
+    def form(index: int, p: ControlPlane) -> int:
+        generation = {0: 1, 1: 4}[index]
+        while True:
+            try:
+                allreduce_group.form(strategy, _role(p, index), generation, 1e18)
+                return generation
+            except allreduce_group.GenerationPassed as passed:
+                generation = passed.generation
+
+    assert _in_threads(plane, form) == {0: 4, 1: 4}

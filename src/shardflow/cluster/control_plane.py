@@ -8,6 +8,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import msgspec
@@ -47,6 +48,8 @@ _ATTEMPT_S = 2.0
 _LOG_EVERY_S = 5.0
 _WAIT_LOG_EVERY_S = 10.0
 """A wait for a key logs whom it waits for this often (a slow start-up under load takes a few seconds)."""
+_INTERRUPT_EVERY_S = 1.0
+"""A wait given an `interrupt` calls it this often at least."""
 
 
 class ControlPlaneError(RuntimeError):
@@ -122,9 +125,16 @@ class ControlPlane:
         """Wait until `key` is set; on expiry the error names what was awaited."""
         return self.get_bytes(key, waiting_for=waiting_for, timeout_s=timeout_s).decode()
 
-    def get_bytes(self, key: str, *, waiting_for: str, timeout_s: float | None = None) -> bytes:
+    def get_bytes(
+        self,
+        key: str,
+        *,
+        waiting_for: str,
+        timeout_s: float | None = None,
+        interrupt: Callable[[], None] | None = None,
+    ) -> bytes:
         while (value := self.get_if_set(key)) is None:  # one round trip when the key is there already
-            self.wait([key], waiting_for=waiting_for, timeout_s=timeout_s)
+            self.wait([key], waiting_for=waiting_for, timeout_s=timeout_s, interrupt=interrupt)
         return value
 
     def get_if_set(self, key: str) -> bytes | None:
@@ -132,17 +142,28 @@ class ControlPlane:
         reply, frames = self._call(Get(key=key), Found, what=key)
         return bytes(frames[0].numpy().tobytes()) if reply.found else None
 
-    def wait(self, keys: list[str], *, waiting_for: str, timeout_s: float | None = None) -> None:
-        """Until every key is set; the service holds each wait up to MAX_WAIT_S, then it is asked again."""
+    def wait(
+        self,
+        keys: list[str],
+        *,
+        waiting_for: str,
+        timeout_s: float | None = None,
+        interrupt: Callable[[], None] | None = None,
+    ) -> None:
+        """Until every key is set; the service holds each wait up to MAX_WAIT_S, then it is asked again. `interrupt`
+        is called at least every _INTERRUPT_EVERY_S meanwhile, and may raise to give the wait up."""
         timeout_s = self.timeout_s if timeout_s is None else timeout_s
         start = time.monotonic()
         deadline = start + timeout_s
         next_log = start + _WAIT_LOG_EVERY_S
+        longest = _LOG_EVERY_S if interrupt is None else _INTERRUPT_EVERY_S
         while True:
             left = deadline - time.monotonic()
-            hold = max(0.0, min(MAX_WAIT_S, left, _LOG_EVERY_S))
+            hold = max(0.0, min(MAX_WAIT_S, left, longest))
             if self._call(Wait(keys=tuple(keys), timeout_s=hold), AllSet, what=waiting_for, extra_s=hold)[0].all_set:
                 return
+            if interrupt is not None:
+                interrupt()
             now = time.monotonic()
             if now >= deadline:
                 where = f"key {keys[0]!r} on the control plane at {self.address}"

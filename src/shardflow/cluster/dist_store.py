@@ -27,7 +27,9 @@ class ControlPlaneStore(Store):
     """The keys of one process group's formation (`group`, formed for the `generation`-th time), each under
     control_keys.dist_store_prefix on the job's control plane. `members` names the group's ranks, for the errors of
     a wait that expires. `setter` sets a key in place of the control plane's `set` (one that keeps it, to set it
-    again on a restarted chief)."""
+    again on a restarted chief). `interrupt` is called while a key is awaited, and may raise to give the forming up:
+    gloo sees a DistStoreError, and what `interrupt` raised is kept in `interrupted`, for the caller to raise again
+    once gloo gave up."""
 
     def __init__(
         self,
@@ -37,10 +39,13 @@ class ControlPlaneStore(Store):
         members: Sequence[str],
         timeout_s: float,
         setter: Callable[[str, bytes], None] | None = None,
+        interrupt: Callable[[], None] | None = None,
     ) -> None:
         super().__init__()
         self.control = control
         self.setter = setter
+        self.interrupt = interrupt
+        self.interrupted: BaseException | None = None
         self.prefix = control_keys.dist_store_prefix(group, generation)
         self.members = ", ".join(members)
         self.group = group
@@ -61,7 +66,9 @@ class ControlPlaneStore(Store):
     def get(self, key: str) -> bytes:
         waiting_for = self._waiting_for([key])
         return self._call(
-            lambda: self.control.get_bytes(self.prefix + key, waiting_for=waiting_for, timeout_s=self._timeout_s()),
+            lambda: self.control.get_bytes(
+                self.prefix + key, waiting_for=waiting_for, timeout_s=self._timeout_s(), interrupt=self._interrupt
+            ),
             key,
         )
 
@@ -76,7 +83,9 @@ class ControlPlaneStore(Store):
         names = [self.prefix + key for key in keys]
         waiting_for = self._waiting_for(keys)
         self._call(
-            lambda: self.control.wait(names, waiting_for=waiting_for, timeout_s=self._timeout_s(timeout)),
+            lambda: self.control.wait(
+                names, waiting_for=waiting_for, timeout_s=self._timeout_s(timeout), interrupt=self._interrupt
+            ),
             ", ".join(keys),
         )
 
@@ -88,11 +97,24 @@ class ControlPlaneStore(Store):
             f"the control plane keeps no count of the keys of group {self.group!r}; gloo's rendezvous does not ask"
         )
 
+    def _interrupt(self) -> None:
+        if self.interrupt is None:
+            return
+        try:
+            self.interrupt()
+        except Exception as error:
+            self.interrupted = error
+            raise _Interrupted(str(error)) from None
+
     def _call(self, call: Callable[[], Result], key: str) -> Result:
         try:
             return call()
-        except ControlPlaneError as error:
+        except (ControlPlaneError, _Interrupted) as error:
             raise DistStoreError(f"all-reduce group {self.group!r}, key {self.prefix + key!r}: {error}") from None
+
+
+class _Interrupted(Exception):
+    """The store's `interrupt` gave a wait up (what it raised is the store's `interrupted`)."""
 
 
 def gloo_group(store: ControlPlaneStore, rank: int, size: int, host: str, timeout_s: float) -> ProcessGroupGloo:

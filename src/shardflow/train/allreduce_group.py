@@ -41,6 +41,15 @@ class NoSurvivorsError(GroupLostError):
     to the latest checkpoint with every PS)."""
 
 
+class GenerationPassed(RuntimeError):
+    """Another worker announced a later generation than the one this worker forms: it will not come to this one's
+    rendezvous (it waits for this worker at its own), so forming goes on at `generation`."""
+
+    def __init__(self, message: str, generation: int) -> None:
+        super().__init__(message)
+        self.generation = generation
+
+
 class JobOverError(Exception):
     """The chief ended the job while this worker waited for the others to form the group."""
 
@@ -133,20 +142,28 @@ def form(
 ) -> ProcessGroupGloo:
     """The group's `generation`, formed once every worker announced it (or a later one) before `deadline`
     (time.monotonic()); GroupLostError names those that did not. The announcement goes through `replay`, where
-    given: a restarted chief gets it again. `interrupt` is called while others are awaited, and raises to give the
-    wait up (HybridStrategy: a PS was lost, and every worker goes back to a checkpoint first)."""
+    given: a restarted chief gets it again. `interrupt` is called while others are awaited, in gloo's rendezvous
+    too, and raises to give the wait up (HybridStrategy: a PS was lost, and every worker goes back to a checkpoint
+    first). GenerationPassed where another worker announced a later generation meanwhile: it waits there."""
     control, name = role.control, role.task.name
     if replay is not None:
         replay.set_joined(generation)
     else:
         control.set(control_keys.allreduce_joined(name), str(generation))
     members = [f"worker:{index}" for index in range(role.num_workers)]
+
+    def interrupted() -> None:
+        """Raise to give this generation up: `interrupt`'s reason, or a worker that announced a later one."""
+        if interrupt is not None:  # also when every worker announced it: one may have gone back meanwhile
+            interrupt()
+        _check_not_passed(name, generation, _announced(control, members))
+
     while True:
-        missing = [
-            member
-            for member in members
-            if int(control.get_if_set(control_keys.allreduce_joined(member)) or b"-1") < generation
-        ]
+        if interrupt is not None:
+            interrupt()
+        announced = _announced(control, members)
+        _check_not_passed(name, generation, announced)
+        missing = [member for member in members if announced[member] < generation]
         if not missing:
             break
         if control.is_set(control_keys.SHUTDOWN):
@@ -161,15 +178,35 @@ def form(
                 f"{name}: {', '.join(missing)} did not join generation {generation} of the all-reduce group within "
                 f"{limit}: lost for good; run the job again to resume from its last checkpoint"
             )
-        if interrupt is not None:
-            interrupt()
         time.sleep(_POLL_S)
     setter = replay.set_rendezvous if replay is not None else None
-    store = ControlPlaneStore(control, GROUP, generation, members, timeout_s=strategy.request_timeout_s, setter=setter)
+    store = ControlPlaneStore(
+        control, GROUP, generation, members, timeout_s=strategy.request_timeout_s, setter=setter, interrupt=interrupted
+    )
     # The spec's host; under torchrun, which names only the chief's, loopback or this machine's address (as a PS's).
     advertised = advertised_address(role.spec.address(role.task), role.spec.address(TaskSpec("chief", 0)))
     host = host_of(advertised)
-    return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
+    try:
+        return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
+    except RuntimeError:
+        # A worker that announced this generation may never come to its rendezvous (it went back to a checkpoint,
+        # or died and was restarted into a later one): `interrupt` gives the wait up, and what it raised goes on.
+        if store.interrupted is not None:
+            raise store.interrupted from None
+        raise
+
+
+def _announced(control: Any, members: list[str]) -> dict[str, int]:
+    """The generation each member announced last (-1: none yet)."""
+    return {member: int(control.get_if_set(control_keys.allreduce_joined(member)) or b"-1") for member in members}
+
+
+def _check_not_passed(name: str, generation: int, announced: dict[str, int]) -> None:
+    """GenerationPassed where a member announced a later generation than `generation`."""
+    later = {member: joined for member, joined in announced.items() if joined > generation}
+    if later:
+        named = ", ".join(f"{member} generation {joined}" for member, joined in later.items())
+        raise GenerationPassed(f"{name}: {named} announced while it formed {generation}", max(later.values()))
 
 
 def rejoin(

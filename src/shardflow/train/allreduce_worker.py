@@ -283,7 +283,9 @@ class _Trainer:
                         f"{self.name}: the all-reduce group could not be formed again within {timeout_s:g}s: {error}"
                     ) from None
                 log.warning("%s: forming generation %d of the group failed: %s", self.name, generation, error)
-                generation += 1
+                # Where another announced a later one, it waits for this worker there.
+                later = error.generation if isinstance(error, allreduce_group.GenerationPassed) else 0
+                generation = max(generation + 1, later)
         self.generation = generation
         self.replay.mark_joined()
         if restarted or agreed.step != self.step:
