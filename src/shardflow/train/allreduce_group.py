@@ -183,14 +183,19 @@ def form(
     store = ControlPlaneStore(
         control, GROUP, generation, members, timeout_s=strategy.request_timeout_s, setter=setter, interrupt=interrupted
     )
+    return _rendezvous(store, strategy, role)
+
+
+def _rendezvous(store: ControlPlaneStore, strategy: AllReduceStrategy, role: RoleContext) -> ProcessGroupGloo:
+    """gloo's group formed through `store`. A worker that announced the generation may never come to its rendezvous
+    (it went back to a checkpoint, or died and was restarted into a later one): the store's interrupt gives the wait
+    up, and what it raised goes on."""
     # The spec's host; under torchrun, which names only the chief's, loopback or this machine's address (as a PS's).
     advertised = advertised_address(role.spec.address(role.task), role.spec.address(TaskSpec("chief", 0)))
     host = host_of(advertised)
     try:
         return gloo_group(store, role.task.index, role.num_workers, host, timeout_s=strategy.request_timeout_s)
     except RuntimeError:
-        # A worker that announced this generation may never come to its rendezvous (it went back to a checkpoint,
-        # or died and was restarted into a later one): `interrupt` gives the wait up, and what it raised goes on.
         if store.interrupted is not None:
             raise store.interrupted from None
         raise
