@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from collections.abc import Mapping
 
     from shardflow import metrics, nn, optim
+    from shardflow.cluster.zygote_fork import ForkedZygote
     from shardflow.ps.placement import Partitioner
     from shardflow.train.estimator import Estimator, train_and_evaluate
     from shardflow.train.hooks import Hook, StepInfo
@@ -81,7 +82,7 @@ _ZYGOTE_ENTRY = "import sys; del sys.path[0]; from shardflow.cluster.zygote_proc
 _CLUSTER_VARIABLES = (env.CLUSTER, "TF_CONFIG", "JOBSET_NAME", "SLURM_HET_SIZE", "WORLD_SIZE")
 """Any of them set: this process is a role of a cluster (cluster_from_env), and starts no cluster of its own."""
 
-_early_zygote: tuple[int, subprocess.Popen[bytes], socket.socket, dict[str, str]] | None = None
+_early_zygote: tuple[int, subprocess.Popen[bytes] | ForkedZygote, socket.socket, dict[str, str]] | None = None
 """The process that started a zygote on import (a fork of it must not adopt it), the zygote, its end of the
 conversation and its environment; until a launcher adopts it (zygote.Zygote.start)."""
 
@@ -139,8 +140,12 @@ def _start_zygote_early(importer: str) -> None:
     except (OSError, ValueError):  # no such file, or not text
         return
     environment = {**os.environ, "PYTHONUNBUFFERED": "1"}  # as a launcher starts it: print() is not held back
+    from shardflow.cluster.zygote_fork import fork_zygote
+
+    # With torch imported here already, a fork has it imported too (cluster/zygote_fork.py); else a fresh process.
+    forked = fork_zygote(environment)
     try:
-        process, ours = _start_zygote_process(environment)
+        process, ours = forked if forked is not None else _start_zygote_process(environment)
     except OSError:
         return  # the launcher starts one, and says why if it cannot
     _early_zygote = (os.getpid(), process, ours, environment)

@@ -236,3 +236,78 @@ def test_a_zygote_hung_up_on_during_its_imports_exits_quietly():
     ours.close()
     _, stderr = zygote.communicate(timeout=60)
     assert (zygote.returncode, stderr) == (0, "")
+
+
+# Imports torch before shardflow, as most training scripts do, and before that a module of its own; the launcher's
+# process runs an OpenMP region, leaves a line unflushed and sets a signal handler before it imports shardflow. Each
+# role runs an OpenMP region too (which hangs in a fork of a process whose OpenMP threads were not released) and
+# reports what it found.
+FORKED_SCRIPT = """\
+import json, os, signal, sys
+import torch
+import own_module  # the script's own: it keeps the pid of the process that imported it
+if "SHARDFLOW_CLUSTER" not in os.environ:
+    torch.randn(1000, 1000) @ torch.randn(1000, 1000)
+    print("before shardflow")
+    signal.signal(signal.SIGUSR1, lambda signum, frame: None)
+    if sys.argv[1] == "thread":
+        import threading, time
+        threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+import shardflow
+if "SHARDFLOW_CLUSTER" in os.environ:
+    torch.randn(1000, 1000) @ torch.randn(1000, 1000)
+    import psutil
+    print(json.dumps({
+        "zygote": psutil.Process(os.getppid()).cmdline(),
+        "own_module_imported_here": own_module.PID == os.getpid(),
+        "path": sys.path.count(os.path.dirname(os.path.realpath(__file__))),
+        "input": sys.stdin.read(),
+        "usr1": signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL,
+    }), flush=True)
+    sys.exit(0)
+import io
+from shardflow.cluster import ClusterSpec, LocalLauncher, TaskSpec
+output = io.StringIO()
+spec = ClusterSpec.local(num_workers=2, num_ps=0)
+with LocalLauncher(spec, [sys.executable, __file__, sys.argv[1]], skip=[TaskSpec("chief", 0)], output=output) as job:
+    job.start()
+    assert job.wait(timeout_s=60) is None
+print(json.dumps([json.loads(line.partition(" ")[2]) for line in output.getvalue().splitlines()]))
+# Estimator
+"""
+
+
+def run_forked_script(tmp_path, how):
+    (tmp_path / "own_module.py").write_text("import os\nPID = os.getpid()\n")
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, script.name, how],
+        cwd=tmp_path,
+        env={name: value for name, value in os.environ.items() if not name.startswith("SHARDFLOW_")},
+        input="typed at the terminal\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done.stdout
+    lines = done.stdout.splitlines()
+    return lines[:-1], json.loads(lines[-1])
+
+
+def test_a_script_that_imported_torch_forks_its_zygote_which_starts_as_a_fresh_process_would(tmp_path):
+    printed, roles = run_forked_script(tmp_path, "plain")
+
+    assert printed == ["before shardflow"]  # once: not again from the zygote or a role
+    expected = {"own_module_imported_here": True, "path": 1, "input": "", "usr1": True}
+    for role in roles:
+        assert role["zygote"] == [sys.executable, "forked.py", "plain"]  # the script's process, forked
+        assert {key: role[key] for key in expected} == expected
+
+
+def test_a_script_with_a_thread_before_it_imports_shardflow_gets_a_fresh_zygote(tmp_path):
+    _, roles = run_forked_script(tmp_path, "thread")
+
+    for role in roles:
+        assert role["zygote"][1] == "-c"
+        assert role["own_module_imported_here"]

@@ -43,6 +43,11 @@ from shardflow.cluster.spec import TaskSpec
 if TYPE_CHECKING:
     import psutil
 
+    from shardflow.cluster.zygote_fork import ForkedZygote
+
+    ZygoteProcess = subprocess.Popen[bytes] | ForkedZygote
+    """A fresh zygote's process, or one forked from the script's (zygote_fork.py)."""
+
 PRELOAD = ("numpy", "numpy.random", "torch", "shardflow.train.estimator", "torch._dynamo")
 """What the zygote imports once. Named, not imported here: cluster/ does not depend on train/, the roles do. None
 may touch CUDA on import (not even torch.cuda.is_available()): a process forked after that cannot use the GPU.
@@ -165,7 +170,7 @@ def collect_then_freeze() -> None:
     gc.freeze()
 
 
-def _adopt_early_zygote(environment: Mapping[str, str]) -> tuple[subprocess.Popen[bytes], socket.socket] | None:
+def _adopt_early_zygote(environment: Mapping[str, str]) -> tuple[ZygoteProcess, socket.socket] | None:
     """The zygote shardflow started on import, if there is one and the LOADING_VARIABLES of its environment are the
     job's; another is stopped: torch, as it loaded there, read values the job has changed since."""
     early, shardflow._early_zygote = shardflow._early_zygote, None
@@ -219,7 +224,7 @@ class ForkedProcess:
 class Zygote:
     """The launcher's end: starts the zygote, asks it for role processes and follows their exits."""
 
-    def __init__(self, process: subprocess.Popen[bytes], control: socket.socket, say: Callable[[str], None]) -> None:
+    def __init__(self, process: ZygoteProcess, control: socket.socket, say: Callable[[str], None]) -> None:
         self.pid = process.pid
         self._process = process
         self._control = control

@@ -54,10 +54,15 @@ class _Preload:
 
 
 def main() -> None:
-    """The zygote: imports, then forks a role per request until the launcher hangs up. Runs the role in a child."""
-    control = socket.socket(fileno=int(sys.argv[1]))
+    """The zygote as a fresh process: `python -c ... CONTROL_FD LAUNCHER_PID` (shardflow._ZYGOTE_ENTRY)."""
+    serve(socket.socket(fileno=int(sys.argv[1])), int(sys.argv[2]))
+
+
+def serve(control: socket.socket, parent: int) -> NoReturn:
+    """The zygote: imports, then forks a role per request until the launcher (process `parent`) hangs up. Runs the
+    role in a child."""
     # Only now, after this module's imports (torch's among them): a launcher that died meanwhile ends this here.
-    die_with(int(sys.argv[2]))
+    die_with(parent)
     _set_process_name(ZYGOTE_NAME)
     # The recipe of gc.freeze's documentation: no collection leaves holes in the pages the roles share, and the
     # roles' collections skip what the zygote imported, so they neither copy those pages nor spend time on them
