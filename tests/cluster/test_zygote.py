@@ -211,10 +211,14 @@ def test_an_uncaught_error_exits_1_with_the_scripts_own_traceback(role_command):
     ]
 
 
-# Exits with the code in argv[1] while a thread it started is still running.
+# Exits with the code in argv[1] while a thread it started is still running, an exit handler and a finalizer due.
 EXIT_SCRIPT = """\
-import atexit, json, sys, threading, time
+import atexit, json, sys, threading, time, weakref
 atexit.register(print, "exit handler ran", flush=True)
+class Kept:
+    pass
+kept = Kept()
+weakref.finalize(kept, print, "finalizer ran", flush=True)  # run at exit, though torch's own are not
 def finish():
     time.sleep(0.3)
     print("thread finished", flush=True)
@@ -241,6 +245,7 @@ def test_a_forked_role_ends_as_python_would_after_its_threads_and_exit_handlers(
         *message,
         "[worker:0] thread finished",
         "[worker:0] exit handler ran",
+        "[worker:0] finalizer ran",
     ]
 
 

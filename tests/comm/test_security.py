@@ -1,6 +1,8 @@
 """Only holders of the job secret talk to a job's servers: PLAIN on a private UNIX socket, CURVE on TCP (loopback
 included, where any local process may bind a port first), refusals logged."""
 
+import hashlib
+import hmac
 import logging
 import os
 import selectors
@@ -321,6 +323,20 @@ def test_keys_are_derived_per_purpose_and_differ_between_secrets():
     assert one.plain_password() != other.plain_password()
     public, secret_key = one.server_keys()
     assert zmq.curve_public(secret_key) == public
+
+
+def test_a_typed_secret_is_stretched_with_scrypt_and_a_made_one_is_not():
+    made = security.new_secret()
+    assert security.RANDOM_SECRET.fullmatch(made) and made != security.new_secret()
+    scrypt = hashlib.scrypt(b"alpha", salt=b"shardflow cluster secret", n=2**14, r=8, p=1, dklen=32)
+    assert security._master_key("alpha") == scrypt
+    assert security._master_key(made) == hmac.new(b"shardflow cluster secret", made.encode(), "sha256").digest()
+    # Only the whole form is taken at its word: a typed secret that merely starts like one is stretched.
+    short = "sfk1.short"
+    assert security._master_key(short) == hashlib.scrypt(
+        short.encode(), salt=b"shardflow cluster secret", n=2**14, r=8, p=1, dklen=32
+    )
+    assert Credentials(made).client_keys() != Credentials(security.new_secret()).client_keys()
 
 
 def test_without_any_secret_loopback_uses_a_per_user_secret_file(monkeypatch, tmp_path):

@@ -20,6 +20,7 @@ import sys
 import threading
 import types
 import warnings
+import weakref
 from dataclasses import dataclass
 from importlib.machinery import SourceFileLoader
 from typing import Any, NoReturn
@@ -279,13 +280,22 @@ def _end(status: int) -> NoReturn:
             break
         for thread in waiting:
             thread.join()
-    # The collection it would make first is of no use here.
+    # The collection it would make first is of no use here, nor torch's taking its operator libraries apart (~50 ms,
+    # writing to pages shared with the zygote): the user's exit handlers and finalizers run, then the process ends.
     atexit.unregister(collect_then_freeze)
+    _keep_torchs_libraries()
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(status)
+
+
+def _keep_torchs_libraries() -> None:
+    for finalizer, info in list(getattr(weakref.finalize, "_registry", {}).items()):
+        function = getattr(info, "func", None)
+        if getattr(function, "__name__", "") == "_del_library" and function.__module__ == "torch.library":
+            finalizer.atexit = False
 
 
 def _run_script(path: str) -> None:
