@@ -56,6 +56,19 @@ def test_keys_counters_and_deletes(plane):
     assert role.is_set("n") and role.delete("n") and not role.is_set("n") and not role.delete("n")
 
 
+def test_the_chief_reads_its_own_service_without_a_round_trip_and_sees_every_write(plane):
+    chief, role = plane
+    role.set("progress/worker:0", "7")
+    chief.set("written by the chief", "1")
+    before = chief.service.stats["requests"]
+    for _ in range(100):  # as the chief's loop reads several keys per worker 20 times a second
+        assert chief.get_if_set("progress/worker:0") == b"7" and chief.is_set("written by the chief")
+    assert chief.service.stats["requests"] == before
+    role.set("progress/worker:0", "8")  # the reply comes once it is stored: the next read sees it
+    assert chief.get_if_set("progress/worker:0") == b"8"
+    assert role.delete("progress/worker:0") and chief.get_if_set("progress/worker:0") is None
+
+
 def test_a_wait_is_answered_when_the_key_is_set_and_expires_naming_what_it_waited_for(plane):
     chief, role = plane
     threading.Timer(0.3, chief.set, args=("ready", "1")).start()

@@ -207,6 +207,12 @@ class ControlService:
         self._thread.join(timeout=5)
         self.server.close()
 
+    def peek(self, key: str) -> bytes | None:
+        """The value of `key` now, for the plane of this same process: its thread alone writes the values, and a
+        read of one is a single step under the GIL. Writes and waits go through the socket, in order with the
+        other roles' (a write's reply comes once it is stored, so the writer's next peek sees it)."""
+        return self._values.get(key)
+
     def _serve(self) -> None:
         while not self._stop.is_set():
             wait_s = 0.1 if not self._held else max(0.0, min(0.1, self._held[0][0] - time.monotonic()))
