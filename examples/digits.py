@@ -35,15 +35,13 @@ def parse_args() -> argparse.Namespace:
 if __name__ == "__main__":
     args = parse_args()
 
-# shardflow first: the local cluster's zygote then imports torch for the roles on another core while this process
-# imports the rest.
-import shardflow as sf
-from shardflow import data
-
-# isort: split
+# torch before shardflow: the local cluster's zygote is then forked from this process with torch imported.
 import numpy as np
 import torch
 from summary import command, print_summary
+
+import shardflow as sf
+from shardflow import data
 
 try:
     from sklearn.datasets import load_digits

@@ -8,8 +8,10 @@ import shutil
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import shardflow as sf
+if TYPE_CHECKING:  # not imported here: the script that imports this module imports shardflow itself, after torch
+    import shardflow as sf
 
 
 def write_profile_report(capture: Path) -> Path:

@@ -16,7 +16,7 @@ import pytest
 from shardflow.cluster import ClusterSpec, LocalLauncher, TaskSpec
 from shardflow.cluster.zygote import installed_modules
 
-# Imports shardflow first, as examples/digits.py does; it names an Estimator, as every training script does. As the
+# Imports shardflow first (before torch); it names an Estimator, as every training script does. As the
 # launcher it prints the zygote it started on import and the parents of its roles; as a role, its parent.
 EARLY_SCRIPT = """\
 import shardflow  # what a training script that uses an Estimator imports first
