@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 import traceback
@@ -174,13 +173,12 @@ def _fresh_streams() -> None:
 def _forget_the_script() -> None:
     """Drops `__main__` and the script's own modules (neither of the standard library, an installed package nor
     shardflow), and the script's directory from sys.path: a role imports them afresh, as a fresh process would."""
-    paths = sysconfig.get_paths()
-    roots = tuple({os.path.join(paths[key], "") for key in ("stdlib", "purelib", "platlib")})
+    from shardflow.cluster.zygote import installed_modules
+
+    kept = {"shardflow", *installed_modules()}
     for name, module in list(sys.modules.items()):
-        file = getattr(module, "__file__", None)
-        if name == "shardflow" or name.startswith("shardflow.") or name in sys.builtin_module_names:
-            continue
-        if name in ("__main__", "__mp_main__") or (isinstance(file, str) and not file.startswith(roots)):
+        has_file = isinstance(getattr(module, "__file__", None), str)  # not built in, frozen or a namespace
+        if name in ("__main__", "__mp_main__") or (has_file and name not in kept):
             del sys.modules[name]
     # The import of shardflow this fork was made in never ends here: it would stay "initialising" for every thread.
     shardflow = sys.modules["shardflow"]
