@@ -27,7 +27,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import traceback
 from collections.abc import Mapping
@@ -98,15 +97,17 @@ def fork_zygote(environment: Mapping[str, str]) -> tuple[ForkedZygote, socket.so
 
 
 def _forkable() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None or threading.active_count() != 1 or threading.current_thread() is not threading.main_thread():
+    """torch imported, the zygote's own rule for a fork (one thread, no CUDA), and a process not too large."""
+    if "torch" not in sys.modules:
         return False
+    from shardflow.cluster.zygote_process import unsafe_to_fork
+
     try:
         with open("/proc/self/statm") as statm:
             rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-        return rss <= FORK_RSS_LIMIT and not torch.cuda.is_initialized()
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, IndexError):
         return False
+    return rss <= FORK_RSS_LIMIT and unsafe_to_fork() is None
 
 
 def _release_openmp_threads() -> bool:
@@ -130,7 +131,6 @@ def _release_openmp_threads() -> bool:
 
 def _child(ours: socket.socket, control: socket.socket, starter: int, environment: Mapping[str, str]) -> NoReturn:
     """The forked zygote: made like a fresh one, then the zygote's loop; never returns into the script."""
-    status = 1
     try:
         ours.close()
         os.setsid()  # as a fresh zygote: Ctrl-C in the terminal is the launcher's to handle
@@ -146,7 +146,7 @@ def _child(ours: socket.socket, control: socket.socket, starter: int, environmen
         with contextlib.suppress(Exception):
             traceback.print_exc()
     finally:
-        os._exit(status)
+        os._exit(1)  # serve() ends the process itself; here only when it failed
 
 
 def _fresh_streams() -> None:

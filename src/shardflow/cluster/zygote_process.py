@@ -106,7 +106,7 @@ def _serve(control: socket.socket) -> _Request | None:
                 if isinstance(request, _Preload):
                     _preload(request)
                     continue
-                unsafe = _unsafe_to_fork()
+                unsafe = unsafe_to_fork()
                 if unsafe is not None:
                     os.close(request.output)
                     _report(control, {"refused": request.id, "reason": unsafe})
@@ -151,8 +151,9 @@ def _preload(request: _Preload) -> None:
     gc.freeze()
 
 
-def _unsafe_to_fork() -> str | None:
-    """Why a fork of this process would not be the fresh process a role needs, or None."""
+def unsafe_to_fork() -> str | None:
+    """Why a fork of this process would not be the fresh process a role needs, or None: asked by the zygote before
+    each role, and by a script's process before its zygote is forked from it (zygote_fork.py)."""
     # numpy's OpenBLAS starts a thread on import; its own fork handler stops it before every fork.
     if threading.active_count() != 1:
         names = ", ".join(thread.name for thread in threading.enumerate() if thread is not threading.current_thread())
